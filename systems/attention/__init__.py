@@ -1,0 +1,50 @@
+"""Attention backends behind one switch: ``attention(q, k, v, is_causal, impl=...)``.
+
+Every backend takes q, k, v shaped (..., seq, d_head) and returns (..., n_queries, d_head).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .flash_pytorch import FlashAttentionPytorch, flash_attention_pytorch
+from .naive import naive_attention, sdpa_attention
+
+AttentionFn = Callable[..., torch.Tensor]
+
+
+def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+    """The Triton FlashAttention-2 backend; imported on first use so a machine without triton
+    can still import systems.attention (and use the other backends)."""
+    from .flash_triton import flash_attention_triton as impl
+
+    return impl(q, k, v, is_causal=is_causal)
+
+
+BACKENDS: dict[str, AttentionFn] = {
+    "naive": naive_attention,
+    "sdpa": sdpa_attention,
+    "flash_pytorch": flash_attention_pytorch,
+    "flash_triton": flash_attention_triton,
+}
+
+
+def __getattr__(name: str):
+    # FlashAttentionTriton lives behind a lazy import: `import triton` is slow and optional
+    if name == "FlashAttentionTriton":
+        from .flash_triton import FlashAttentionTriton
+
+        return FlashAttentionTriton
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def get_backend(impl: str) -> AttentionFn:
+    if impl not in BACKENDS:
+        raise ValueError(f"unknown attention implementation {impl!r}; choose one of {', '.join(BACKENDS)}")
+    return BACKENDS[impl]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, *, impl: str = "naive") -> torch.Tensor:
+    return get_backend(impl)(q, k, v, is_causal=is_causal)

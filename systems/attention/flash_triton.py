@@ -1,0 +1,568 @@
+"""FlashAttention-2 in Triton: one forward kernel, a dK/dV kernel and a dQ kernel (no atomics).
+
+Layout of this module: helpers, autotune configs and pruning, kernels, the autograd.Function,
+then the public function ``flash_attention_triton``.
+
+Design notes (what makes it fast):
+- softmax in base 2: log2(e) is folded into the score scale so the inner loops call exp2;
+  the saved L is converted back to the natural-log logsumexp the handout asks for.
+- causal attention skips every key tile above the diagonal, and splits the rest into an
+  unmasked loop (off-diagonal tiles, no mask arithmetic, no bounds checks) and a short
+  masked loop over the tiles that touch the diagonal or the ragged end of the sequence.
+- causal query tiles are launched longest-first so the last wave is made of short programs.
+- the backward never uses atomics: the dK/dV kernel walks query tiles for one key tile,
+  the dQ kernel walks key tiles for one query tile (both recompute P from L).
+- tile sizes and warps are autotuned per (sequence-length bucket, head dim, causal, dtype).
+
+Causal convention (the same as ``naive_attention`` and ``flash_pytorch``): query i sees keys
+j <= i + (n_keys - n_queries); causal with n_queries > n_keys is rejected.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+
+from .flash_pytorch import backward_reference, check_inputs
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+_MASKED = tl.constexpr(-1e6)  # the handout's masked score (in base-2 units here; exp2 of it is 0)
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
+BACKWARD_IMPLS = ("triton", "pytorch")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def seq_bucket(n: int) -> int:
+    """Autotuning key for a sequence length: powers of 4 from 256 to 16384.
+
+    Tuning per exact length would re-benchmark every config for every new length (a sweep
+    over ten lengths would spend most of its time tuning); the best tile barely changes
+    within a factor of four. Every bucket is a multiple of 16, so the unused kernel argument
+    never changes Triton's integer specialisation (and never forces a recompile).
+    """
+    bucket = 256
+    while bucket < n and bucket < 16384:
+        bucket *= 4
+    return bucket
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs follow torch's global matmul setting (TF32 only when the user allowed it)
+    if dtype == torch.float32 and not interpreting() and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """(..., seq, d) -> (batch, seq, d) with a unit stride along d (copies only when it must)."""
+    x3 = x.reshape(-1, x.shape[-2], x.shape[-1])
+    return x3 if x3.stride(-1) == 1 else x3.contiguous()
+
+
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
+    check_inputs(q, k, v, is_causal, dtypes=SUPPORTED_DTYPES)
+    if not q.is_cuda and not interpreting():
+        raise ValueError(f"FlashAttentionTriton needs CUDA tensors, got device {q.device}; "
+                         "set TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU")
+    d = q.shape[-1]
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {d} is outside the supported range {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+
+
+@triton.jit
+def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               CHECK_ROWS: tl.constexpr):
+    """Load a (rows, BLOCK_D) tile; masks only what can be out of range (all compile-time)."""
+    if CHECK_ROWS:
+        if HEAD_DIM == BLOCK_D:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if HEAD_DIM == BLOCK_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    if HEAD_DIM == BLOCK_D:
+        tl.store(ptrs, x, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+# ----------------------------------------------------------------------------- autotune configs
+
+
+def _cfg(**kw) -> triton.Config:
+    warps, stages = kw.pop("warps"), kw.pop("stages")
+    return triton.Config(kw, num_warps=warps, num_stages=stages)
+
+
+# One small config each under the interpreter: multi-config autotuning benchmarks on a GPU
+# (it fails without a driver), and 16-row tiles exercise the tile loops at tiny sizes.
+if interpreting():
+    _FWD_CONFIGS = [_cfg(BLOCK_M=16, BLOCK_N=16, warps=4, stages=1)]
+    _DKDV_CONFIGS = [_cfg(BLOCK_M1=16, BLOCK_N1=32, warps=4, stages=1)]
+    _DQ_CONFIGS = [_cfg(BLOCK_M2=32, BLOCK_N2=16, warps=4, stages=1)]
+else:
+    _FWD_CONFIGS = [
+        _cfg(BLOCK_M=128, BLOCK_N=64, warps=4, stages=3),
+        _cfg(BLOCK_M=128, BLOCK_N=128, warps=8, stages=3),
+        _cfg(BLOCK_M=128, BLOCK_N=64, warps=8, stages=3),
+        _cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=3),
+        _cfg(BLOCK_M=64, BLOCK_N=32, warps=4, stages=2),
+    ]
+    _DKDV_CONFIGS = [
+        _cfg(BLOCK_M1=32, BLOCK_N1=128, warps=4, stages=5),
+        _cfg(BLOCK_M1=64, BLOCK_N1=128, warps=8, stages=3),
+        _cfg(BLOCK_M1=32, BLOCK_N1=128, warps=4, stages=3),
+        _cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=3),
+        _cfg(BLOCK_M1=32, BLOCK_N1=32, warps=4, stages=2),
+    ]
+    _DQ_CONFIGS = [
+        _cfg(BLOCK_M2=128, BLOCK_N2=32, warps=4, stages=5),
+        _cfg(BLOCK_M2=128, BLOCK_N2=64, warps=8, stages=3),
+        _cfg(BLOCK_M2=128, BLOCK_N2=32, warps=4, stages=3),
+        _cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=3),
+        _cfg(BLOCK_M2=32, BLOCK_N2=32, warps=4, stages=2),
+    ]
+
+_SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KB per block, the rest is Triton's scratch
+
+
+def _element_size(named_args: dict) -> int:
+    return 4 if named_args["Q"].dtype == torch.float32 else 2
+
+
+def _prune(configs, named_args, resident_keys, streamed_keys, **kwargs):
+    """Drop configs whose tiles cannot fit shared memory, and big tiles for fp32.
+
+    resident_keys: block sizes of tiles held for the whole program (x2 tensors each);
+    streamed_keys: block sizes of tiles multi-buffered over num_stages (x2 tensors each).
+    fp32 (ieee or tf32) dots use twice the registers per element, so only tiles of at most
+    64 x 64 stay (larger ones spill and take long to compile).
+    """
+    meta = {**named_args, **kwargs}
+    block_d = meta["BLOCK_D"]
+    elt = _element_size(meta)
+    kept = []
+    for c in configs:
+        resident = sum(c.kwargs[key] for key in resident_keys) * block_d * elt
+        streamed = sum(c.kwargs[key] for key in streamed_keys) * block_d * elt * max(c.num_stages, 1)
+        big = max(c.kwargs[key] for key in (*resident_keys, *streamed_keys))
+        if resident + streamed > _SMEM_BUDGET:
+            continue
+        if elt == 4 and (big > 64 or c.num_stages > 3):
+            continue
+        kept.append(c)
+    if not kept:  # never return nothing: the smallest config always fits
+        kept = [min(configs, key=lambda c: sum(v for v in c.kwargs.values()))]
+    return kept
+
+
+def _prune_fwd(configs, named_args, **kwargs):
+    # resident: Q; streamed: K and V
+    return _prune(configs, named_args, ["BLOCK_M"], ["BLOCK_N", "BLOCK_N"], **kwargs)
+
+
+def _prune_dkdv(configs, named_args, **kwargs):
+    # resident: K, V (and dK, dV in registers); streamed: Q and dO
+    return _prune(configs, named_args, ["BLOCK_N1", "BLOCK_N1"], ["BLOCK_M1", "BLOCK_M1"], **kwargs)
+
+
+def _prune_dq(configs, named_args, **kwargs):
+    # resident: Q, dO; streamed: K and V
+    return _prune(configs, named_args, ["BLOCK_M2", "BLOCK_M2"], ["BLOCK_N2", "BLOCK_N2"], **kwargs)
+
+
+_TUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "IS_CAUSAL", "INPUT_PRECISION"]
+
+
+def _tune_bench(fn, quantiles=None, **_):
+    # shorter than Triton's default 25 ms warm-up + 100 ms per config: a sweep meets many keys
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+def _autotune(configs, prune):
+    try:
+        return triton.autotune(configs=configs, key=_TUNE_KEY, do_bench=_tune_bench,
+                               prune_configs_by={"early_config_prune": prune})
+    except TypeError:  # a Triton without the do_bench hook: its default timing
+        return triton.autotune(configs=configs, key=_TUNE_KEY, prune_configs_by={"early_config_prune": prune})
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _fwd_key_loop(acc, m_i, l_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+                  offs_m, offs_d, n_k, offset, qk_scale, lo, hi,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Online softmax over key tiles [lo, hi). MASK=False is the hot off-diagonal loop."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n
+        k = _load_rows(K_bh + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                       keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # base-2 scores
+        if MASK:
+            keep = keys[None, :] < n_k
+            if IS_CAUSAL:
+                keep = keep & (keys[None, :] <= offs_m[:, None] + offset)
+            s = tl.where(keep, s, _MASKED)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(V_bh + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                       keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@_autotune(_FWD_CONFIGS, _prune_fwd)
+@triton.jit
+def _flash_fwd_kernel(Q, K, V, O, L,
+                      stride_qb, stride_qm, stride_qd, stride_kb, stride_kn, stride_kd,
+                      stride_vb, stride_vn, stride_vd, stride_ob, stride_om, stride_od, stride_lb,
+                      n_q, n_k, qk_scale, SEQ_BUCKET,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                      INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (query tiles, batch). One program: one query tile against all (visible) key tiles."""
+    tile = tl.program_id(0)
+    if IS_CAUSAL:
+        tile = tl.num_programs(0) - 1 - tile  # longest (last) query tiles first
+    bh = tl.program_id(1).to(tl.int64)
+    m0 = tile * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(Q + bh * stride_qb + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                   offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    K_bh = K + bh * stride_kb
+    V_bh = V + bh * stride_vb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    offset = n_k - n_q
+    n_k_full = (n_k // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        # key tiles every row of this tile sees in full, then the diagonal ones
+        hi_unmasked = tl.minimum(((m0 + offset + 1) // BLOCK_N) * BLOCK_N, n_k_full)
+        hi = tl.minimum(m0 + BLOCK_M + offset, n_k)
+    else:
+        hi_unmasked = n_k_full
+        hi = n_k
+    acc, m_i, l_i = _fwd_key_loop(acc, m_i, l_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+                                  offs_m, offs_d, n_k, offset, qk_scale, 0, hi_unmasked,
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION)
+    acc, m_i, l_i = _fwd_key_loop(acc, m_i, l_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+                                  offs_m, offs_d, n_k, offset, qk_scale, hi_unmasked, hi,
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, INPUT_PRECISION)
+
+    o = acc / l_i[:, None]
+    _store_rows(O + bh * stride_ob + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                o.to(O.dtype.element_ty), offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
+    lse = (m_i + tl.math.log2(l_i)) * _LN2  # natural-log logsumexp of the (scaled) scores
+    tl.store(L + bh * stride_lb + offs_m, lse, mask=offs_m < n_q)
+
+
+@triton.jit
+def _bwd_delta_kernel(O, dO, Delta, stride_ob, stride_om, stride_od, stride_dob, stride_dom, stride_dod,
+                      stride_lb, n_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """D = rowsum(O * dO) in fp32 (handout eq. 19's helper), one query tile per program."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_rows(O + bh * stride_ob + rows[:, None] * stride_om + offs_d[None, :] * stride_od,
+                   rows, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(dO + bh * stride_dob + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                    rows, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + bh * stride_lb + rows, delta, mask=rows < n_q)
+
+
+@triton.jit
+def _dkdv_query_loop(dk, dv, k, v, Q_bh, dO_bh, L_bh, D_bh, stride_qm, stride_qd, stride_dom, stride_dod,
+                     offs_n, offs_d, n_q, offset, qk_scale, lo, hi,
+                     BLOCK_M1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     CAUSAL_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Accumulate dK, dV of one key tile over query tiles [lo, hi), in transposed form (keys x queries).
+
+    Query rows past n_q load as zeros (Q, dO, L, D), so their P is finite and their
+    contribution to dV = P^T dO and dK = dS^T Q is exactly zero: no score mask is needed for them.
+    """
+    offs_mb = tl.arange(0, BLOCK_M1)
+    for start_m in range(lo, hi, BLOCK_M1):
+        rows = start_m + offs_mb
+        q = _load_rows(Q_bh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                       rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+        do = _load_rows(dO_bh + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                        rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+        if CHECK_ROWS:
+            lse = tl.load(L_bh + rows, mask=rows < n_q, other=0.0)
+            delta = tl.load(D_bh + rows, mask=rows < n_q, other=0.0)
+        else:
+            lse = tl.load(L_bh + rows)
+            delta = tl.load(D_bh + rows)
+        s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale  # S^T in base 2
+        if CAUSAL_MASK:
+            s_t = tl.where(offs_n[:, None] <= rows[None, :] + offset, s_t, _MASKED)
+        p_t = tl.math.exp2(s_t - lse[None, :] * _LOG2E)  # P^T = exp(S - L) (eq. 13)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)  # dV += P^T dO (eq. 14)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # dP^T = V dO^T (eq. 15)
+        ds_t = p_t * (dp_t - delta[None, :])  # dS^T = P^T o (dP^T - D) (eq. 16)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)  # dK += dS^T Q (eq. 18)
+    return dk, dv
+
+
+@_autotune(_DKDV_CONFIGS, _prune_dkdv)
+@triton.jit
+def _flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV,
+                           stride_qb, stride_qm, stride_qd, stride_kb, stride_kn, stride_kd,
+                           stride_vb, stride_vn, stride_vd, stride_dob, stride_dom, stride_dod,
+                           stride_dkb, stride_dkn, stride_dkd, stride_dvb, stride_dvn, stride_dvd, stride_lb,
+                           n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                           INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr):
+    """Grid (key tiles, batch). One program owns dK and dV of one key tile: no atomics."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    n0 = tile * BLOCK_N1
+    offs_n = n0 + tl.arange(0, BLOCK_N1)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load_rows(K + bh * stride_kb + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                   offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(V + bh * stride_vb + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                   offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
+    Q_bh = Q + bh * stride_qb
+    dO_bh = dO + bh * stride_dob
+    L_bh = L + bh * stride_lb
+    D_bh = Delta + bh * stride_lb
+
+    offset = n_k - n_q
+    n_q_full = (n_q // BLOCK_M1) * BLOCK_M1
+    if IS_CAUSAL:
+        # query tiles that see part of this key tile (the diagonal), masked ...
+        lo_diag = (tl.maximum(n0 - offset, 0) // BLOCK_M1) * BLOCK_M1
+        last_partial = tl.maximum(n0 + BLOCK_N1 - 1 - offset, 0)
+        hi_diag = ((last_partial + BLOCK_M1 - 1) // BLOCK_M1) * BLOCK_M1
+        dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_bh, dO_bh, L_bh, D_bh, stride_qm, stride_qd,
+                                  stride_dom, stride_dod, offs_n, offs_d, n_q, offset, qk_scale,
+                                  lo_diag, tl.minimum(hi_diag, n_q),
+                                  BLOCK_M1, HEAD_DIM, BLOCK_D, True, True, INPUT_PRECISION)
+    else:
+        hi_diag = 0
+    # ... then the query tiles that see all of it: unmasked, unchecked; then a ragged tail
+    dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_bh, dO_bh, L_bh, D_bh, stride_qm, stride_qd,
+                              stride_dom, stride_dod, offs_n, offs_d, n_q, offset, qk_scale,
+                              hi_diag, n_q_full,
+                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, False, INPUT_PRECISION)
+    dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_bh, dO_bh, L_bh, D_bh, stride_qm, stride_qd,
+                              stride_dom, stride_dod, offs_n, offs_d, n_q, offset, qk_scale,
+                              tl.maximum(hi_diag, n_q_full), n_q,
+                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, True, INPUT_PRECISION)
+
+    dk = dk * sm_scale  # S = Q K^T * scale, so dK = dS^T Q * scale
+    _store_rows(dK + bh * stride_dkb + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+                dk.to(dK.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
+    _store_rows(dV + bh * stride_dvb + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+                dv.to(dV.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _dq_key_loop(dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+                 offs_m, offs_d, n_k, offset, qk_scale, lo, hi,
+                 BLOCK_N2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Accumulate dQ of one query tile over key tiles [lo, hi)."""
+    offs_nb = tl.arange(0, BLOCK_N2)
+    for start_n in range(lo, hi, BLOCK_N2):
+        keys = start_n + offs_nb
+        k = _load_rows(K_bh + keys[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                       keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        v = _load_rows(V_bh + keys[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                       keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        if MASK:
+            keep = keys[None, :] < n_k
+            if IS_CAUSAL:
+                keep = keep & (keys[None, :] <= offs_m[:, None] + offset)
+            s = tl.where(keep, s, _MASKED)
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)  # dQ += dS K (eq. 17)
+    return dq
+
+
+@_autotune(_DQ_CONFIGS, _prune_dq)
+@triton.jit
+def _flash_bwd_dq_kernel(Q, K, V, dO, L, Delta, dQ,
+                         stride_qb, stride_qm, stride_qd, stride_kb, stride_kn, stride_kd,
+                         stride_vb, stride_vn, stride_vd, stride_dob, stride_dom, stride_dod,
+                         stride_dqb, stride_dqm, stride_dqd, stride_lb,
+                         n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                         INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """Grid (query tiles, batch). One program owns dQ of one query tile: no atomics."""
+    tile = tl.program_id(0)
+    if IS_CAUSAL:
+        tile = tl.num_programs(0) - 1 - tile
+    bh = tl.program_id(1).to(tl.int64)
+    m0 = tile * BLOCK_M2
+    offs_m = m0 + tl.arange(0, BLOCK_M2)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(Q + bh * stride_qb + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                   offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(dO + bh * stride_dob + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                    offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    lse2 = tl.load(L + bh * stride_lb + offs_m, mask=offs_m < n_q, other=0.0) * _LOG2E
+    delta = tl.load(Delta + bh * stride_lb + offs_m, mask=offs_m < n_q, other=0.0)
+    dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
+    K_bh = K + bh * stride_kb
+    V_bh = V + bh * stride_vb
+
+    offset = n_k - n_q
+    n_k_full = (n_k // BLOCK_N2) * BLOCK_N2
+    if IS_CAUSAL:
+        hi_unmasked = tl.minimum(((m0 + offset + 1) // BLOCK_N2) * BLOCK_N2, n_k_full)
+        hi = tl.minimum(m0 + BLOCK_M2 + offset, n_k)
+    else:
+        hi_unmasked = n_k_full
+        hi = n_k
+    dq = _dq_key_loop(dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+                      offs_m, offs_d, n_k, offset, qk_scale, 0, hi_unmasked,
+                      BLOCK_N2, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION)
+    dq = _dq_key_loop(dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_kd, stride_vn, stride_vd,
+                      offs_m, offs_d, n_k, offset, qk_scale, hi_unmasked, hi,
+                      BLOCK_N2, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, INPUT_PRECISION)
+    dq = dq * sm_scale
+    _store_rows(dQ + bh * stride_dqb + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+                dq.to(dQ.dtype.element_ty), offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _common(q3: torch.Tensor, k3: torch.Tensor) -> dict:
+    d = q3.shape[-1]
+    return dict(HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+                INPUT_PRECISION=_dot_precision(q3.dtype),
+                SEQ_BUCKET=seq_bucket(max(q3.shape[1], k3.shape[1])))
+
+
+def flash_forward_triton(q3, k3, v3, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, n_q, d), (B, n_k, d) x2 -> O (B, n_q, d), L (B, n_q) fp32."""
+    batch, n_q, d = q3.shape
+    n_k = k3.shape[1]
+    o = torch.empty_like(q3)
+    lse = torch.empty((batch, n_q), device=q3.device, dtype=torch.float32)
+    sm_scale = d ** -0.5
+
+    def grid(meta):
+        return (triton.cdiv(n_q, meta["BLOCK_M"]), batch)
+
+    _flash_fwd_kernel[grid](
+        q3, k3, v3, o, lse,
+        *q3.stride(), *k3.stride(), *v3.stride(), *o.stride(), lse.stride(0),
+        n_q, n_k, sm_scale * 1.4426950408889634, IS_CAUSAL=bool(is_causal), **_common(q3, k3))
+    return o, lse
+
+
+def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool):
+    batch, n_q, d = q3.shape
+    n_k = k3.shape[1]
+    sm_scale = d ** -0.5
+    common = _common(q3, k3)
+    delta = torch.empty_like(lse)
+    delta_rows = 64
+    _bwd_delta_kernel[(triton.cdiv(n_q, delta_rows), batch)](
+        o3, do3, delta, *o3.stride(), *do3.stride(), delta.stride(0), n_q,
+        HEAD_DIM=common["HEAD_DIM"], BLOCK_D=common["BLOCK_D"], BLOCK_M=delta_rows)
+    dq, dk, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
+    scales = (sm_scale * 1.4426950408889634, sm_scale)
+
+    def grid_kv(meta):
+        return (triton.cdiv(n_k, meta["BLOCK_N1"]), batch)
+
+    _flash_bwd_dkdv_kernel[grid_kv](
+        q3, k3, v3, do3, lse, delta, dk, dv,
+        *q3.stride(), *k3.stride(), *v3.stride(), *do3.stride(), *dk.stride(), *dv.stride(), lse.stride(0),
+        n_q, n_k, *scales, IS_CAUSAL=bool(is_causal), **common)
+
+    def grid_q(meta):
+        return (triton.cdiv(n_q, meta["BLOCK_M2"]), batch)
+
+    _flash_bwd_dq_kernel[grid_q](
+        q3, k3, v3, do3, lse, delta, dq,
+        *q3.stride(), *k3.stride(), *v3.stride(), *do3.stride(), *dq.stride(), lse.stride(0),
+        n_q, n_k, *scales, IS_CAUSAL=bool(is_causal), **common)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- autograd.Function
+
+
+class FlashAttentionTriton(torch.autograd.Function):
+    """``FlashAttentionTriton.apply(q, k, v, is_causal=False, backward="triton")`` on (..., seq, d).
+
+    Saves Q, K, V, O and one L of shape (..., n_queries). ``backward="pytorch"`` runs the
+    torch.compile'd reference backward of ``flash_pytorch`` on the same saved tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                backward: str = "triton") -> torch.Tensor:
+        _validate(q, k, v, is_causal)
+        if backward not in BACKWARD_IMPLS:
+            raise ValueError(f"backward must be one of {BACKWARD_IMPLS}, got {backward!r}")
+        q3, k3, v3 = _flat(q), _flat(k), _flat(v)
+        o3, lse = flash_forward_triton(q3, k3, v3, bool(is_causal))
+        # save the (contiguous) flattened tensors, viewed back: the backward needs no new copy
+        ctx.save_for_backward(q3.view(q.shape), k3.view(k.shape), v3.view(v.shape),
+                              o3.view(q.shape), lse.view(q.shape[:-1]))
+        ctx.is_causal, ctx.backward_impl = bool(is_causal), backward
+        return o3.view(q.shape)
+
+    @staticmethod
+    def backward(ctx, do: torch.Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        if ctx.backward_impl == "pytorch":
+            dq, dk, dv = backward_reference(q, k, v, o, lse, do, ctx.is_causal)
+            return dq, dk, dv, None, None
+        dq, dk, dv = flash_backward_triton(_flat(q), _flat(k), _flat(v), _flat(o),
+                                           lse.reshape(-1, q.shape[-2]), _flat(do.to(q.dtype)),
+                                           ctx.is_causal)
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), None, None
+
+
+def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, *,
+                           backward: str = "triton") -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d)) V with the Triton FlashAttention-2 kernels; inputs (..., seq, d)."""
+    return FlashAttentionTriton.apply(q, k, v, is_causal, backward)

@@ -1,0 +1,85 @@
+"""Model hyperparameters: one dataclass and the named sizes of the CS336 handouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+
+@dataclass
+class ModelConfig:
+    d_model: int
+    d_ff: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int = 10_000
+    context_length: int = 2048  # longest sequence the model accepts (RoPE table size)
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    attn_impl: str = "naive"  # see systems.attention.BACKENDS
+    name: str = "custom"
+    d_head: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "d_ff", "n_layers", "n_heads", "vocab_size", "context_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
+        self.d_head = self.d_model // self.n_heads
+        if self.d_head % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got d_head={self.d_head}")
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count in closed form (embedding + blocks + final norm + untied head)."""
+        d, f = self.d_model, self.d_ff
+        block = 4 * d * d + 3 * d * f + 2 * d
+        return 2 * self.vocab_size * d + self.n_layers * block + d
+
+    def forward_flops(self, batch_size: int, seq_len: int) -> int:
+        """Matmul FLOPs of one forward pass (2 per multiply-add).
+
+        Attention counts the full T x T score and value matmuls, as the naive and
+        SDPA-math paths compute them; elementwise work is left out (it is a few
+        percent and not done on tensor cores).
+        """
+        tokens = batch_size * seq_len
+        d, f = self.d_model, self.d_ff
+        per_layer = 2 * tokens * (4 * d * d + 3 * d * f) + 2 * 2 * batch_size * seq_len * seq_len * d
+        return self.n_layers * per_layer + 2 * tokens * d * self.vocab_size
+
+    def with_(self, **changes) -> "ModelConfig":
+        """A copy with some fields changed (re-validated)."""
+        init_names = {f.name for f in fields(self) if f.init}
+        unknown = set(changes) - init_names
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+        return replace(self, **changes)
+
+
+PRESETS: dict[str, dict] = {
+    # tiny size every test uses: runs a train step on a laptop CPU in milliseconds
+    "debug": dict(d_model=64, d_ff=192, n_layers=2, n_heads=4, vocab_size=512, context_length=256),
+    "small": dict(d_model=768, d_ff=3072, n_layers=12, n_heads=12),
+    "medium": dict(d_model=1024, d_ff=4096, n_layers=24, n_heads=16),
+    "large": dict(d_model=1280, d_ff=5120, n_layers=36, n_heads=20),
+    "xl": dict(d_model=1600, d_ff=6400, n_layers=48, n_heads=25),
+    "2.7B": dict(d_model=2560, d_ff=10240, n_layers=32, n_heads=32),
+    "10B": dict(d_model=4608, d_ff=12288, n_layers=50, n_heads=36),
+    # the 2026 leaderboard configuration (a Qwen-like 8B shape)
+    "8B": dict(d_model=4096, d_ff=11008, n_layers=34, n_heads=32, vocab_size=151_936,
+               context_length=32_768),
+}
+
+# The sizes the handout's benchmarking questions sweep, smallest first.
+HANDOUT_SIZES = ["small", "medium", "large", "xl", "2.7B"]
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+    """The named preset, optionally with some fields overridden."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model size {name!r}; choose one of {', '.join(PRESETS)}")
+    return ModelConfig(name=name, **{**PRESETS[name], **overrides})

@@ -1,0 +1,147 @@
+"""The timing harness: records, precisions, OOM rows, sweeps written as they go, and the CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from systems import benchmark
+from systems.benchmark import BenchmarkConfig, main, run_benchmark, run_sweep
+from systems.config import get_config
+from systems.hardware import lookup_peak
+from systems.results import read_records
+
+TINY = dict(model="debug", context_length=32, batch_size=2, warmup_steps=1, measure_steps=3, device="cpu")
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward_backward", "train_step"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])  # CPU autocast runs both half types
+def test_records_are_sane_for_every_mode_and_precision(mode, precision):
+    r = run_benchmark(BenchmarkConfig(mode=mode, precision=precision, **TINY))
+    assert r["status"] == "ok"
+    assert len(r["step_times_s"]) == 3 and len(r["warmup_times_s"]) == 1
+    assert r["step_mean_s"] > 0 and r["step_std_s"] >= 0
+    assert r["forward_mean_s"] > 0
+    # phases are timed inside the step, so they cannot add up to more than it
+    phase_sum = sum(r[f"{p}_mean_s"] or 0 for p in ("forward", "backward", "optimizer"))
+    assert phase_sum <= r["step_mean_s"] * 1.001
+    assert (r["backward_mean_s"] is None) == (mode == "forward")
+    assert (r["optimizer_mean_s"] is None) == (mode != "train_step")
+    assert r["tokens_per_s"] == pytest.approx(2 * 32 / r["step_mean_s"])
+    assert r["mfu"] is None  # no GPU, no named peak
+    assert r["n_params"] == get_config("debug").n_params
+
+
+def test_train_step_updates_weights_and_phases_cover_the_step():
+    cfg = BenchmarkConfig(mode="train_step", **TINY)
+    runner = benchmark._Runner(cfg, torch.device("cpu"))
+    before = runner.model.lm_head.weight.detach().clone()
+    times = runner.step()
+    assert not torch.equal(before, runner.model.lm_head.weight)
+    assert set(times) == {"forward", "backward", "optimizer", "step"}
+
+
+def test_oom_becomes_a_row(monkeypatch):
+    def explode(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    monkeypatch.setattr(benchmark._Runner, "step", explode)
+    r = run_benchmark(BenchmarkConfig(**TINY))
+    assert r["status"] == "oom" and "out of memory" in r["error"]
+    assert "step_mean_s" not in r
+
+
+def test_sweep_continues_past_oom_and_writes_rows_as_it_goes(monkeypatch, tmp_path):
+    real_step = benchmark._Runner.step
+    seen_rows = []
+
+    def step(self):
+        seen_rows.append(len(read_records(out)))  # rows on disk when this point runs
+        if self.cfg.context_length == 64:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real_step(self)
+
+    monkeypatch.setattr(benchmark._Runner, "step", step)
+    out = tmp_path / "sweep.jsonl"
+    cfgs = [BenchmarkConfig(**{**TINY, "context_length": c}) for c in (16, 64, 32)]
+    records = run_sweep(cfgs, out_path=out, progress=False)
+    assert [r["status"] for r in records] == ["ok", "oom", "ok"]
+    on_disk = read_records(out)
+    assert [r["context_length"] for r in on_disk] == [16, 64, 32]
+    assert max(seen_rows) == 2  # the third point ran with the first two already written
+    env = on_disk[0]["env"]
+    for key in ("gpu", "driver", "torch", "triton", "cuda", "git_commit", "date"):
+        assert key in env
+
+
+def test_isolated_sweep_runs_in_a_fresh_process(tmp_path):
+    records = run_sweep([BenchmarkConfig(**{**TINY, "warmup_steps": 0})], out_path=tmp_path / "x.jsonl",
+                        progress=False, isolate=True)
+    assert records[0]["status"] == "ok" and records[0]["warmup_times_s"] == []
+
+
+def test_around_measure_and_on_step_hooks_wrap_only_measured_steps():
+    events = []
+
+    class Recorder:
+        def __enter__(self):
+            events.append("enter")
+
+        def __exit__(self, *exc):
+            events.append("exit")
+
+    run_benchmark(BenchmarkConfig(**TINY), around_measure=Recorder, on_step=lambda i: events.append(i))
+    assert events == ["enter", 0, 1, 2, "exit"]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(model="gigantic"), "unknown model size"),
+    (dict(model_overrides={"n_heads": 5}), "divisible by n_heads"),
+    (dict(context_length=4096), "exceeds the model's maximum"),
+    (dict(mode="sideways"), "mode must be"),
+    (dict(precision="fp8"), "precision must be"),
+    (dict(attn_impl="magic"), "unknown attention"),
+])
+def test_invalid_configs_raise_clear_errors(bad, message):
+    with pytest.raises(ValueError, match=message):
+        BenchmarkConfig(**{**TINY, **bad})
+
+
+def test_unknown_gpu_has_no_peak():
+    assert lookup_peak("NVIDIA H100 80GB HBM3").name == "H100 SXM"
+    assert lookup_peak("NVIDIA H100 PCIe").name == "H100 PCIe"
+    assert lookup_peak("Mystery Accelerator 9000") is None
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "systems.benchmark", *args], capture_output=True, text=True)
+
+
+def test_cli_prints_json_records(tmp_path):
+    out = tmp_path / "cli.jsonl"
+    proc = _cli("--model-size", "debug", "--context-length", "16", "32", "--warmup-steps", "1",
+                "--measure-steps", "2", "--profile-type", "forward", "--use-mixed-precision", "--dtype", "bf16",
+                "--device", "cpu", "--json", "--jsonl", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["context_length"] for r in rows] == [16, 32]
+    assert all(r["mode"] == "forward" and r["precision"] == "bf16" for r in rows)
+    assert len(read_records(out)) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model-size", "nope"], "unknown model size"),
+    (["--model-size", "debug", "--n-heads", "5"], "divisible by n_heads"),
+    (["--model-size", "debug", "--context-length", "9999"], "exceeds the model's maximum"),
+    (["--model-size", "debug", "--mode", "forward", "--profile-type", "training"], "not both"),
+])
+def test_cli_bad_input_exits_non_zero_with_message(args, message, capsys):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_rejects_unknown_choice():
+    proc = _cli("--model-size", "debug", "--precision", "fp8")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr

@@ -1,0 +1,115 @@
+"""The Transformer LM: reference parameter counts, causality, RoPE, attention backends, input errors."""
+
+import math
+
+import pytest
+import torch
+
+from systems.attention import BACKENDS, get_backend
+from systems.config import PRESETS, ModelConfig, get_config
+from systems.model import Embedding, Linear, RMSNorm, RotaryEmbedding, TransformerLM
+
+# Counts of the CS336 reference implementation (untied head, no biases, RMSNorm gains only).
+REFERENCE_PARAMS = {"small": 128_625_408, "medium": 423_183_360, "large": 969_411_840,
+                    "xl": 1_998_235_200, "2.7B": 3_406_809_600}
+
+
+@pytest.mark.parametrize("size", sorted(REFERENCE_PARAMS))
+def test_parameter_counts_match_reference(size):
+    cfg = get_config(size)
+    with torch.device("meta"):
+        model = TransformerLM(cfg)
+    assert model.n_params() == REFERENCE_PARAMS[size]
+    assert cfg.n_params == REFERENCE_PARAMS[size]  # the closed form agrees with the modules
+
+
+@pytest.mark.parametrize("size", sorted(PRESETS))
+def test_every_preset_builds_and_closed_form_agrees(size):
+    cfg = get_config(size)
+    with torch.device("meta"):
+        assert TransformerLM(cfg).n_params() == cfg.n_params
+
+
+def test_public_module_signatures():
+    lin = Linear(3, 5, device="cpu", dtype=torch.float64)
+    assert lin.weight.shape == (5, 3) and lin.weight.dtype == torch.float64
+    x = torch.randn(2, 3, dtype=torch.float64)
+    torch.testing.assert_close(lin(x), x @ lin.weight.T)
+    emb = Embedding(10, 4)
+    assert emb(torch.tensor([[1, 2]])).shape == (1, 2, 4)
+    norm = RMSNorm(4, eps=1e-5)
+    y = torch.randn(3, 4)
+    torch.testing.assert_close(norm(y), y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+@pytest.mark.parametrize("impl", ["naive", "sdpa"])
+def test_causal_masking(impl):
+    """Changing a later token must leave every earlier position's logits unchanged."""
+    torch.manual_seed(0)
+    model = TransformerLM(get_config("debug", attn_impl=impl)).eval()
+    tokens = torch.randint(0, 512, (2, 24))
+    changed = tokens.clone()
+    changed[:, 17] = (changed[:, 17] + 1) % 512
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :17], b[:, :17])
+    assert not torch.allclose(a[:, 17:], b[:, 17:])
+
+
+def test_rope_matches_complex_rotation():
+    """Adjacent pairs as complex numbers, multiplied by exp(i * pos * theta^(-2k/d))."""
+    d, seq, theta = 16, 11, 10_000.0
+    rope = RotaryEmbedding(d, context_length=32, theta=theta)
+    x = torch.randn(3, seq, d, dtype=torch.float64)
+    pos = torch.arange(seq)
+    out = rope(x.float(), pos).double()
+    z = torch.view_as_complex(x.reshape(3, seq, d // 2, 2).contiguous())
+    freqs = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ref = torch.view_as_real(z * torch.polar(torch.ones(seq, d // 2, dtype=torch.float64),
+                                             pos[:, None].double() * freqs)).reshape(3, seq, d)
+    # fp32 angles for positions up to 10 have error ~1e-6
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_backends_agree():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 20, 16) for _ in range(3))
+    ref = get_backend("naive")(q, k, v, is_causal=True)
+    for name in BACKENDS:
+        if name.startswith("flash_triton"):
+            continue  # needs a GPU or the interpreter; tested in test_flash_attention.py
+        torch.testing.assert_close(get_backend(name)(q, k, v, is_causal=True), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_naive_attention_matches_formula():
+    q, k, v = (torch.randn(4, 7, 8, dtype=torch.float64) for _ in range(3))
+    out = get_backend("naive")(q, k, v, is_causal=False)
+    torch.testing.assert_close(out, torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), -1) @ v)
+
+
+def test_invalid_hyperparameters_raise_clear_errors():
+    with pytest.raises(ValueError, match="divisible by n_heads"):
+        ModelConfig(d_model=64, d_ff=128, n_layers=1, n_heads=5)
+    with pytest.raises(ValueError, match="unknown model size"):
+        get_config("huge")
+    with pytest.raises(ValueError, match="unknown attention"):
+        get_backend("magic")
+    with pytest.raises(ValueError, match="positive integer"):
+        ModelConfig(d_model=0, d_ff=128, n_layers=1, n_heads=1)
+
+
+def test_context_longer_than_maximum_raises():
+    model = TransformerLM(get_config("debug", context_length=16))
+    with pytest.raises(ValueError, match="exceeds the model's context_length 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_forward_flops_counts_every_matmul():
+    """Closed-form FLOPs equal a count over the model's Linear layers plus the two attention matmuls."""
+    cfg = get_config("debug")
+    b, t = 2, 32
+    with torch.device("meta"):
+        model = TransformerLM(cfg)
+    linear_flops = sum(2 * b * t * m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+    attn_flops = cfg.n_layers * 2 * (2 * b * cfg.n_heads * t * t * cfg.d_head)
+    assert cfg.forward_flops(b, t) == linear_flops + attn_flops

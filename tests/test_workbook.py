@@ -1,0 +1,63 @@
+"""The notebook runner: notebooks are output-free jupytext scripts; execution, failures, the report."""
+
+import subprocess
+import sys
+
+import jupytext
+import pytest
+
+from systems import workbook
+from systems.env import REPO_ROOT
+
+
+def test_notebooks_are_output_free_jupytext_scripts():
+    tracked = subprocess.run(["git", "ls-files", "notebooks"], capture_output=True, text=True, cwd=REPO_ROOT).stdout
+    assert not [p for p in tracked.split() if p.endswith(".ipynb")], "notebooks/ keeps .py sources only"
+    paths = workbook.discover()
+    assert paths and paths[0].stem.startswith("01_")
+    for path in paths:
+        nb = workbook.to_ipynb(path)  # raises unless exactly one cell is tagged "parameters"
+        params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+        assert "profile" in params.source and "out_dir" in params.source, path.name
+        assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
+
+
+def test_discover_filters_by_number_and_reports_missing():
+    assert [p.stem for p in workbook.discover(["1"])] == ["01_benchmarking"]
+    with pytest.raises(workbook.WorkbookError, match="no notebook matches"):
+        workbook.discover(["98"])
+
+
+def test_failing_cell_is_named(tmp_path):
+    src = tmp_path / "99_fails.py"
+    src.write_text('# %% tags=["parameters"]\nprofile = "smoke"\nout_dir = "x"\n\n# %%\nx = 1\n\n# %%\n1 / 0\n')
+    run = workbook.run_notebook(src, profile="smoke", out_dir=tmp_path / "out", progress=False)
+    assert not run.ok
+    assert "99_fails.py: cell" in run.error and "ZeroDivisionError" in run.error
+    assert run.output.exists()  # the partial executed notebook is kept for inspection
+
+
+def test_cli_unknown_notebook_exits_non_zero(capsys):
+    assert workbook.main(["run", "--only", "98", "--profile", "smoke"]) == 2
+    assert "no notebook matches" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_notebook_01_smoke_through_the_cli(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "systems.workbook", "run", "--only", "01", "--profile", "smoke",
+                           "--out-dir", str(tmp_path), "--no-progress"], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    html = (tmp_path / "writeup" / "report.html").read_text()
+    assert "Answer (b)" in html and "Answer (c)" in html
+    for stem in ("phases", "warmup"):
+        assert (tmp_path / "figures" / f"01_benchmarking_{stem}.png").stat().st_size > 5000
+    for stem in ("forward", "train_step", "warmup"):
+        assert (tmp_path / "results" / f"01_benchmarking_{stem}.jsonl").exists()
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (REPO_ROOT / "README.md").read_text()
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    command = next(line for line in readme.splitlines() if "pytest" in line and line.startswith("python3"))
+    assert command in ci.splitlines()
