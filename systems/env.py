@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import os
 import platform
 import shutil
 import subprocess
@@ -21,10 +22,13 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def git_commit() -> str | None:
-    """HEAD's hash, with '+dirty' when tracked files differ from it."""
+    """HEAD's hash, with '+dirty' when tracked files differ from it.
+
+    A copy of the tree without .git (e.g. on a remote GPU machine) reports $WORKBOOK_GIT_COMMIT.
+    """
     head = _run(["git", "rev-parse", "--short=12", "HEAD"])
     if head is None:
-        return None
+        return os.environ.get("WORKBOOK_GIT_COMMIT")
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
     return head + ("+dirty" if dirty else "")
 
