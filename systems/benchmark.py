@@ -217,12 +217,13 @@ def run_benchmark(cfg: BenchmarkConfig, *, around_measure: Callable[[], ContextM
         oom_message = str(exc).splitlines()[0][:300]
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+    # Outside the except block, so the traceback (and the tensors its frames hold) is gone.
+    # Give cached blocks back to the driver: the next point, or another process, starts clean.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if oom_message is not None:
-        # outside the except block, so the traceback (and the tensors its frames hold) is gone
         record.update(status="oom", error=oom_message)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         return record
     _add_rates(record, cfg, model_cfg, device)
     return record
