@@ -1,0 +1,233 @@
+"""The attention sweep driver, its accounting and fit, and the whole-model compile sweep (CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from systems.attention_sweep import (AttentionPoint, AttentionSweepConfig, attention_memory_accounting,
+                                     count_saved_tensor_bytes, fit_power_law, flash_attention_accounting,
+                                     model_compile_table, ratio_table, run_attention_point, run_attention_sweep,
+                                     run_model_compile_sweep, saved_memory_fits, sdpa_one_head,
+                                     simulated_memory_limit, smallest_oom, sweep_table)
+from systems.attention.naive import naive_attention
+from systems.results import read_records
+
+TINY = dict(batch_size=2, n_forward=2, n_backward=2, warmup=1, device="cpu")
+
+
+def test_injected_oom_becomes_a_row_and_the_sweep_goes_on(tmp_path):
+    cfg = AttentionSweepConfig(head_dims=(4, 8), seq_lens=(8, 16, 32), max_seq_len=64, **TINY)
+    out = tmp_path / "attn.jsonl"
+    # d=4 fails at seq 16 (listed): 32 is skipped, no doubling; d=8 fails at 64 (found by doubling)
+    rows = run_attention_sweep(cfg, out_path=out, progress=False,
+                               fail_if=lambda p: (p.d == 4 and p.seq >= 16) or p.seq >= 64)
+    got = [(r["d"], r["seq"], r["status"]) for r in rows]
+    assert got == [(4, 8, "ok"), (4, 16, "oom"), (4, 32, "skipped"),
+                   (8, 8, "ok"), (8, 16, "ok"), (8, 32, "ok"), (8, 64, "oom")]
+    oom = rows[1]
+    assert oom["oom_phase"] == "warm-up forward" and "injected" in oom["error"]
+    for r in rows:
+        if r["status"] == "ok":
+            assert r["forward_ms_median"] > 0 and r["backward_ms_median"] > 0
+            assert r["forward_tflops"] > 0 and r["n_forward"] == 2
+    # every row was written as it was produced, stamped with the environment
+    written = read_records(out)
+    assert [(r["d"], r["seq"], r["status"]) for r in written] == got
+    assert all("env" in r for r in written)
+    assert smallest_oom(rows)["seq"] == 16
+    table = sweep_table(rows)
+    assert list(table["status"]) == [s for _, _, s in got]
+
+
+def test_doubling_stops_at_max_seq_len_without_oom():
+    cfg = AttentionSweepConfig(head_dims=(4,), seq_lens=(8,), max_seq_len=32, **TINY)
+    rows = run_attention_sweep(cfg, progress=False)
+    assert [(r["seq"], r["status"]) for r in rows] == [(8, "ok"), (16, "ok"), (32, "ok")]
+    assert smallest_oom(rows) is None
+
+
+def test_non_oom_errors_propagate():
+    def broken(q, k, v):
+        raise RuntimeError("shape mismatch, not memory")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        run_attention_point(AttentionPoint(2, 8, 4), fn=broken, device="cpu", n_forward=1, n_backward=1, warmup=1)
+
+
+def test_real_runtime_oom_message_is_caught():
+    # an allocator failure reported as a plain RuntimeError (older paths) counts as OOM too
+    def fails_in_backward(q, k, v):
+        out = naive_attention(q, k, v)
+
+        class Boom(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                raise RuntimeError("CUDA out of memory. Tried to allocate 32.00 GiB")
+
+        return Boom.apply(out)
+
+    row = run_attention_point(AttentionPoint(2, 8, 4), fn=fails_in_backward, device="cpu",
+                              n_forward=1, n_backward=1, warmup=1)
+    assert row["status"] == "oom" and row["oom_phase"] == "warm-up backward"
+
+
+def test_saved_tensor_bytes_of_naive_attention_is_the_probability_matrix():
+    b, s, d = 2, 16, 4
+    q, k, v = (torch.randn(b, s, d, requires_grad=True) for _ in range(3))
+    # exact: softmax output P (b x s x s fp32) is the only non-input tensor autograd keeps
+    assert count_saved_tensor_bytes(naive_attention, q, k, v) == b * s * s * 4
+    acct = attention_memory_accounting(batch=b, seq=s, d=d)
+    assert acct.attrs["saved_bytes"] == b * s * s * 4
+    # fused SDPA keeps O and the row logsumexp instead: linear in seq
+    assert count_saved_tensor_bytes(sdpa_one_head, q, k, v) < b * s * s * 4
+
+
+def test_sdpa_one_head_matches_naive():
+    q, k, v = (torch.randn(2, 16, 8, dtype=torch.float64) for _ in range(3))
+    # float64 on both paths: any difference is summation order only
+    torch.testing.assert_close(sdpa_one_head(q, k, v), naive_attention(q, k, v), rtol=1e-10, atol=1e-12)
+
+
+def test_accounting_terms_and_verdict():
+    b, s, d = 8, 32768, 16
+    gib = 2**30
+    acct = attention_memory_accounting(batch=b, seq=s, d=d, free_bytes=79 * gib)
+    a = acct.attrs
+    assert a["score_matrix_bytes"] == 32 * gib  # 8 * 32768^2 * 4 bytes
+    vec = b * s * d * 4
+    assert a["forward_peak_bytes"] == 64 * gib + 3 * vec
+    assert a["backward_peak_bytes"] == 96 * gib + 5 * vec
+    assert a["forward_fits"] and not a["backward_fits"]
+    assert acct.set_index("tensor").loc["softmax output P", "bytes"] == 32 * gib
+    half = attention_memory_accounting(batch=b, seq=s, d=d, dtype="bfloat16")
+    assert half.attrs["score_matrix_bytes"] == 16 * gib
+    with pytest.raises(ValueError, match="dtype"):
+        attention_memory_accounting(batch=1, seq=2, d=2, dtype="int8")
+
+
+def test_flash_accounting():
+    fa = flash_attention_accounting(batch=8, seq=4096, d=64)
+    assert fa["naive_saved_bytes"] == 8 * 4096 * 4096 * 4
+    assert fa["flash_saved_bytes"] == 8 * 4096 * 64 * 4 + 8 * 4096 * 4
+    assert fa["saving_factor"] == pytest.approx(4096 / 65)
+    assert fa["recompute_fraction_of_backward"] == pytest.approx(0.25)
+
+
+def test_simulated_memory_limit():
+    fail_if = simulated_memory_limit(8 * 2**20)
+    assert not fail_if(AttentionPoint(8, 256, 16))  # peak ~6 MiB
+    assert fail_if(AttentionPoint(8, 512, 16))  # peak ~24 MiB
+
+
+def test_fit_power_law_recovers_exponent():
+    x = np.array([256, 1024, 4096, 8192, 16384], dtype=float)
+    fit = fit_power_law(x, 3.0 * x**2)
+    assert fit.exponent == pytest.approx(2.0, abs=1e-9) and fit.prefactor == pytest.approx(3.0, rel=1e-9)
+    assert fit.r2 == pytest.approx(1.0)
+    rng = np.random.default_rng(0)
+    noisy = 5.0 * x**1.5 * np.exp(rng.normal(0, 0.02, x.size))  # 2 % multiplicative noise
+    assert fit_power_law(x, noisy).exponent == pytest.approx(1.5, abs=0.05)
+    # quadratic plus a linear term: the fit sits just under 2, as for P plus the output
+    mixed = 8 * x**2 * 4 + 8 * x * 128 * 4
+    assert 1.9 < fit_power_law(x, mixed).exponent < 2.0
+    with pytest.raises(ValueError):
+        fit_power_law([1, 2], [1, -1])
+    with pytest.raises(ValueError):
+        fit_power_law([2, 2], [1, 3])
+
+
+def test_saved_memory_fits_from_sweep_rows():
+    rows = [{"status": "ok", "d": d, "seq": s, "saved_bytes": 8 * s * s * 4} for d in (16, 32) for s in (64, 128, 256)]
+    rows.append({"status": "oom", "d": 16, "seq": 512, "saved_bytes": None})
+    fits = saved_memory_fits(rows)
+    assert list(fits["d"]) == [16, 32]
+    assert np.allclose(fits["exponent"], 2.0)
+
+
+def test_compiled_sweep_and_ratio_table():
+    # aot_eager: the torch.compile path (Dynamo + AOTAutograd) without code generation, fast on a CPU
+    cfg = AttentionSweepConfig(head_dims=(4,), seq_lens=(8, 16), grow_until_oom=False, compiled=True,
+                               compile_backend="aot_eager", compile_dynamic=True, **TINY)
+    fail_if = lambda p: p.seq == 16
+    comp = run_attention_sweep(cfg, progress=False, fail_if=fail_if)
+    eager = run_attention_sweep(AttentionSweepConfig(head_dims=(4,), seq_lens=(8, 16), grow_until_oom=False, **TINY),
+                                progress=False)
+    assert [r["status"] for r in comp] == ["ok", "oom"] and comp[0]["compile_backend"] == "aot_eager"
+    table = ratio_table(eager, comp)
+    assert list(table["seq"]) == [8, 16]
+    assert table.loc[0, "fwd speedup"] > 0 and np.isnan(table.loc[1, "fwd speedup"])
+    assert list(table["compiled"]) == ["ok", "oom"]
+
+
+def test_bad_sweep_config():
+    with pytest.raises(ValueError, match="increasing"):
+        AttentionSweepConfig(seq_lens=(64, 32))
+    with pytest.raises(ValueError, match="n_forward"):
+        AttentionSweepConfig(n_forward=0)
+
+
+def _fake_bench(calls):
+    """Stands in for run_benchmark: compiled points report 10 s of compilation per layer in their first
+    step (no real compilation); eager 'large' runs out of memory."""
+    def bench(cfg):
+        calls.append((cfg.model, cfg.mode, cfg.compile))
+        n_layers = cfg.model_config().n_layers
+        step = 0.01 * n_layers
+        first = step + (10.0 * n_layers if cfg.compile else 0.1)
+        rec = {"model": cfg.model, "mode": cfg.mode, "compile": cfg.compile, "status": "ok",
+               "batch_size": cfg.batch_size, "context_length": cfg.context_length,
+               "first_step_s": first, "step_median_s": step, "step_mean_s": step,
+               "forward_mean_s": step / 3, "backward_mean_s": step / 2}
+        if cfg.model == "large" and not cfg.compile:
+            rec = {**rec, "status": "oom"}
+        return rec
+    return bench
+
+
+def test_model_compile_sweep_budget_and_table(tmp_path):
+    calls = []
+    ticks = iter(range(0, 10_000, 50))  # every timed call appears to take 50 s of wall time
+    recs = run_model_compile_sweep(["small", "medium", "large"], modes=("train_step", "forward"), device="cpu",
+                                   budget_s=120, out_path=tmp_path / "m.jsonl", progress=False,
+                                   bench_fn=_fake_bench(calls), clock=lambda: float(next(ticks)))
+    status = {(r["model"], r["mode"], r["compile"]): r["status"] for r in recs}
+    # eager: every size; compiled small train_step (50 s) and forward (50 s) run; medium train_step
+    # predicted 100 s (24/12 layers x 50 s) on top of 100 s spent > 120 s: skipped, as is medium forward;
+    # large compiled is skipped because eager ran out of memory there
+    assert status[("small", "train_step", True)] == "ok" and status[("small", "forward", True)] == "ok"
+    assert status[("medium", "train_step", True)] == "skipped"
+    assert "budget" in next(r["error"] for r in recs if r["model"] == "medium" and r["compile"])
+    assert "out of memory" in next(r["error"] for r in recs if r["model"] == "large" and r["compile"])
+    assert ("large", "train_step", True) not in calls
+    assert len(read_records(tmp_path / "m.jsonl")) == len(recs) == 12
+    small = next(r for r in recs if r["model"] == "small" and r["compile"] and r["mode"] == "train_step")
+    assert small["first_step_overhead_s"] == pytest.approx(120.0)
+    table = model_compile_table(recs).set_index(["size", "measurement"])
+    assert table.loc[("small", "train step"), "speedup"] == pytest.approx(1.0)
+    assert table.loc[("small", "forward+backward"), "eager ms"] == pytest.approx((0.12 / 3 + 0.12 / 2) * 1e3)
+    assert np.isnan(table.loc[("medium", "train step"), "speedup"])
+
+
+def test_model_compile_sweep_eager_debug_runs_for_real():
+    recs = run_model_compile_sweep(["debug"], context_length=16, batch_size=2, modes=("train_step",), device="cpu",
+                                   compile=False, tf32=False, warmup_steps=1, measure_steps=1, progress=False)
+    assert len(recs) == 1 and recs[0]["status"] == "ok" and recs[0]["first_step_overhead_s"] is not None
+    table = model_compile_table(recs)
+    assert set(table["measurement"]) == {"forward (in train step)", "forward+backward", "train step"}
+
+
+@pytest.mark.slow
+def test_notebook_05_smoke(tmp_path):
+    from systems.workbook import run_notebooks
+
+    runs = run_notebooks(only=["05"], profile="smoke", out_dir=tmp_path, report=False, progress=False)
+    assert len(runs) == 1 and runs[0].ok, runs[0].error
+    assert (tmp_path / "results" / "05_attention_compile_attention_eager.jsonl").exists()
+    assert (tmp_path / "figures" / "05_attention_compile_saved_memory.png").exists()
+    assert (tmp_path / "figures" / "05_attention_compile_model_compile.png").exists()
