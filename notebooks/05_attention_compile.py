@@ -71,7 +71,10 @@ nb.md(f"Attention sweep: batch {attn_cfg.batch_size}, {attn_cfg.dtype}, d ∈ {l
 # `oom` and the phase it failed in; longer listed lengths of that head dim are then `skipped`.
 
 # %%
-eager_rows = run_attention_sweep(attn_cfg, out_path=ctx.result_path("attention_eager"), fail_if=fail_if)
+# On a GPU each sweep runs in a child process: an OOM inside backward() can leave the failed
+# graph's buffers allocated, which would distort every later measurement in this kernel.
+eager_rows = run_attention_sweep(attn_cfg, out_path=ctx.result_path("attention_eager"), fail_if=fail_if,
+                                 isolate=ctx.full)
 nb.show(sweep_table(eager_rows), caption=f"naive attention, eager, on {ctx.gpu}")
 
 # %%
@@ -215,7 +218,8 @@ from dataclasses import replace
 
 # smoke: dynamic=True traces once for all shapes (each trace costs seconds on a CPU)
 comp_cfg = replace(attn_cfg, compiled=True, compile_backend=compile_backend, compile_dynamic=None if ctx.full else True)
-comp_rows = run_attention_sweep(comp_cfg, out_path=ctx.result_path("attention_compiled"), fail_if=fail_if)
+comp_rows = run_attention_sweep(comp_cfg, out_path=ctx.result_path("attention_compiled"), fail_if=fail_if,
+                                isolate=ctx.full)
 ratios = ratio_table(eager_rows, comp_rows)
 nb.show(ratios, caption=f"naive attention, eager vs torch.compile (backend {compile_backend}), on {ctx.gpu}")
 

@@ -21,7 +21,10 @@ least-squares power-law fit, and the whole-model compiled-vs-eager sweep on top 
 from __future__ import annotations
 
 import gc
+import json
 import math
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +35,7 @@ import pandas as pd
 import torch
 
 from .attention.naive import naive_attention
-from .results import ResultWriter
+from .results import ResultWriter, read_records
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GIB = 2**30
@@ -317,14 +320,32 @@ def attention_function(cfg: AttentionSweepConfig) -> Callable:
 
 def run_attention_sweep(cfg: AttentionSweepConfig, *, out_path: str | Path | None = None,
                         fail_if: Callable[[AttentionPoint], bool] | None = None, progress: bool = True,
-                        fn: Callable | None = None) -> list[dict]:
+                        fn: Callable | None = None, isolate: bool = False) -> list[dict]:
     """Every head dim x listed length, then doubling past the last length until out of memory.
 
     For each head dim the lengths run in increasing order; once a point runs out of memory the
     larger listed lengths of that head dim are recorded as ``status="skipped"`` (they cannot
     fit) and the sweep goes on with the next head dim. Rows are written as they are produced.
+
+    ``isolate=True`` runs the sweep in a child process. A CUDA out-of-memory error inside
+    ``backward()`` can leave the failed graph's buffers pinned by the autograd device thread
+    (seen on an H100: a 32 GiB score matrix stayed allocated for the rest of the process),
+    which would shrink every later measurement in the caller's process.
     """
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
+
+    if isolate:
+        if fail_if is not None or fn is not None:
+            raise ValueError("isolate=True cannot carry fail_if or fn into the child process")
+        if out_path is None:
+            raise ValueError("isolate=True needs out_path: the child process writes its rows there")
+        cmd = [sys.executable, "-m", "systems.attention_sweep", "--config-json", json.dumps(asdict(cfg)),
+               "--out", str(out_path)] + ([] if progress else ["--no-progress"])
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"attention sweep child process failed with exit code {proc.returncode}; "
+                               f"rows written so far are in {out_path}")
+        return read_records(out_path)
 
     device = _resolve_device(cfg.device)
     fn = fn or attention_function(cfg)
@@ -629,3 +650,25 @@ def model_compile_table(records: Sequence[dict]) -> pd.DataFrame:
                          "status eager/compiled": status,
                          "note": (c or {}).get("error") if (c or {}).get("status") != "ok" else None})
     return pd.DataFrame(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m systems.attention_sweep --config-json '{...}' --out rows.jsonl`` (used by isolate=True)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m systems.attention_sweep")
+    parser.add_argument("--config-json", required=True, help="AttentionSweepConfig fields as JSON")
+    parser.add_argument("--out", required=True, help="the .jsonl file the rows are written to")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        cfg = AttentionSweepConfig(**json.loads(args.config_json))
+    except (TypeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    run_attention_sweep(cfg, out_path=args.out, progress=not args.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -231,3 +231,22 @@ def test_notebook_05_smoke(tmp_path):
     assert (tmp_path / "results" / "05_attention_compile_attention_eager.jsonl").exists()
     assert (tmp_path / "figures" / "05_attention_compile_saved_memory.png").exists()
     assert (tmp_path / "figures" / "05_attention_compile_model_compile.png").exists()
+
+
+def test_isolated_sweep_runs_in_a_child_process_and_returns_its_rows(tmp_path):
+    from systems.attention_sweep import AttentionSweepConfig, run_attention_sweep
+
+    cfg = AttentionSweepConfig(batch_size=1, head_dims=(16,), seq_lens=(32,), grow_until_oom=False,
+                               n_forward=1, n_backward=1, warmup=1, device="cpu")
+    out = tmp_path / "rows.jsonl"
+    rows = run_attention_sweep(cfg, out_path=out, progress=False, isolate=True)
+    assert [(r["d"], r["seq"], r["status"]) for r in rows] == [(16, 32, "ok")]
+    assert rows[0]["env"]["torch"]  # written by the child's ResultWriter
+
+
+def test_isolated_sweep_rejects_what_cannot_cross_processes(tmp_path):
+    from systems.attention_sweep import AttentionSweepConfig, run_attention_sweep
+
+    with pytest.raises(ValueError, match="cannot carry"):
+        run_attention_sweep(AttentionSweepConfig(device="cpu"), out_path=tmp_path / "x.jsonl",
+                            fail_if=lambda p: False, isolate=True)
