@@ -26,7 +26,7 @@ import math
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -320,17 +320,18 @@ def attention_function(cfg: AttentionSweepConfig) -> Callable:
 
 def run_attention_sweep(cfg: AttentionSweepConfig, *, out_path: str | Path | None = None,
                         fail_if: Callable[[AttentionPoint], bool] | None = None, progress: bool = True,
-                        fn: Callable | None = None, isolate: bool = False) -> list[dict]:
+                        fn: Callable | None = None, isolate: bool = False, append: bool = False) -> list[dict]:
     """Every head dim x listed length, then doubling past the last length until out of memory.
 
     For each head dim the lengths run in increasing order; once a point runs out of memory the
     larger listed lengths of that head dim are recorded as ``status="skipped"`` (they cannot
     fit) and the sweep goes on with the next head dim. Rows are written as they are produced.
 
-    ``isolate=True`` runs the sweep in a child process. A CUDA out-of-memory error inside
-    ``backward()`` can leave the failed graph's buffers pinned by the autograd device thread
-    (seen on an H100: a 32 GiB score matrix stayed allocated for the rest of the process),
-    which would shrink every later measurement in the caller's process.
+    ``isolate=True`` runs each head dim's series in its own child process. A CUDA out-of-memory
+    error inside ``backward()`` can leave the failed graph's buffers allocated (seen on an H100:
+    about 34 GiB stayed in use for the rest of the process after the d=16, seq=32k point), which
+    would distort every later measurement in that process; a series ends at its first OOM, so
+    with one process per series no point runs after an OOM.
     """
     from tqdm import tqdm
 
@@ -339,17 +340,21 @@ def run_attention_sweep(cfg: AttentionSweepConfig, *, out_path: str | Path | Non
             raise ValueError("isolate=True cannot carry fail_if or fn into the child process")
         if out_path is None:
             raise ValueError("isolate=True needs out_path: the child process writes its rows there")
-        cmd = [sys.executable, "-m", "systems.attention_sweep", "--config-json", json.dumps(asdict(cfg)),
-               "--out", str(out_path)] + ([] if progress else ["--no-progress"])
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"attention sweep child process failed with exit code {proc.returncode}; "
-                               f"rows written so far are in {out_path}")
+        if not append:
+            Path(out_path).unlink(missing_ok=True)
+        for d in cfg.head_dims:
+            child = json.dumps(asdict(replace(cfg, head_dims=(d,))))
+            cmd = [sys.executable, "-m", "systems.attention_sweep", "--config-json", child, "--out", str(out_path),
+                   "--append"] + ([] if progress else ["--no-progress"])
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"attention sweep child process (d={d}) failed with exit code "
+                                   f"{proc.returncode}; rows written so far are in {out_path}")
         return read_records(out_path)
 
     device = _resolve_device(cfg.device)
     fn = fn or attention_function(cfg)
-    writer = ResultWriter(out_path) if out_path else None
+    writer = ResultWriter(out_path, overwrite=not append) if out_path else None
     rows: list[dict] = []
     label = "compiled" if cfg.compiled else "eager"
     bar = tqdm(total=len(cfg.head_dims) * len(cfg.seq_lens), disable=not progress, desc=f"attention ({label})")
@@ -659,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m systems.attention_sweep")
     parser.add_argument("--config-json", required=True, help="AttentionSweepConfig fields as JSON")
     parser.add_argument("--out", required=True, help="the .jsonl file the rows are written to")
+    parser.add_argument("--append", action="store_true", help="add to --out instead of replacing it")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     try:
@@ -666,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
     except (TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run_attention_sweep(cfg, out_path=args.out, progress=not args.no_progress)
+    run_attention_sweep(cfg, out_path=args.out, progress=not args.no_progress, append=args.append)
     return 0
 
 

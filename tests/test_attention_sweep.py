@@ -236,11 +236,12 @@ def test_notebook_05_smoke(tmp_path):
 def test_isolated_sweep_runs_in_a_child_process_and_returns_its_rows(tmp_path):
     from systems.attention_sweep import AttentionSweepConfig, run_attention_sweep
 
-    cfg = AttentionSweepConfig(batch_size=1, head_dims=(16,), seq_lens=(32,), grow_until_oom=False,
+    cfg = AttentionSweepConfig(batch_size=1, head_dims=(16, 32), seq_lens=(32,), grow_until_oom=False,
                                n_forward=1, n_backward=1, warmup=1, device="cpu")
     out = tmp_path / "rows.jsonl"
+    out.write_text('{"stale": true}\n')  # a previous run's rows are replaced, not extended
     rows = run_attention_sweep(cfg, out_path=out, progress=False, isolate=True)
-    assert [(r["d"], r["seq"], r["status"]) for r in rows] == [(16, 32, "ok")]
+    assert [(r["d"], r["seq"], r["status"]) for r in rows] == [(16, 32, "ok"), (32, 32, "ok")]
     assert rows[0]["env"]["torch"]  # written by the child's ResultWriter
 
 
