@@ -1,0 +1,349 @@
+"""Benchmark the DDP variants against torch's DistributedDataParallel in one run.
+
+Per precision (fp32; bf16 autocast with fp32 master weights) and variant, every rank trains the
+same model on its share of the global batch with our AdamW. Variants, timed in this order:
+
+- ``nosync``: no gradient communication at all, the computation-only baseline;
+- ``naive``, ``flat``, ``overlap`` (per-parameter async), ``bucketed:<MiB>``;
+- ``torch_ddp``: torch.nn.parallel.DistributedDataParallel with its defaults, last (it keeps
+  hooks on the parameters until it is deleted).
+
+Per step (max over ranks, median over steps): wall time, and with device events the time from the
+end of backward to the end of ``finish_gradient_synchronization()`` (the wait for communication
+left after backward). Communication overhead = step time - the nosync step time of the same
+precision, the cost of communicating whatever is or is not overlapped; it is the one measure
+that also applies to torch DDP, whose waiting happens inside backward.
+
+Then naive, overlap and the fastest of our variants are profiled (torch.profiler, rank 0) and the
+traces analysed for overlap (systems.distributed.overlap).
+
+    python -m systems.distributed.ddp_bench                  # 2 GPUs, NCCL, xl, < 7 min on 2xH200
+    python -m systems.distributed.ddp_bench --model debug --context-length 128 --backend gloo
+    torchrun --nproc-per-node 2 -m systems.distributed.ddp_bench   # same, env:// rendezvous
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import get_config
+from ..model import TransformerLM
+from ..optim import AdamW, cross_entropy
+from ..results import ResultWriter
+from .ddp import DDPBucketed, make_ddp
+from .launch import DistContext, all_gather_objects, launch, resolve_backend, under_torchrun
+from .overlap import STEP_MARK, overlap_stats, trace_intervals
+
+PRECISIONS = ("fp32", "bf16")
+HANDOUT_BUCKETS_MB = (1.0, 10.0, 100.0, 1000.0)
+
+
+@dataclass
+class DDPBenchConfig:
+    model: str = "xl"
+    context_length: int = 512
+    global_batch: int = 4
+    precisions: tuple[str, ...] = PRECISIONS
+    bucket_sizes_mb: tuple[float, ...] = HANDOUT_BUCKETS_MB
+    include_torch_ddp: bool = True
+    warmup: int = 3
+    steps: int = 10
+    profile: bool = True
+    profile_steps: int = 2
+    attn_impl: str | None = None  # None: the model config's default
+    tf32: bool = False
+    lr: float = 1e-5
+    seed: int = 0
+    out_path: str = "results/07_distributed_ddp.jsonl"
+    overlap_path: str = "results/07_distributed_overlap.jsonl"
+    trace_dir: str = "results/07_distributed_traces"
+    variants: tuple[str, ...] = field(default=())  # filled by variant_names() when empty
+
+    def __post_init__(self):
+        bad = [p for p in self.precisions if p not in PRECISIONS]
+        if bad:
+            raise ValueError(f"precisions must be among {PRECISIONS}, got {bad}")
+        if any(not b > 0 for b in self.bucket_sizes_mb):
+            raise ValueError(f"bucket sizes must be positive MiB values, got {self.bucket_sizes_mb}")
+        if self.warmup < 1 or self.steps < 1:
+            raise ValueError(f"need warmup >= 1 and steps >= 1, got {self.warmup} and {self.steps}")
+        if not self.variants:
+            names = ["nosync", "naive", "flat", "overlap", *[f"bucketed:{b:g}" for b in self.bucket_sizes_mb]]
+            self.variants = tuple(names + (["torch_ddp"] if self.include_torch_ddp else []))
+        unknown = [v for v in self.variants if v.split(":")[0] not in
+                   ("nosync", "naive", "flat", "overlap", "bucketed", "torch_ddp")]
+        if unknown:
+            raise ValueError(f"unknown variants {unknown}")
+        if "torch_ddp" in self.variants and self.variants[-1] != "torch_ddp":
+            raise ValueError("torch_ddp must be the last variant (its hooks stay until it is freed)")
+
+
+class _Marks:
+    """Time points inside a step: CUDA events on GPU, perf_counter on CPU (where ops run eagerly)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.points: dict[str, object] = {}
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.points[name] = ev
+        else:
+            self.points[name] = time.perf_counter()
+
+    def ms(self, a: str, b: str) -> float:
+        if self.cuda:
+            return self.points[a].elapsed_time(self.points[b])
+        return (self.points[b] - self.points[a]) * 1e3
+
+
+class _Runner:
+    """A wrapper around the shared model, built per variant and torn down after it."""
+
+    def __init__(self, name: str, model: torch.nn.Module, ctx: DistContext):
+        self.name, self.model = name, model
+        kind, _, arg = name.partition(":")
+        self.ddp = None
+        self.n_buckets = None
+        if kind == "nosync":
+            self.forward = model
+        elif kind == "torch_ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+            self.ddp = DistributedDataParallel(model, device_ids=ids)
+            self.forward = self.ddp
+        else:
+            kwargs = {"bucket_size_mb": float(arg)} if kind == "bucketed" else {}
+            self.ddp = make_ddp(kind, model, **kwargs)
+            self.forward = self.ddp
+            if isinstance(self.ddp, DDPBucketed):
+                self.n_buckets = self.ddp.n_buckets
+        self.ours = kind not in ("nosync", "torch_ddp")
+
+    def start(self) -> None:
+        if self.ours:
+            self.ddp.on_train_batch_start()
+
+    def finish(self) -> None:
+        if self.ours:
+            self.ddp.finish_gradient_synchronization()
+
+    def close(self) -> None:
+        if self.ours:
+            self.ddp.remove_hooks()
+        self.ddp = self.forward = None
+
+
+def _train_step(runner: _Runner, opt, tokens, targets, autocast_dtype, marks: _Marks) -> None:
+    opt.zero_grad(set_to_none=True)
+    marks.mark("start")
+    runner.start()
+    autocast = (torch.autocast(device_type=tokens.device.type, dtype=autocast_dtype)
+                if autocast_dtype is not None else contextlib.nullcontext())
+    with autocast:
+        loss = cross_entropy(runner.forward(tokens), targets)
+    loss.backward()
+    marks.mark("backward")
+    runner.finish()
+    marks.mark("synced")
+    opt.step()
+    marks.mark("end")
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _profile(runner, opt, tokens, targets, autocast_dtype, ctx: DistContext, steps: int, path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    marks = _Marks(ctx.device)
+    ctx.barrier()
+    # only rank 0 records; every rank runs the same steps so the collectives still pair up
+    if ctx.is_main:
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                with record_function(STEP_MARK):
+                    _train_step(runner, opt, tokens, targets, autocast_dtype, marks)
+            ctx.sync()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+    else:
+        for _ in range(steps):
+            _train_step(runner, opt, tokens, targets, autocast_dtype, marks)
+    ctx.barrier()
+
+
+def bench_worker(ctx: DistContext, config: dict) -> dict:
+    """One rank of the benchmark. Rank 0 writes the rows as they are measured and returns them."""
+    cfg = DDPBenchConfig(**config)
+    if cfg.global_batch % ctx.world_size:
+        raise ValueError(f"global batch {cfg.global_batch} does not split over {ctx.world_size} ranks")
+    local_batch = cfg.global_batch // ctx.world_size
+    if ctx.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
+    overrides = {"attn_impl": cfg.attn_impl} if cfg.attn_impl else {}
+    model_cfg = get_config(cfg.model, **overrides)
+    if cfg.context_length > model_cfg.context_length:
+        raise ValueError(f"context {cfg.context_length} exceeds the {cfg.model} model's {model_cfg.context_length}")
+    torch.manual_seed(cfg.seed)  # same init everywhere; the wrappers broadcast rank 0's anyway
+    model = TransformerLM(model_cfg, device=ctx.device)
+    opt = AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
+    data = torch.randint(0, model_cfg.vocab_size, (cfg.global_batch, cfg.context_length + 1), generator=gen)
+    shard = data[ctx.rank * local_batch:(ctx.rank + 1) * local_batch].to(ctx.device)
+    tokens, targets = shard[:, :-1].contiguous(), shard[:, 1:].contiguous()
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+    writer = ResultWriter(cfg.out_path) if ctx.is_main else None
+    overlap_writer = ResultWriter(cfg.overlap_path) if ctx.is_main and cfg.profile else None
+    rows, overlap_rows = [], []
+    common = {"backend": ctx.backend, "world_size": ctx.world_size, "model": cfg.model,
+              "n_params": model_cfg.n_params, "grad_bytes": grad_bytes, "context_length": cfg.context_length,
+              "global_batch": cfg.global_batch, "local_batch": local_batch, "tf32": cfg.tf32,
+              "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
+
+    for precision in cfg.precisions:
+        autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+        baseline_ms = None
+        timed: dict[str, float] = {}
+        for name in cfg.variants:
+            runner = _Runner(name, model, ctx)
+            marks = _Marks(ctx.device)
+            for _ in range(cfg.warmup):
+                _train_step(runner, opt, tokens, targets, autocast_dtype, marks)
+            ctx.barrier()
+            samples = []
+            for _ in range(cfg.steps):
+                t0 = time.perf_counter()
+                _train_step(runner, opt, tokens, targets, autocast_dtype, marks)
+                ctx.sync()
+                samples.append({"step_ms": (time.perf_counter() - t0) * 1e3,
+                                "fwd_bwd_ms": marks.ms("start", "backward"),
+                                "sync_wait_ms": marks.ms("backward", "synced"),
+                                "optimizer_ms": marks.ms("synced", "end")})
+            gathered = all_gather_objects(samples)
+            n_buckets = runner.n_buckets
+            runner.close()
+            del runner
+            opt.zero_grad(set_to_none=True)  # drop grads that live in bucket buffers
+            _free(ctx.device)
+            row = summarise_steps(gathered)
+            if name == "nosync":
+                baseline_ms = row["step_ms"]
+            timed[name] = row["step_ms"]
+            kind, _, arg = name.partition(":")
+            overhead = None if baseline_ms is None else row["step_ms"] - baseline_ms
+            row = {**common, "precision": precision, "variant": name, "kind": kind,
+                   "bucket_size_mb": float(arg) if arg else None,
+                   "n_buckets": n_buckets,
+                   **row, "baseline_step_ms": baseline_ms, "comm_overhead_ms": overhead,
+                   "comm_share": None if overhead is None else overhead / row["step_ms"],
+                   "tokens_per_s": cfg.global_batch * cfg.context_length / (row["step_ms"] / 1e3),
+                   "status": "ok"}
+            if ctx.is_main:
+                rows.append(writer.write(row))
+                print(f"[{precision}] {name:>16}: {row['step_ms']:8.2f} ms/step "
+                      f"(sync wait {row['sync_wait_ms']:.2f} ms)", flush=True)
+
+        if cfg.profile:
+            ours = {v: t for v, t in timed.items() if v not in ("nosync", "torch_ddp")}
+            best = min(ours, key=ours.get) if ours else None
+            to_profile = [v for v in ("naive", "overlap") if v in cfg.variants]
+            if best and best not in to_profile:
+                to_profile.append(best)
+            for name in to_profile:
+                runner = _Runner(name, model, ctx)
+                for _ in range(cfg.warmup):
+                    _train_step(runner, opt, tokens, targets, autocast_dtype, _Marks(ctx.device))
+                path = Path(cfg.trace_dir) / f"ddp_{precision}_{name.replace(':', '')}_rank0.json.gz"
+                _profile(runner, opt, tokens, targets, autocast_dtype, ctx, cfg.profile_steps, path)
+                runner.close()
+                del runner
+                opt.zero_grad(set_to_none=True)
+                _free(ctx.device)
+                if ctx.is_main:
+                    stats = overlap_stats(trace_intervals(path))
+                    overlap_rows.append(overlap_writer.write({
+                        **common, "precision": precision, "variant": name, "best_of_ours": name == best,
+                        "trace": str(path), **stats, "step_ms": timed.get(name), "status": "ok"}))
+                    print(f"[{precision}] profiled {name}: overlap {stats['overlap_pct'] or 0:.1f}% "
+                          f"exposed comm {stats['exposed_comm_ms']:.2f} ms/step", flush=True)
+    return {"rows": rows, "overlap": overlap_rows} if ctx.is_main else {}
+
+
+def summarise_steps(gathered: list[list[dict]]) -> dict:
+    """Per step the slowest rank (the step ends for all when it does); medians over steps."""
+    n = min(len(s) for s in gathered)
+    out = {}
+    for key in gathered[0][0]:
+        per_step = [max(rank[i][key] for rank in gathered) for i in range(n)]
+        out[key] = statistics.median(per_step)
+        if key == "step_ms":
+            q = statistics.quantiles(per_step, n=10, method="inclusive") if n > 1 else [out[key]] * 9
+            out["step_ms_p10"], out["step_ms_p90"] = q[0], q[-1]
+    out["steps"] = n
+    return out
+
+
+def run_ddp_benchmark(config: DDPBenchConfig, *, world_size: int = 2, backend: str = "auto",
+                      timeout_s: float = 600.0) -> dict:
+    """Start ``world_size`` ranks (spawn, or this process under torchrun) and run the benchmark."""
+    results = launch(bench_worker, world_size, backend, args=(asdict(config),), timeout_s=timeout_s)
+    return results[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = DDPBenchConfig()
+    parser = argparse.ArgumentParser(prog="python -m systems.distributed.ddp_bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--backend", default="auto", help="nccl, gloo or auto (nccl when CUDA is present)")
+    parser.add_argument("--model", default=d.model)
+    parser.add_argument("--context-length", type=int, default=d.context_length)
+    parser.add_argument("--global-batch", type=int, default=d.global_batch)
+    parser.add_argument("--precisions", nargs="+", default=list(d.precisions), choices=PRECISIONS)
+    parser.add_argument("--bucket-sizes-mb", nargs="+", type=float, default=list(d.bucket_sizes_mb))
+    parser.add_argument("--no-torch-ddp", action="store_true")
+    parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--profile-steps", type=int, default=d.profile_steps)
+    parser.add_argument("--attn-impl", default=None)
+    parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in the fp32 runs")
+    parser.add_argument("--out-dir", default="results", help="where the jsonl files and traces go")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
+    args = parser.parse_args(argv)
+    out = Path(args.out_dir)
+    config = DDPBenchConfig(
+        model=args.model, context_length=args.context_length, global_batch=args.global_batch,
+        precisions=tuple(args.precisions), bucket_sizes_mb=tuple(args.bucket_sizes_mb),
+        include_torch_ddp=not args.no_torch_ddp, warmup=args.warmup, steps=args.steps,
+        profile=not args.no_profile, profile_steps=args.profile_steps, attn_impl=args.attn_impl,
+        tf32=args.tf32, out_path=str(out / "07_distributed_ddp.jsonl"),
+        overlap_path=str(out / "07_distributed_overlap.jsonl"), trace_dir=str(out / "07_distributed_traces"))
+    start = time.perf_counter()
+    result = run_ddp_benchmark(config, world_size=args.world_size, backend=args.backend, timeout_s=args.timeout_s)
+    if result:  # rank 0 (the only rank under spawn; one of several under torchrun)
+        print(f"done in {time.perf_counter() - start:.0f} s ({resolve_backend(args.backend)}"
+              f"{', torchrun' if under_torchrun() else ''}); rows in {config.out_path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

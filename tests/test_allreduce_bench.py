@@ -1,0 +1,71 @@
+"""All-reduce benchmark: runnable/not-run planning, bandwidth maths and real gloo rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from systems.distributed import allreduce_bench as arb
+from systems.results import read_records
+
+MB = arb.MB
+
+
+def test_plan_marks_world_sizes_beyond_the_gpus_not_run():
+    plan = arb.plan_cases(backends=["nccl"], n_gpus=2)
+    assert {(c.world_size, c.size_bytes) for c in plan.run} == {(2, s) for s in arb.HANDOUT_SIZES_BYTES}
+    assert len(plan.not_run) == 2 * len(arb.HANDOUT_SIZES_BYTES)
+    assert all("needs" in reason and "has 2" in reason for _, reason in plan.not_run)
+
+
+def test_plan_applies_gloo_caps():
+    plan = arb.plan_cases(backends=["gloo"], world_sizes=[2, 4], sizes_bytes=[MB, 10 * MB, 100 * MB],
+                          max_gloo_world_size=2, max_gloo_bytes=10 * MB)
+    assert [(c.world_size, c.size_bytes) for c in plan.run] == [(2, MB), (2, 10 * MB)]
+    reasons = {(c.world_size, c.size_bytes): r for c, r in plan.not_run}
+    assert "size" in reasons[(2, 100 * MB)] and "world size" in reasons[(4, MB)]
+    with pytest.raises(ValueError, match="backend"):
+        arb.plan_cases(backends=["mpi"])
+
+
+def test_summary_uses_slowest_rank_and_bus_factor():
+    gathered = [{"rank": 0, "times": [0.010, 0.020, 0.030], "ok": True},
+                {"rank": 1, "times": [0.012, 0.018, 0.040], "ok": True}]
+    row = arb.summarise(gathered, backend="gloo", device="cpu", world_size=4, size_bytes=10 * MB)
+    assert row["time_ms"] == pytest.approx(20.0)  # median of per-iteration maxima 12, 20, 40 ms
+    assert row["algbw_GBps"] == pytest.approx(10 * MB / 0.020 / 1e9)
+    assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * 3 / 4)
+    assert row["rank_spread_ms"] == pytest.approx(2.0)
+    assert arb.bus_bandwidth_factor(2) == 1.0
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    o, w = 50e-6, 100e9
+    sizes = [1e6, 1e7, 1e8, 1e9]
+    fo, fw = arb.fit_latency_bandwidth(sizes, [o + s / w for s in sizes])
+    assert fo == pytest.approx(o, rel=1e-6) and fw == pytest.approx(w, rel=1e-6)
+    with pytest.raises(ValueError, match="two distinct sizes"):
+        arb.fit_latency_bandwidth([1e6], [1e-3])
+
+
+@pytest.mark.slow
+def test_gloo_run_writes_rows_and_not_run_rows(tmp_path):
+    plan = arb.plan_cases(backends=["gloo"], world_sizes=[2, 6], sizes_bytes=[100_000, 1 * MB],
+                          max_gloo_world_size=2)
+    out = tmp_path / "allreduce.jsonl"
+    arb.run_benchmark(plan, out, budget_s=0.05, min_iters=3, max_iters=5, timeout_s=60, progress=False)
+    records = read_records(out)
+    ok = [r for r in records if r["status"] == "ok"]
+    not_run = [r for r in records if r["status"] == "not_run"]
+    assert sorted(r["size_bytes"] for r in ok) == [100_000, MB]
+    assert {r["world_size"] for r in not_run} == {6} and len(not_run) == 2
+    for r in ok:
+        assert r["correct"] is True  # the reduced values equal 1 + 2
+        assert {"backend", "device", "world_size", "size_bytes", "time_ms", "time_ms_p10", "time_ms_p90",
+                "rank_spread_ms", "algbw_GBps", "busbw_GBps", "status", "env"} <= r.keys()
+        assert (r["backend"], r["device"], r["world_size"], r["warmup"]) == ("gloo", "cpu", 2, 5)
+        assert 3 <= r["iters"] <= 5
+        assert r["time_ms_p10"] <= r["time_ms"] <= r["time_ms_p90"]
+        assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / (r["time_ms"] / 1e3) / 1e9)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"])  # 2(n-1)/n = 1 at n = 2
+    for r in not_run:
+        assert r["time_ms"] is None and "world size" in r["reason"]

@@ -1,0 +1,238 @@
+"""DDP wrappers: 2 gloo ranks on CPU must train exactly like one process on the full batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from systems.distributed.ddp import (DDPBucketed, DDPIndividualParameters, assign_buckets,
+                                     make_ddp)
+from systems.distributed.launch import spawn
+
+WORLD_SIZE = 2
+STEPS = 4
+BATCH = 8  # global batch; each rank gets BATCH // WORLD_SIZE rows
+
+
+class FrozenToy(nn.Module):
+    """An MLP whose middle layer is frozen, plus a parameter no step ever uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(10, 16)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.fc2 = nn.Linear(16, 4)
+        self.unused = nn.Parameter(torch.ones(3))  # must keep grad None, as in the reference
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.frozen(torch.relu(self.fc1(x)))))
+
+
+class TiedToy(nn.Module):
+    """Embedding and output head share one weight, used twice per forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(12, 8)
+        self.mix = nn.Linear(8, 8, bias=False)
+        self.head = nn.Linear(8, 12, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.embed(tokens)))).flatten(0, 1)
+
+
+# (variant name, constructor kwargs): bucket sizes give one bucket per parameter (tiny cap),
+# several buckets, and everything in one bucket
+VARIANTS = [
+    ("naive", {}),
+    ("flat", {}),
+    ("overlap", {}),
+    ("bucketed", {"bucket_size_mb": 1e-9}),
+    ("bucketed", {"bucket_size_mb": 0.0005}),
+    ("bucketed", {"bucket_size_mb": 100}),
+]
+
+
+def _make(kind: str, seed: int):
+    torch.manual_seed(seed)
+    return FrozenToy() if kind == "frozen" else TiedToy()
+
+
+def _data(kind: str, step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "frozen":
+        return torch.randn(BATCH, 10, generator=g), torch.randint(0, 4, (BATCH,), generator=g)
+    tokens = torch.randint(0, 12, (BATCH, 5), generator=g)
+    return tokens, torch.randint(0, 12, (BATCH * 5,), generator=g)
+
+
+def _train(model, kind, *, ddp=None, rank=0, world_size=1, optimizer_name="sgd"):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = (torch.optim.SGD(params, lr=0.1, momentum=0.9) if optimizer_name == "sgd"
+           else torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1))
+    local = BATCH // world_size
+    runner = ddp if ddp is not None else model
+    for step in range(STEPS):
+        x, y = _data(kind, step)
+        x = x[rank * local:(rank + 1) * local]
+        y = y[rank * local * (y.numel() // BATCH):(rank + 1) * local * (y.numel() // BATCH)]
+        # alternate both ways of zeroing: set_to_none=False exercises the bucket-view fast path
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        if ddp is not None:
+            ddp.on_train_batch_start()
+        loss = nn.functional.cross_entropy(runner(x), y)
+        loss.backward()
+        if ddp is not None:
+            ddp.finish_gradient_synchronization()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _ddp_worker(ctx, kinds, optimizer_name):
+    """Each (model, variant): rank-dependent init (the broadcast must fix it), then STEPS steps."""
+    out = {}
+    for kind in kinds:
+        for i, (name, kwargs) in enumerate(VARIANTS):
+            model = _make(kind, seed=ctx.rank + 17)  # ranks start different on purpose
+            ddp = make_ddp(name, model, **kwargs)
+            state = _train(model, kind, ddp=ddp, rank=ctx.rank, world_size=ctx.world_size,
+                           optimizer_name=optimizer_name)
+            info = {"tied": model.head.weight is model.embed.weight} if kind == "tied" else {}
+            if isinstance(ddp, DDPBucketed):
+                info["n_buckets"] = ddp.n_buckets
+            ddp.remove_hooks()
+            out[(kind, i)] = (state, info)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def distributed_states():
+    # one spawn for every case: process start-up dominates the cost on a 2-core CPU
+    results = spawn(_ddp_worker, WORLD_SIZE, "gloo", args=(("frozen", "tied"), "sgd"),
+                    timeout_s=60, deadline_s=120)
+    return results
+
+
+def _reference(kind: str, optimizer_name: str = "sgd"):
+    return _train(_make(kind, seed=0 + 17), kind, optimizer_name=optimizer_name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["frozen", "tied"])
+@pytest.mark.parametrize("case", range(len(VARIANTS)), ids=[f"{n}{k.get('bucket_size_mb', '')}" for n, k in VARIANTS])
+def test_variant_matches_single_process(distributed_states, kind, case):
+    reference = _reference(kind)  # rank 0's initial weights, full batch, one process
+    initial = _make(kind, seed=17).state_dict()
+    for rank in range(WORLD_SIZE):
+        state, info = distributed_states[rank][(kind, case)]
+        assert state.keys() == reference.keys()
+        for key in reference:
+            # fp32: the ranks' averaged half-batch gradients differ from the full-batch gradient
+            # only by summation order (~1e-7 relative); after 4 SGD steps that stays below 1e-5
+            torch.testing.assert_close(state[key], reference[key], rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {rank} {kind} {VARIANTS[case]} {key}")
+        if kind == "frozen":
+            torch.testing.assert_close(state["frozen.weight"], initial["frozen.weight"])
+            torch.testing.assert_close(state["unused"], initial["unused"])
+        else:
+            assert info["tied"]
+    # the other rank started from different weights: equality proves the broadcast happened
+    assert not torch.equal(_make(kind, seed=18).state_dict()["fc1.weight" if kind == "frozen" else "mix.weight"],
+                           initial["fc1.weight" if kind == "frozen" else "mix.weight"])
+
+
+@pytest.mark.slow
+def test_bucket_counts(distributed_states):
+    # FrozenToy trainable: fc1 (w, b), fc2 (w, b), unused -> 5 params; tiny cap -> one bucket each
+    state, info = distributed_states[0][("frozen", 3)]
+    assert info["n_buckets"] == 5
+    state, info = distributed_states[0][("frozen", 5)]
+    assert info["n_buckets"] == 1
+
+
+def test_assign_buckets_reverse_order_and_cap():
+    sizes = [400, 100, 100, 300, 50]
+    assert assign_buckets(sizes, 400) == [[4, 3], [2, 1], [0]]
+    assert assign_buckets(sizes, 10_000) == [[4, 3, 2, 1, 0]]
+    # a parameter over the cap sits alone; every index appears exactly once
+    assert assign_buckets(sizes, 200) == [[4], [3], [2, 1], [0]]
+    assert assign_buckets(sizes, 1) == [[4], [3], [2], [1], [0]]
+    assert assign_buckets([], 100) == []
+
+
+def test_assign_buckets_splits_on_key_change():
+    assert assign_buckets([10, 10, 10, 10], 1000, keys=["a", "a", "b", "b"]) == [[3, 2], [1, 0]]
+
+
+@pytest.mark.parametrize("bad", [0, -5])
+def test_assign_buckets_rejects_bad_cap(bad):
+    with pytest.raises(ValueError, match="bucket size must be positive"):
+        assign_buckets([1, 2], bad)
+
+
+def test_wrappers_need_a_process_group():
+    with pytest.raises(RuntimeError, match="process group"):
+        DDPIndividualParameters(nn.Linear(2, 2))
+
+
+def test_unknown_variant():
+    with pytest.raises(ValueError, match="unknown DDP variant"):
+        make_ddp("nope", nn.Linear(2, 2))
+
+
+@pytest.mark.slow
+def test_notebook_07_smoke(tmp_path):
+    from systems.results import read_records
+    from systems.workbook import run_notebooks
+
+    (run,) = run_notebooks(only=["07"], profile="smoke", out_dir=tmp_path, report=False, progress=False)
+    assert run.ok, run.error
+    ddp_rows = read_records(tmp_path / "results" / "07_distributed_ddp.jsonl")
+    variants = {r["variant"] for r in ddp_rows}
+    assert {"nosync", "naive", "flat", "overlap", "torch_ddp"} <= variants
+    assert {r["precision"] for r in ddp_rows} == {"fp32", "bf16"}
+    assert read_records(tmp_path / "results" / "07_distributed_overlap.jsonl")
+    for stem in ("allreduce", "ddp_variants", "overlap", "bucket_model"):
+        assert (tmp_path / "figures" / f"07_distributed_{stem}.png").exists()
+
+
+def test_overlap_stats_from_a_gpu_trace(tmp_path):
+    """Exposed communication = NCCL kernel time with no other kernel running, per step."""
+    import gzip
+    import json
+
+    from systems.distributed.overlap import overlap_stats, trace_intervals
+
+    def ev(name, cat, ts, dur):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+    events = [
+        ev("train_step", "gpu_user_annotation", 1000, 100), ev("train_step", "gpu_user_annotation", 1100, 100),
+        # step 1: compute 1000-1060, comm 1050-1080 -> 10 overlapped, 20 exposed
+        ev("ampere_sgemm", "kernel", 1000, 40), ev("elementwise", "kernel", 1030, 30),
+        ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 1050, 30),
+        # step 2: comm 1100-1140 entirely under compute 1090-1150 (a memcpy counts as compute)
+        ev("Memcpy DtoD", "gpu_memcpy", 1090, 60), ev("ncclDevKernel_AllReduce", "kernel", 1100, 40),
+        ev("aten::mm", "cpu_op", 900, 500),  # CPU ops are ignored when kernels exist
+    ]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    iv = trace_intervals(path)
+    assert iv.kind == "gpu" and len(iv.steps) == 2
+    stats = overlap_stats(iv)
+    assert stats["comm_ms"] == pytest.approx(70 / 2 / 1e3)
+    assert stats["overlapped_ms"] == pytest.approx(50 / 2 / 1e3)
+    assert stats["exposed_comm_ms"] == pytest.approx(20 / 2 / 1e3)
+    assert stats["overlap_pct"] == pytest.approx(100 * 50 / 70)
+    assert stats["exposed_comm_pct_of_step"] == pytest.approx(100 * 20 / 200)
+
+
+def test_bucketed_rejects_bad_bucket_size():
+    with pytest.raises(ValueError, match="bucket_size_mb must be positive"):
+        DDPBucketed(nn.Linear(2, 2), bucket_size_mb=0)
