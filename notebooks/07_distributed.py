@@ -27,7 +27,6 @@ ddp_world_size = 2       # ranks for the DDP benchmark (global batch 4 -> 2 per 
 gloo_max_mb = None       # cap on gloo all-reduce sizes; None: 10 MB (smoke) / 100 MB (full)
 
 # %%
-import pandas as pd
 import torch
 
 from systems import nb

@@ -441,7 +441,7 @@ else:
     row = largest.loc[largest.busbw_GBps.idxmax()]
     world = int(row.get("world_size", 2)) if "world_size" in row else None
     w_meas, algbw_meas = float(row.busbw_GBps) * GB, float(row.algbw_GBps) * GB
-    measured_hw = h100.with_link(w_meas, name=f"H100 + measured NCCL busbw")
+    measured_hw = h100.with_link(w_meas, name="H100 + measured NCCL busbw")
     compare = []
     for hw in (h100, measured_hw, tpu):
         compare.append(dict(device=hw.name, W_GBps=hw.link_bytes_per_s / GB,

@@ -144,7 +144,6 @@ def warmup_answer(table: pd.DataFrame, *, device: str) -> str:
     if not parts:
         return "The cold runs have no warm counterpart to compare with."
     biggest = max(parts, key=lambda p: p[1])
-    mean_infl = [p[2] for p in parts]
     one = ok[ok["warm-up steps"] == 1].set_index("size")
     one_vs_warm = [one.loc[s, "mean ms"] / warm.loc[s, "mean ms"] for s in one.index if s in warm.index]
     causes = ("CUDA context and cuBLAS handle creation, kernel selection and module loading, and the caching "

@@ -746,7 +746,7 @@ def answers_table(*, model: StackedFFN = XXL, mesh: TPUMesh = HANDOUT_MESH, tpu:
     b_star = mesh_compute_bound_tokens_per_device(model, mesh=mesh, accelerator=tpu)
     add(ca, "b", f"min N_FSDP for {tpu.name} (weights/optimizer only)", min_fsdp_degree(model, accelerator=tpu),
         "devices", "16P / N < 95 GB")
-    add(ca, "b", f"min N_FSDP at b = ceil(b*) tokens/device", min_fsdp_degree(
+    add(ca, "b", "min N_FSDP at b = ceil(b*) tokens/device", min_fsdp_degree(
         model, accelerator=tpu, tokens_per_device=math.ceil(b_star)), "devices", "(16P + A/2)/N + A/2 < 95 GB")
     add(ca, "c", "per-device batch b* (compute-bound above)", b_star, "tokens", "alpha / (M_X Y)")
     add(ca, "c", "overall batch X Y b*", b_star * mesh.n_devices, "tokens", "X Y b*")

@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import timeit
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -46,13 +45,11 @@ from typing import Iterable, Sequence
 import numpy as np
 import pandas as pd
 import torch
-from torch.profiler import record_function
 
-from .benchmark import BenchmarkConfig, _Runner, _sync, run_benchmark
-from .optim import cross_entropy
+from .benchmark import PHASE_RANGES as HARNESS_PHASE_RANGES
+from .benchmark import STEP_RANGE, BenchmarkConfig, _Runner, run_benchmark
 
-STEP_RANGE = "step"
-PHASE_RANGES = ("forward", "backward", "optimizer step")
+PHASE_RANGES = tuple(HARNESS_PHASE_RANGES.values())  # ("forward", "backward", "optimizer step")
 ATTENTION_RANGES = ("attention scores", "softmax", "final matmul")  # named in systems.attention.naive
 NSYS_CAPTURE_RANGE = "profiled steps"  # the NVTX range nsys --capture-range=nvtx waits for
 
@@ -308,50 +305,6 @@ def range_table(items: pd.DataFrame, ranges: pd.DataFrame, *, n_steps: int = 1,
 # ----------------------------------------------------------------------------- profiling a configuration
 
 
-def _phased_step(runner: _Runner) -> dict[str, float]:
-    """The harness's step (systems.benchmark._Runner.step) with named ranges around its phases.
-
-    Each range closes after its synchronise, so a range's CPU duration is what the harness's timer
-    reads for that phase; the kernels' launches all fall inside their phase's range.
-    """
-    cfg, dev, times = runner.cfg, runner.device, {}
-    t0 = timeit.default_timer()
-    with record_function(STEP_RANGE):
-        if cfg.mode == "forward":
-            with record_function("forward"):
-                with torch.no_grad(), runner._autocast():
-                    runner.fn(runner.inputs)
-                _sync(dev)
-            times["forward"] = timeit.default_timer() - t0
-        else:
-            with record_function("forward"):
-                if runner.optimizer is not None:
-                    runner.optimizer.zero_grad(set_to_none=True)
-                else:
-                    runner.model.zero_grad(set_to_none=True)
-                with runner._autocast():
-                    loss = cross_entropy(runner.fn(runner.inputs), runner.targets)
-                _sync(dev)
-            t1 = timeit.default_timer()
-            times["forward"] = t1 - t0
-            with record_function("backward"):
-                (runner.scaler.scale(loss) if runner.scaler else loss).backward()
-                _sync(dev)
-            t2 = timeit.default_timer()
-            times["backward"] = t2 - t1
-            if runner.optimizer is not None:
-                with record_function("optimizer step"):
-                    if runner.scaler:
-                        runner.scaler.step(runner.optimizer)
-                        runner.scaler.update()
-                    else:
-                        runner.optimizer.step()
-                    _sync(dev)
-                times["optimizer"] = timeit.default_timer() - t2
-    times["step"] = timeit.default_timer() - t0
-    return times
-
-
 def profiler_activities(device: torch.device) -> list:
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -437,8 +390,8 @@ def profile_config(cfg: BenchmarkConfig, *, profile_steps: int = 3, trace_path: 
     try:
         runner = _Runner(cfg, device)
         for _ in range(cfg.warmup_steps):
-            _phased_step(runner)
-        plain = [_phased_step(runner) for _ in range(cfg.measure_steps)]
+            runner.step()
+        plain = [runner.step() for _ in range(cfg.measure_steps)]
         if trace_path is None:
             tmp = tempfile.TemporaryDirectory()
             path = Path(tmp.name) / "trace.json"
@@ -450,7 +403,7 @@ def profile_config(cfg: BenchmarkConfig, *, profile_steps: int = 3, trace_path: 
                                     record_shapes=record_shapes,
                                     on_trace_ready=lambda p: _export_trace(p, path)) as prof:
             for _ in range(profile_steps + 1):
-                profiled.append(_phased_step(runner))
+                profiled.append(runner.step())
                 prof.step()
         del runner
         items, ranges = parse_trace(load_trace(path))
@@ -735,12 +688,12 @@ def _nsys_target(cfg: BenchmarkConfig, steps: int) -> None:
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
     runner = _Runner(cfg, device)
     for _ in range(cfg.warmup_steps):
-        _phased_step(runner)
+        runner.step()
     with torch.autograd.profiler.emit_nvtx(record_shapes=False):
         torch.cuda.nvtx.range_push(NSYS_CAPTURE_RANGE)
         for _ in range(steps):
-            _phased_step(runner)
-        _sync(device)
+            runner.step()
+        torch.cuda.synchronize(device)
         torch.cuda.nvtx.range_pop()
 
 

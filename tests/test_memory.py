@@ -3,7 +3,6 @@ saved-tensor accounting, the seed-tool CLI, and checkpointing wrappers."""
 
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@
 import subprocess
 import sys
 
-import jupytext
 import pytest
 
 from systems import workbook

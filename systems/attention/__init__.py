@@ -23,6 +23,10 @@ def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is
     return impl(q, k, v, is_causal=is_causal)
 
 
+__all__ = ["BACKENDS", "AttentionFn", "FlashAttentionPytorch", "attention",
+           "flash_attention_pytorch", "flash_attention_triton", "get_backend", "naive_attention",
+           "sdpa_attention"]
+
 BACKENDS: dict[str, AttentionFn] = {
     "naive": naive_attention,
     "sdpa": sdpa_attention,

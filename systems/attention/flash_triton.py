@@ -116,81 +116,95 @@ def _cfg(**kw) -> triton.Config:
     return triton.Config(kw, num_warps=warps, num_stages=stages)
 
 
-# One small config each under the interpreter: multi-config autotuning benchmarks on a GPU
-# (it fails without a driver), and 16-row tiles exercise the tile loops at tiny sizes.
+def autotuning() -> bool:
+    """False under the interpreter, or with FLASH_TRITON_AUTOTUNE=0 (one default config each:
+    no benchmarking, few compiles; what quick GPU tests want)."""
+    return not interpreting() and os.environ.get("FLASH_TRITON_AUTOTUNE", "1") != "0"
+
+
+# Per kernel: configs for 16-bit inputs and for fp32 inputs (fp32 tiles hold twice the bytes
+# and its ieee dots run on CUDA cores, so smaller tiles win and big ones spill). The lists are
+# short on purpose: each config costs a compile per (head dim, dtype, causal), and the
+# 16-bit ones were the fastest of 12 tried per kernel on an H100 at (16, 16384, 64) bf16 causal.
+# Under the interpreter there is one small config each: multi-config autotuning benchmarks
+# on a GPU (it fails without a driver), and 16-row tiles exercise the tile loops at tiny sizes.
 if interpreting():
-    _FWD_CONFIGS = [_cfg(BLOCK_M=16, BLOCK_N=16, warps=4, stages=1)]
-    _DKDV_CONFIGS = [_cfg(BLOCK_M1=16, BLOCK_N1=32, warps=4, stages=1)]
-    _DQ_CONFIGS = [_cfg(BLOCK_M2=32, BLOCK_N2=16, warps=4, stages=1)]
+    _CONFIGS = {
+        "fwd": {"half": [_cfg(BLOCK_M=16, BLOCK_N=16, warps=4, stages=1)], "fp32": []},
+        "dkdv": {"half": [_cfg(BLOCK_M1=16, BLOCK_N1=32, warps=4, stages=1)], "fp32": []},
+        "dq": {"half": [_cfg(BLOCK_M2=32, BLOCK_N2=16, warps=4, stages=1)], "fp32": []},
+    }
+elif not autotuning():
+    # one config every dtype and head dim fits (fp32 included)
+    _CONFIGS = {
+        "fwd": {"half": [_cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=2)], "fp32": []},
+        "dkdv": {"half": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2)], "fp32": []},
+        "dq": {"half": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2)], "fp32": []},
+    }
 else:
-    _FWD_CONFIGS = [
-        _cfg(BLOCK_M=128, BLOCK_N=64, warps=4, stages=3),
-        _cfg(BLOCK_M=128, BLOCK_N=128, warps=8, stages=3),
-        _cfg(BLOCK_M=128, BLOCK_N=64, warps=8, stages=3),
-        _cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=3),
-        _cfg(BLOCK_M=64, BLOCK_N=32, warps=4, stages=2),
-    ]
-    _DKDV_CONFIGS = [
-        _cfg(BLOCK_M1=32, BLOCK_N1=128, warps=4, stages=5),
-        _cfg(BLOCK_M1=64, BLOCK_N1=128, warps=8, stages=3),
-        _cfg(BLOCK_M1=32, BLOCK_N1=128, warps=4, stages=3),
-        _cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=3),
-        _cfg(BLOCK_M1=32, BLOCK_N1=32, warps=4, stages=2),
-    ]
-    _DQ_CONFIGS = [
-        _cfg(BLOCK_M2=128, BLOCK_N2=32, warps=4, stages=5),
-        _cfg(BLOCK_M2=128, BLOCK_N2=64, warps=8, stages=3),
-        _cfg(BLOCK_M2=128, BLOCK_N2=32, warps=4, stages=3),
-        _cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=3),
-        _cfg(BLOCK_M2=32, BLOCK_N2=32, warps=4, stages=2),
-    ]
+    _CONFIGS = {
+        "fwd": {
+            "half": [_cfg(BLOCK_M=64, BLOCK_N=128, warps=4, stages=3),
+                     _cfg(BLOCK_M=128, BLOCK_N=64, warps=8, stages=3),
+                     _cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=4)],
+            "fp32": [_cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=3),
+                     _cfg(BLOCK_M=64, BLOCK_N=32, warps=4, stages=2)],
+        },
+        "dkdv": {
+            "half": [_cfg(BLOCK_M1=64, BLOCK_N1=64, warps=4, stages=3),
+                     _cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=3),
+                     _cfg(BLOCK_M1=32, BLOCK_N1=128, warps=4, stages=3)],
+            "fp32": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2),
+                     _cfg(BLOCK_M1=32, BLOCK_N1=32, warps=4, stages=2)],
+        },
+        "dq": {
+            "half": [_cfg(BLOCK_M2=128, BLOCK_N2=64, warps=8, stages=3),
+                     _cfg(BLOCK_M2=128, BLOCK_N2=64, warps=4, stages=3),
+                     _cfg(BLOCK_M2=64, BLOCK_N2=64, warps=4, stages=3)],
+            "fp32": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2),
+                     _cfg(BLOCK_M2=32, BLOCK_N2=32, warps=4, stages=2)],
+        },
+    }
 
 _SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KB per block, the rest is Triton's scratch
 
 
-def _element_size(named_args: dict) -> int:
-    return 4 if named_args["Q"].dtype == torch.float32 else 2
+def _prune(kernel, configs, named_args, resident_keys, streamed_keys, **kwargs):
+    """Keep the configs of the input's dtype family whose tiles fit shared memory.
 
-
-def _prune(configs, named_args, resident_keys, streamed_keys, **kwargs):
-    """Drop configs whose tiles cannot fit shared memory, and big tiles for fp32.
-
-    resident_keys: block sizes of tiles held for the whole program (x2 tensors each);
-    streamed_keys: block sizes of tiles multi-buffered over num_stages (x2 tensors each).
-    fp32 (ieee or tf32) dots use twice the registers per element, so only tiles of at most
-    64 x 64 stay (larger ones spill and take long to compile).
+    resident_keys: block sizes of tiles held for the whole program;
+    streamed_keys: block sizes of tiles multi-buffered over num_stages.
     """
     meta = {**named_args, **kwargs}
-    block_d = meta["BLOCK_D"]
-    elt = _element_size(meta)
+    fp32 = meta["Q"].dtype == torch.float32
+    elt = 4 if fp32 else 2
+    family = _CONFIGS[kernel]["fp32" if fp32 else "half"] or _CONFIGS[kernel]["half"]
     kept = []
     for c in configs:
-        resident = sum(c.kwargs[key] for key in resident_keys) * block_d * elt
-        streamed = sum(c.kwargs[key] for key in streamed_keys) * block_d * elt * max(c.num_stages, 1)
-        big = max(c.kwargs[key] for key in (*resident_keys, *streamed_keys))
-        if resident + streamed > _SMEM_BUDGET:
+        if not any(c is f for f in family):
             continue
-        if elt == 4 and (big > 64 or c.num_stages > 3):
-            continue
-        kept.append(c)
-    if not kept:  # never return nothing: the smallest config always fits
-        kept = [min(configs, key=lambda c: sum(v for v in c.kwargs.values()))]
+        resident = sum(c.kwargs[key] for key in resident_keys) * meta["BLOCK_D"] * elt
+        streamed = sum(c.kwargs[key] for key in streamed_keys) * meta["BLOCK_D"] * elt * max(c.num_stages, 1)
+        if resident + streamed <= _SMEM_BUDGET:
+            kept.append(c)
+    if not kept:  # never return nothing: the family's smallest config
+        kept = [min(family, key=lambda c: sum(c.kwargs.values()) * c.num_stages)]
     return kept
 
 
 def _prune_fwd(configs, named_args, **kwargs):
     # resident: Q; streamed: K and V
-    return _prune(configs, named_args, ["BLOCK_M"], ["BLOCK_N", "BLOCK_N"], **kwargs)
+    return _prune("fwd", configs, named_args, ["BLOCK_M"], ["BLOCK_N", "BLOCK_N"], **kwargs)
 
 
 def _prune_dkdv(configs, named_args, **kwargs):
     # resident: K, V (and dK, dV in registers); streamed: Q and dO
-    return _prune(configs, named_args, ["BLOCK_N1", "BLOCK_N1"], ["BLOCK_M1", "BLOCK_M1"], **kwargs)
+    return _prune("dkdv", configs, named_args, ["BLOCK_N1", "BLOCK_N1"], ["BLOCK_M1", "BLOCK_M1"], **kwargs)
 
 
 def _prune_dq(configs, named_args, **kwargs):
     # resident: Q, dO; streamed: K and V
-    return _prune(configs, named_args, ["BLOCK_M2", "BLOCK_M2"], ["BLOCK_N2", "BLOCK_N2"], **kwargs)
+    return _prune("dq", configs, named_args, ["BLOCK_M2", "BLOCK_M2"], ["BLOCK_N2", "BLOCK_N2"], **kwargs)
 
 
 _TUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "IS_CAUSAL", "INPUT_PRECISION"]
@@ -241,7 +255,7 @@ def _fwd_key_loop(acc, m_i, l_i, q, K_bh, V_bh, stride_kn, stride_kd, stride_vn,
     return acc, m_i, l_i
 
 
-@_autotune(_FWD_CONFIGS, _prune_fwd)
+@_autotune(_CONFIGS["fwd"]["half"] + _CONFIGS["fwd"]["fp32"], _prune_fwd)
 @triton.jit
 def _flash_fwd_kernel(Q, K, V, O, L,
                       stride_qb, stride_qm, stride_qd, stride_kb, stride_kn, stride_kd,
@@ -339,7 +353,7 @@ def _dkdv_query_loop(dk, dv, k, v, Q_bh, dO_bh, L_bh, D_bh, stride_qm, stride_qd
     return dk, dv
 
 
-@_autotune(_DKDV_CONFIGS, _prune_dkdv)
+@_autotune(_CONFIGS["dkdv"]["half"] + _CONFIGS["dkdv"]["fp32"], _prune_dkdv)
 @triton.jit
 def _flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV,
                            stride_qb, stride_qm, stride_qd, stride_kb, stride_kn, stride_kd,
@@ -421,7 +435,7 @@ def _dq_key_loop(dq, q, do, lse2, delta, K_bh, V_bh, stride_kn, stride_kd, strid
     return dq
 
 
-@_autotune(_DQ_CONFIGS, _prune_dq)
+@_autotune(_CONFIGS["dq"]["half"] + _CONFIGS["dq"]["fp32"], _prune_dq)
 @triton.jit
 def _flash_bwd_dq_kernel(Q, K, V, dO, L, Delta, dQ,
                          stride_qb, stride_qm, stride_qd, stride_kb, stride_kn, stride_kd,

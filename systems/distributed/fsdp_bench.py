@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from ..config import get_config
-from ..model import TransformerBlock, TransformerLM
+from ..model import TransformerLM
 from ..optim import AdamW, cross_entropy
 from ..results import ResultWriter
 from .ddp import DDPIndividualParameters

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .allreduce_bench import MB, fit_latency_bandwidth
+from .allreduce_bench import fit_latency_bandwidth
 from .overlap import plot_streams, trace_intervals
 
 
