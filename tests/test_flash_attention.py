@@ -1,0 +1,312 @@
+"""FlashAttention-2: the PyTorch version and the Triton kernels against a direct float64 reference.
+
+CPU: FlashAttentionPytorch; the Triton kernels under TRITON_INTERPRET=1 in a subprocess (the
+variable must be set before triton is imported, and must not leak into other tests); errors.
+GPU (marked gpu, skipped without CUDA): bf16/fp16/fp32 at larger shapes, against SDPA too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from systems.attention import BACKENDS, FlashAttentionPytorch, get_backend
+from systems.attention.flash_pytorch import flash_forward
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def reference(q, k, v, is_causal):
+    """Direct float64 attention: O and the natural-log logsumexp L of the scaled scores."""
+    q, k, v = (t.double() for t in (q, k, v))
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if is_causal:  # query i sees keys j <= i + (n_k - n_q), as naive_attention
+        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+
+
+def run_and_compare(apply, shape_q, n_k, dtype, is_causal, device, tol):
+    """Forward + backward through `apply`; returns max abs errors of O, L, dQ, dK, dV against
+    float64 autograd of `reference`, each divided by max(1, max |reference|)."""
+    gen = torch.Generator(device=device).manual_seed(sum(shape_q) + n_k)
+    shape_k = (*shape_q[:-2], n_k, shape_q[-1])
+    q = torch.randn(shape_q, generator=gen, device=device).to(dtype).requires_grad_()
+    k = torch.randn(shape_k, generator=gen, device=device).to(dtype).requires_grad_()
+    v = torch.randn(shape_k, generator=gen, device=device).to(dtype).requires_grad_()
+    do = torch.randn(shape_q, generator=gen, device=device).to(dtype)
+    out = apply(q, k, v, is_causal)
+    saved = out.grad_fn.saved_tensors
+    # exactly one saved tensor has the logsumexp's shape (batch..., n_queries)
+    lse = [t for t in saved if t.shape == shape_q[:-1]]
+    assert len(saved) == 5 and len(lse) == 1, [tuple(t.shape) for t in saved]
+    out.backward(do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_o, ref_l = reference(q64, k64, v64, is_causal)
+    ref_grads = torch.autograd.grad(ref_o, (q64, k64, v64), do.double())
+    errors = {}
+    for name, got, want in [("O", out, ref_o), ("L", lse[0], ref_l), ("dQ", q.grad, ref_grads[0]),
+                            ("dK", k.grad, ref_grads[1]), ("dV", v.grad, ref_grads[2])]:
+        assert got.shape == want.shape and got.dtype in (dtype, torch.float32), (name, got.shape, got.dtype)
+        assert torch.isfinite(got).all(), name
+        errors[name] = ((got.double() - want).abs().max() / want.abs().max().clamp(min=1)).item()
+    bad = {n: e for n, e in errors.items() if e > tol}
+    assert not bad, f"errors above {tol}: {bad} (all: {errors})"
+    return errors
+
+
+# shapes: (q shape, n_keys, causal); non-powers of two, n_q != n_k, extra leading dims
+CPU_CASES = [
+    ((2, 64, 16), 64, False),
+    ((2, 37, 16), 37, True),
+    ((3, 45, 32), 77, True),  # fewer queries than keys: they are the last 45 positions
+    ((2, 70, 24), 33, False),  # more queries than keys (non-causal only)
+    ((2, 3, 50, 64), 50, True),  # (batch, heads, seq, d)
+]
+
+
+# ----------------------------------------------------------------------------- PyTorch, CPU
+
+
+@pytest.mark.parametrize("shape_q,n_k,causal", CPU_CASES)
+def test_pytorch_matches_reference(shape_q, n_k, causal):
+    # fp32 tiles vs float64: errors are a few ulp of fp32 times the number of tiles
+    run_and_compare(FlashAttentionPytorch.apply, shape_q, n_k, torch.float32, causal, "cpu", tol=1e-5)
+
+
+def test_pytorch_float64_is_exact():
+    # in float64 the only difference to the direct formula is summation order
+    run_and_compare(FlashAttentionPytorch.apply, (2, 40, 16), 40, torch.float64, True, "cpu", tol=1e-12)
+
+
+def test_pytorch_forward_tiles_do_not_matter():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 50, 32, generator=gen) for _ in range(3))
+    o16, l16 = flash_forward(q, k, v, True, tile_q=16, tile_k=16)
+    o48, l48 = flash_forward(q, k, v, True, tile_q=48, tile_k=32)
+    torch.testing.assert_close(o16, o48, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(l16, l48, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(k=torch.zeros(2, 10, 8), v=torch.zeros(2, 10, 8)), "head dim"),
+    (dict(v=torch.zeros(2, 11, 16)), "same shape"),
+    (dict(q=torch.zeros(3, 10, 16)), "leading"),
+    (dict(k=torch.zeros(2, 10, 16, dtype=torch.float64)), "one dtype"),
+    (dict(q=torch.zeros(2, 12, 16), causal=True), "more queries"),
+    (dict(q=torch.zeros(2, 10, 16, dtype=torch.int32)), "dtype"),
+])
+def test_pytorch_rejects_bad_inputs(bad, match):
+    args = dict(q=torch.zeros(2, 10, 16), k=torch.zeros(2, 10, 16), v=torch.zeros(2, 10, 16), causal=False)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        FlashAttentionPytorch.apply(args["q"], args["k"], args["v"], args["causal"])
+
+
+def test_backends_registered_and_model_uses_flash_pytorch():
+    from systems.config import get_config
+    from systems.model import TransformerLM
+
+    assert {"naive", "sdpa", "flash_pytorch", "flash_triton"} <= set(BACKENDS)
+    torch.manual_seed(0)
+    model = TransformerLM(get_config("debug", attn_impl="naive"))
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 40))
+    want = model(tokens)
+    for layer in model.layers:
+        layer.attn.attn_impl = "flash_pytorch"
+    got = model(tokens)
+    got.sum().backward()  # the flash backward runs through the model's (b, h, seq, d) layout
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert get_backend("flash_pytorch") is BACKENDS["flash_pytorch"]
+
+
+# ----------------------------------------------------------------------------- Triton, CPU
+
+def _have_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+@pytest.mark.skipif(not _have_triton() or INTERPRETING or torch.cuda.is_available(),
+                    reason="checks the CPU-tensor error outside the interpreter, without a GPU")
+def test_triton_rejects_cpu_tensors():
+    from systems.attention import FlashAttentionTriton
+
+    x = torch.zeros(1, 16, 16)
+    with pytest.raises(ValueError, match="CUDA"):
+        FlashAttentionTriton.apply(x, x, x, False)
+
+
+@pytest.mark.skipif(not _have_triton() or INTERPRETING, reason="spawns the interpreter run itself")
+def test_triton_kernels_in_interpreter_subprocess():
+    """Runs this file's test_interp_* cases with TRITON_INTERPRET=1 set before triton is imported."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interp_",
+                           str(Path(__file__))], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= len(INTERP_CASES), tail
+
+
+# small sizes with 16-row tiles: several tiles, diagonal tiles, ragged ends, d padding (24)
+INTERP_CASES = [
+    ((2, 37, 16), 37, torch.float32, True),
+    ((2, 20, 24), 70, torch.float32, True),
+    ((3, 70, 32), 33, torch.float32, False),
+    ((1, 2, 48, 16), 48, torch.float16, True),
+    ((2, 33, 16), 65, torch.float16, False),
+]
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("shape_q,n_k,dtype,causal", INTERP_CASES)
+def test_interp_triton_matches_reference(shape_q, n_k, dtype, causal):
+    from systems.attention import FlashAttentionTriton
+
+    # the interpreter's dots are numpy: fp32 is exact to rounding; fp16 inputs and P/dS cast to
+    # fp16 before the dots give ~1e-3 relative error
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    run_and_compare(FlashAttentionTriton.apply, shape_q, n_k, dtype, causal, "cpu", tol=tol)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_interp_triton_pytorch_backward_path():
+    from systems.attention.flash_triton import flash_attention_triton
+
+    run_and_compare(lambda q, k, v, c: flash_attention_triton(q, k, v, c, backward="pytorch"),
+                    (2, 40, 16), 40, torch.float32, True, "cpu", tol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_interp_triton_rejects_bad_inputs():
+    from systems.attention import FlashAttentionTriton
+
+    x = torch.zeros(1, 16, 16)
+    with pytest.raises(ValueError, match="dtype"):
+        FlashAttentionTriton.apply(x, x, x.half(), False)
+    with pytest.raises(ValueError, match="head dim"):
+        y = torch.zeros(1, 16, 8)
+        FlashAttentionTriton.apply(y, y, y, False)
+    with pytest.raises(ValueError, match="backward"):
+        FlashAttentionTriton.apply(x, x, x, False, "cuda-graphs")
+
+
+# ----------------------------------------------------------------------------- GPU
+
+GPU_CASES = [
+    ((2, 3, 1000, 64), 1000, True),
+    ((2, 1024, 128), 1024, True),
+    ((1, 4, 300, 80), 777, True),  # d padded to 128, fewer queries than keys
+    ((3, 513, 32), 250, False),
+    ((4, 256, 16), 256, True),
+]
+# tolerances relative to max(1, max|ref|): bf16 has 8 mantissa bits (~4e-3 per rounding), and the
+# kernels round P and dS to the input dtype before the tensor-core dots; fp32 runs ieee dots.
+GPU_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+# every shape in bf16; fp16 and fp32 on two of them (each new head dim / dtype compiles kernels)
+GPU_PARAMS = ([(*case, torch.bfloat16) for case in GPU_CASES]
+              + [(*GPU_CASES[i], dt) for i in (0, 2) for dt in (torch.float16, torch.float32)])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape_q,n_k,causal,dtype", GPU_PARAMS)
+def test_gpu_triton_matches_reference(shape_q, n_k, causal, dtype):
+    from systems.attention import FlashAttentionTriton
+
+    run_and_compare(FlashAttentionTriton.apply, shape_q, n_k, dtype, causal, "cuda", tol=GPU_TOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_triton_pytorch_backward_path_matches():
+    from systems.attention.flash_triton import flash_attention_triton
+
+    run_and_compare(lambda q, k, v, c: flash_attention_triton(q, k, v, c, backward="pytorch"),
+                    (2, 4, 512, 64), 512, torch.bfloat16, True, "cuda", tol=3e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_pytorch_flash_matches_reference():
+    run_and_compare(FlashAttentionPytorch.apply, (2, 2, 300, 64), 300, torch.float32, True, "cuda", tol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_triton_close_to_sdpa_bf16(causal):
+    import torch.nn.functional as F
+
+    from systems.attention import FlashAttentionTriton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 2048, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    do = torch.randn_like(q)
+    ours = FlashAttentionTriton.apply(q, k, v, causal)
+    ours.backward(do)
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    theirs = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    theirs.backward(do)
+    # both are bf16 kernels with fp32 accumulation: they differ by a few bf16 roundings
+    torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
+    for mine, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(mine, t.grad, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_model_with_flash_triton_matches_sdpa():
+    from systems.config import get_config
+    from systems.model import TransformerLM
+
+    torch.manual_seed(0)
+    model = TransformerLM(get_config("debug", attn_impl="sdpa"), device="cuda")
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 200), device="cuda")
+    want = model(tokens)
+    for layer in model.layers:
+        layer.attn.attn_impl = "flash_triton"
+    got = model(tokens)
+    got.float().pow(2).mean().backward()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # fp32 model: ieee dots
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_triton_rejects_mismatched_inputs():
+    from systems.attention import FlashAttentionTriton
+
+    q = torch.zeros(1, 64, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        FlashAttentionTriton.apply(q, q, q.half(), True)
+    with pytest.raises(ValueError, match="device"):
+        FlashAttentionTriton.apply(q, q, q.cpu(), True)
+
+
+# ----------------------------------------------------------------------------- notebook
+
+
+@pytest.mark.slow
+def test_notebook_06_smoke(tmp_path):
+    from systems.workbook import run_notebooks
+
+    runs = run_notebooks(only=["06"], profile="smoke", out_dir=tmp_path, report=False, progress=False)
+    assert runs and all(r.ok for r in runs), [r.error for r in runs]
+    assert (tmp_path / "results" / "06_flash_attention_check.jsonl").exists()
