@@ -12,7 +12,10 @@ opened as notebooks in JupyterLab through jupytext. Each has one cell tagged
 from __future__ import annotations
 
 import argparse
+import base64
 import json
+import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -103,6 +106,26 @@ def run_notebook(path: Path, *, profile: str, out_dir: Path, parameters: dict | 
         src.unlink(missing_ok=True)
 
 
+_MD_LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
+
+
+def _portable_links(text: str, out_dir: Path, report_dir: Path) -> str:
+    """Markdown links written relative to out_dir (the notebooks' working paths): PNGs are
+    embedded as data URIs, so the report is one self-contained file; other existing files are
+    re-pointed relative to the report."""
+
+    def fix(m: re.Match) -> str:
+        bang, label, target = m.groups()
+        path = out_dir / target
+        if "://" in target or target.startswith(("#", "data:", "/")) or not path.is_file():
+            return m.group(0)
+        if bang and path.suffix.lower() == ".png":
+            return f"![{label}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
+        return f"{bang}[{label}]({os.path.relpath(path, report_dir)})"
+
+    return _MD_LINK.sub(fix, text)
+
+
 def build_report(out_dir: Path) -> Path:
     """Concatenate every executed notebook under out_dir/writeup/executed into writeup/report.html."""
     import nbformat
@@ -112,6 +135,7 @@ def build_report(out_dir: Path) -> Path:
     executed = [p for p in executed if not p.name.endswith(".input.ipynb")]
     if not executed:
         raise WorkbookError(f"no executed notebooks under {out_dir / 'writeup' / 'executed'}")
+    report_dir = out_dir / "writeup"
     report = nbformat.v4.new_notebook()
     report.cells.append(nbformat.v4.new_markdown_cell(
         "# LLM training-systems workbook: report\n\n"
@@ -125,10 +149,15 @@ def build_report(out_dir: Path) -> Path:
             if cell.cell_type == "code":
                 # progress bars and warnings go to stderr: keep them in the executed notebook, not the report
                 cell.outputs = [o for o in cell.outputs if not (o.output_type == "stream" and o.name == "stderr")]
+                for o in cell.outputs:
+                    if "text/markdown" in o.get("data", {}):
+                        o.data["text/markdown"] = _portable_links(o.data["text/markdown"], out_dir, report_dir)
+            else:
+                cell.source = _portable_links(cell.source, out_dir, report_dir)
             report.cells.append(cell)
     exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
     body, _ = exporter.from_notebook_node(report)
-    path = out_dir / "writeup" / "report.html"
+    path = report_dir / "report.html"
     path.write_text(body)
     return path
 

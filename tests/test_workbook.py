@@ -60,3 +60,25 @@ def test_ci_runs_the_readme_test_command():
     ci = (REPO_ROOT / ".ci" / "run").read_text()
     command = next(line for line in readme.splitlines() if "pytest" in line and line.startswith("python3"))
     assert command in ci.splitlines()
+
+
+def test_report_embeds_relative_images_and_repoints_links(tmp_path):
+    import base64
+
+    import nbformat
+
+    (tmp_path / "figures").mkdir()
+    png = b"\x89PNG\r\n\x1a\nfake"
+    (tmp_path / "figures" / "x.png").write_bytes(png)
+    (tmp_path / "figures" / "x.html").write_text("<html></html>")
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("")
+    cell.outputs = [nbformat.v4.new_output("display_data", data={
+        "text/markdown": "![t](figures/x.png) [viz](figures/x.html) [web](https://example.org) ![gone](figures/none.png)"})]
+    nb.cells.append(cell)
+    (tmp_path / "writeup" / "executed").mkdir(parents=True)
+    nbformat.write(nb, tmp_path / "writeup" / "executed" / "01_x.ipynb")
+    html = workbook.build_report(tmp_path).read_text()
+    assert base64.b64encode(png).decode() in html  # embedded: the report stands alone
+    assert "../figures/x.html" in html  # resolves from writeup/
+    assert "https://example.org" in html and "figures/none.png" in html  # left alone
