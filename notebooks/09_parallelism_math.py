@@ -38,6 +38,7 @@ import torch
 
 from systems import nb
 from systems import parallel_math as pm
+from systems.parallel_plots import bucket_overhead_figure, crossover_panel, mark_crossover
 from systems.config import get_config
 from systems.env import REPO_ROOT
 from systems.results import ResultWriter, read_results
@@ -45,16 +46,7 @@ from systems.results import ResultWriter, read_results
 ctx = nb.setup(name="09_parallelism_math", profile=profile, out_dir=out_dir, needs_gpu_for_full=False)
 n_points = 2000 if ctx.full else 300
 GB = pm.GB
-
-
-def latex(expr) -> str:
-    return sp.latex(expr)
-
-
-def mark_crossover(ax, x, label, color="k"):
-    ax.axvline(x, color=color, ls="--", lw=1)
-    ax.annotate(label, xy=(x, 0.5), xycoords=("data", "axes fraction"), rotation=90, va="center", ha="right",
-                fontsize=8, color=color)
+latex = sp.latex
 
 
 # %% [markdown]
@@ -273,29 +265,22 @@ nb.md(f"Sharded over $N_{{TP}} = {n_tp_check}$ in float64, the largest differenc
 # ### Compute vs communication as the device count grows
 
 # %%
-def crossover_panel(ax, compute, comm, bound, n_max, title):
-    ns = np.linspace(1, n_max, n_points)
-    ax.plot(ns, [compute(n) * 1e3 for n in ns], label="compute")
-    ax.plot(ns, [comm(n) * 1e3 for n in ns], label="communication (TP: fwd = bwd)" if "TP" in title else "communication")
-    mark_crossover(ax, bound, f"N = {bound:.1f}")
-    ax.set(title=title, xlabel="devices N", ylabel="ms per layer", yscale="log")
-    ax.legend(fontsize=8)
-
-
 for hw_kind, stem in [("dp", "dp_crossover"), ("tp", "tp_crossover")]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=False)
     for ax, hw in zip(axes, (h100, tpu)):
         c, w = hw.flops_per_s, hw.link_bytes_per_s
         if hw_kind == "dp":
             bound = pm.dp_max_devices(layer, accelerator=hw)
-            crossover_panel(ax, lambda n: pm.dp_backward_flops(layer, n_dp=n) / c,
-                            lambda n: pm.dp_backward_comm_time(layer, n_dp=n, link_bytes_per_s=w), bound,
-                            3 * bound, f"DP / FSDP backward, {hw.name}")
+            crossover_panel(ax, compute=lambda n: pm.dp_backward_flops(layer, n_dp=n) / c,
+                            comm=lambda n: pm.dp_backward_comm_time(layer, n_dp=n, link_bytes_per_s=w), bound=bound,
+                            n_max=3 * bound, title=f"DP / FSDP backward, {hw.name}", n_points=n_points)
         else:
             bounds = pm.tp_max_devices(layer, accelerator=hw)
-            crossover_panel(ax, lambda n: pm.tp_forward_flops(layer, n_tp=n) / c,
-                            lambda n: pm.tp_forward_comm_time(layer, n_tp=n, link_bytes_per_s=w), bounds["forward"],
-                            3 * bounds["backward"], f"TP forward and backward, {hw.name}")
+            crossover_panel(ax, compute=lambda n: pm.tp_forward_flops(layer, n_tp=n) / c,
+                            comm=lambda n: pm.tp_forward_comm_time(layer, n_tp=n, link_bytes_per_s=w),
+                            bound=bounds["forward"], n_max=3 * bounds["backward"],
+                            title=f"TP forward and backward, {hw.name}", n_points=n_points,
+                            comm_label="communication (TP: fwd = bwd)")
             ns = np.linspace(1, 3 * bounds["backward"], n_points)
             ax.plot(ns, [pm.tp_backward_flops(layer, n_tp=n) / c * 1e3 for n in ns], ":", label="compute (backward)")
             mark_crossover(ax, bounds["backward"], f"backward N = {bounds['backward']:.1f}", color="tab:red")
@@ -399,18 +384,9 @@ for one flat all-reduce.""")
 
 # %%
 def bucket_figure(w, label):
-    sizes_mb = np.geomspace(0.1, grad_bytes / 1e6, n_points)
-    over = [pm.ddp_bucket_overhead(total_bytes=grad_bytes, bandwidth_bytes_per_s=w,
-                                   per_call_overhead_s=ddp_per_call_overhead_s,
-                                   n_buckets=grad_bytes / (mb * 1e6)) * 1e3 for mb in sizes_mb]
-    best = pm.optimal_bucket_bytes(total_bytes=grad_bytes, bandwidth_bytes_per_s=w,
-                                   per_call_overhead_s=ddp_per_call_overhead_s) / 1e6
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(sizes_mb, over)
-    mark_crossover(ax, best, f"optimum {best:,.0f} MB")
-    ax.set(xscale="log", yscale="log", xlabel="bucket size (MB)", ylabel="overhead after backward (ms)",
-           title=f"Bucketed DDP, XL gradients, {label}")
-    return fig
+    return bucket_overhead_figure(total_bytes=grad_bytes, bandwidth_bytes_per_s=w,
+                                  per_call_overhead_s=ddp_per_call_overhead_s, n_points=n_points,
+                                  title=f"Bucketed DDP, XL gradients, {label}")
 
 
 nb.save_figure(bucket_figure(w_assumed, f"w = {w_assumed / GB:.0f} GB/s, o = {ddp_per_call_overhead_s * 1e6:.0f} µs"),

@@ -39,7 +39,8 @@ from ..model import TransformerLM
 from ..optim import AdamW, cross_entropy
 from ..results import ResultWriter
 from .ddp import DDPBucketed, make_ddp
-from .launch import DistContext, all_gather_objects, launch, resolve_backend, under_torchrun
+from .launch import (DistContext, add_benchmark_arguments, all_gather_objects, launch, resolve_backend,
+                     under_torchrun)
 from .overlap import STEP_MARK, overlap_stats, trace_intervals
 
 PRECISIONS = ("fp32", "bf16")
@@ -312,22 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     d = DDPBenchConfig()
     parser = argparse.ArgumentParser(prog="python -m systems.distributed.ddp_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    parser.add_argument("--backend", default="auto", help="nccl, gloo or auto (nccl when CUDA is present)")
-    parser.add_argument("--model", default=d.model)
-    parser.add_argument("--context-length", type=int, default=d.context_length)
-    parser.add_argument("--global-batch", type=int, default=d.global_batch)
-    parser.add_argument("--precisions", nargs="+", default=list(d.precisions), choices=PRECISIONS)
+    add_benchmark_arguments(parser, d, precisions=PRECISIONS)
     parser.add_argument("--bucket-sizes-mb", nargs="+", type=float, default=list(d.bucket_sizes_mb))
     parser.add_argument("--no-torch-ddp", action="store_true")
-    parser.add_argument("--warmup", type=int, default=d.warmup)
-    parser.add_argument("--steps", type=int, default=d.steps)
-    parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=d.profile_steps)
-    parser.add_argument("--attn-impl", default=None)
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in the fp32 runs")
-    parser.add_argument("--out-dir", default="results", help="where the jsonl files and traces go")
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
     args = parser.parse_args(argv)
     out = Path(args.out_dir)
     config = DDPBenchConfig(
