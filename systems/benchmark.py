@@ -275,7 +275,9 @@ def run_sweep(configs: Iterable[BenchmarkConfig], *, out_path: str | Path | None
     """Run configurations in order, writing each record to ``out_path`` (.jsonl) as it completes.
 
     ``isolate=True`` runs every point in its own process: each then pays CUDA start-up, which is
-    what a cold-start (no warm-up) measurement needs.
+    what a cold-start (no warm-up) measurement needs. Use it too for sweeps that expect to run
+    out of memory inside ``backward()``: on an H100 such an OOM left its graph's buffers
+    allocated for the rest of the process (notebook 05), which shrinks every later point.
     """
     from tqdm import tqdm
 
