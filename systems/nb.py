@@ -92,11 +92,12 @@ def show(df: pd.DataFrame, *, caption: str | None = None, floatfmt: str = "{:,.3
     print(df.to_string())
 
 
-def save_figure(fig, ctx: NotebookContext, stem: str, *, dpi: int = 120) -> Path:
-    """figures/<notebook>_<stem>.png; the figure stays displayed inline."""
-    path = ctx.figures / f"{ctx.name}_{stem}.png"
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
-    return path
+def save_figure(fig, ctx: NotebookContext, stem: str, *, dpi: int = 120) -> None:
+    """figures/<notebook>_<stem>.png; the figure stays displayed inline.
+
+    Returns nothing, so a cell ending in this call shows the figure and no path repr.
+    """
+    fig.savefig(ctx.figures / f"{ctx.name}_{stem}.png", dpi=dpi, bbox_inches="tight")
 
 
 def fmt_ms(seconds: float | None) -> str:

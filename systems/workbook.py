@@ -148,7 +148,10 @@ def build_report(out_dir: Path) -> Path:
                 continue
             if cell.cell_type == "code":
                 # progress bars and warnings go to stderr: keep them in the executed notebook, not the report
-                cell.outputs = [o for o in cell.outputs if not (o.output_type == "stream" and o.name == "stderr")]
+                # and a bare repr of a cell's last value (text/plain only) is not a result either
+                cell.outputs = [o for o in cell.outputs
+                                if not (o.output_type == "stream" and o.name == "stderr")
+                                and not (o.output_type == "execute_result" and set(o.get("data", {})) == {"text/plain"})]
                 for o in cell.outputs:
                     if "text/markdown" in o.get("data", {}):
                         o.data["text/markdown"] = _portable_links(o.data["text/markdown"], out_dir, report_dir)

@@ -74,7 +74,9 @@ def test_report_embeds_relative_images_and_repoints_links(tmp_path):
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("")
     cell.outputs = [nbformat.v4.new_output("display_data", data={
-        "text/markdown": "![t](figures/x.png) [viz](figures/x.html) [web](https://example.org) ![gone](figures/none.png)"})]
+        "text/markdown": "![t](figures/x.png) [viz](figures/x.html) [web](https://example.org) ![gone](figures/none.png)"}),
+        nbformat.v4.new_output("execute_result", data={"text/plain": "PosixPath('/tmp/x.png')"}, execution_count=1),
+        nbformat.v4.new_output("stream", name="stderr", text="progress 50%")]
     nb.cells.append(cell)
     (tmp_path / "writeup" / "executed").mkdir(parents=True)
     nbformat.write(nb, tmp_path / "writeup" / "executed" / "01_x.ipynb")
@@ -82,3 +84,4 @@ def test_report_embeds_relative_images_and_repoints_links(tmp_path):
     assert base64.b64encode(png).decode() in html  # embedded: the report stands alone
     assert "../figures/x.html" in html  # resolves from writeup/
     assert "https://example.org" in html and "figures/none.png" in html  # left alone
+    assert "PosixPath" not in html and "progress 50%" not in html  # reprs and stderr stay in the notebook

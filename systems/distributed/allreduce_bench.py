@@ -14,6 +14,7 @@ each link of a ring all-reduce carries, comparable across world sizes and with l
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -216,17 +217,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-gloo-world-size", type=int, default=None)
     parser.add_argument("--max-gloo-mb", type=float, default=None)
     parser.add_argument("--out", default="results/07_distributed_allreduce.jsonl")
+    parser.add_argument("--figure", help="also save the time / bus-bandwidth figure of this run here (.png)")
     args = parser.parse_args(argv)
     plan = plan_cases(backends=[resolve_backend(b) for b in args.backend], world_sizes=args.world_sizes,
                       sizes_bytes=[int(m * MB) for m in args.sizes_mb],
                       max_gloo_world_size=args.max_gloo_world_size,
                       max_gloo_bytes=None if args.max_gloo_mb is None else int(args.max_gloo_mb * MB))
-    for row in run_benchmark(plan, args.out):
+    rows = run_benchmark(plan, args.out)
+    for row in rows:
         if row["status"] == "ok":
             print(f"{row['backend']} n={row['world_size']} {row['size_mb']:>7g} MB: {row['time_ms']:9.3f} ms  "
                   f"algbw {row['algbw_GBps']:7.2f} GB/s  busbw {row['busbw_GBps']:7.2f} GB/s")
         else:
             print(f"{row['backend']} n={row['world_size']} {row['size_mb']:>7g} MB: not run ({row['reason']})")
+    if args.figure:
+        import pandas as pd
+
+        from .report import plot_allreduce
+
+        env = rows[0]["env"] if rows else {}
+        where = env.get("gpu") or f"{os.cpu_count()} CPU cores"
+        fig = plot_allreduce(pd.DataFrame(rows), title=f"all-reduce, fp32, on {where} ({env.get('date', '')[:10]})")
+        Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.figure, dpi=120, bbox_inches="tight")
+        print(f"figure: {args.figure}")
     return 0
 
 
