@@ -196,7 +196,10 @@ def _measure(cfg: BenchmarkConfig, device: torch.device, around_measure, on_step
     record["step_mean_s"], record["step_std_s"] = _mean_std(record["step_times_s"])
     record["step_median_s"] = statistics.median(record["step_times_s"])
     for phase in PHASES:
-        record[f"{phase}_mean_s"], record[f"{phase}_std_s"] = _mean_std([s[phase] for s in steps if phase in s])
+        times = [s[phase] for s in steps if phase in s]
+        record[f"{phase}_mean_s"], record[f"{phase}_std_s"] = _mean_std(times)
+        # the median resists a stray slow step (a GC pause, a clock change) that moves the mean
+        record[f"{phase}_median_s"] = statistics.median(times) if times else None
     if device.type == "cuda":
         record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         for phase in PHASES:

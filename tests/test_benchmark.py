@@ -28,6 +28,8 @@ def test_records_are_sane_for_every_mode_and_precision(mode, precision):
     phase_sum = sum(r[f"{p}_mean_s"] or 0 for p in ("forward", "backward", "optimizer"))
     assert phase_sum <= r["step_mean_s"] * 1.001
     assert (r["backward_mean_s"] is None) == (mode == "forward")
+    assert (r["backward_median_s"] is None) == (mode == "forward")
+    assert min(r["step_times_s"]) <= r["step_median_s"] <= max(r["step_times_s"])
     assert (r["optimizer_mean_s"] is None) == (mode != "train_step")
     assert r["tokens_per_s"] == pytest.approx(2 * 32 / r["step_mean_s"])
     assert r["mfu"] is None  # no GPU, no named peak
