@@ -233,6 +233,43 @@ def test_overlap_stats_from_a_gpu_trace(tmp_path):
     assert stats["exposed_comm_pct_of_step"] == pytest.approx(100 * 20 / 200)
 
 
+def test_gpu_step_annotations_on_two_streams_count_once(tmp_path):
+    """Kineto writes one gpu_user_annotation per (range, stream): a naive-DDP step that launches
+    NCCL kernels from its own thread shows up on the compute and the NCCL stream, with the same
+    External id. They are one step, not two (else every per-step number is halved)."""
+    import json
+
+    from systems.distributed.overlap import overlap_stats, trace_intervals
+
+    def ev(name, cat, ts, dur, tid, ext=None):
+        e = {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+        if ext is not None:
+            e["args"] = {"External id": ext}
+        return e
+
+    events = [
+        # NCCL stream's annotations first, as a trace may order them
+        ev("train_step", "gpu_user_annotation", 1060, 40, 20, ext=11),
+        ev("train_step", "gpu_user_annotation", 1160, 40, 20, ext=12),
+        ev("train_step", "gpu_user_annotation", 1000, 90, 7, ext=11),
+        ev("train_step", "gpu_user_annotation", 1100, 90, 7, ext=12),
+        ev("train_step", "user_annotation", 900, 150, 1, ext=11),
+        ev("sgemm", "kernel", 1000, 60, 7), ev("adam", "kernel", 1080, 10, 7),
+        ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 1060, 40, 20),
+        ev("sgemm", "kernel", 1100, 60, 7), ev("adam", "kernel", 1180, 10, 7),
+        ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 1160, 40, 20),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    iv = trace_intervals(path)
+    assert iv.steps == [(0.0, 100.0), (100.0, 200.0)]
+    stats = overlap_stats(iv)
+    assert stats["profiled_steps"] == 2
+    assert stats["step_window_ms"] == pytest.approx(100 / 1e3)
+    assert stats["comm_ms"] == pytest.approx(40 / 1e3)  # per step, over 2 steps
+    assert stats["exposed_comm_ms"] == pytest.approx(30 / 1e3)  # of 40, 1080-1090 is under adam
+
+
 def test_bucketed_rejects_bad_bucket_size():
     with pytest.raises(ValueError, match="bucket_size_mb must be positive"):
         DDPBucketed(nn.Linear(2, 2), bucket_size_mb=0)

@@ -201,3 +201,55 @@ def test_notebook_08_smoke(tmp_path):
         assert (tmp_path / "results" / f"08_sharding_fsdp_{stem}.jsonl").exists()
     for stem in ("fsdp_vs_fsdp2", "gather_timeline", "gather_slack"):
         assert (tmp_path / "figures" / f"08_sharding_fsdp_{stem}.png").stat().st_size > 5000
+
+
+def test_gpu_trace_timeline_merges_the_step_across_streams(tmp_path):
+    """A synthetic GPU trace: the step range has one annotation per stream (NCCL stream listed
+    first); the step is their union. Forward gathers pair with units in issue order."""
+    import json
+
+    from systems.distributed.fsdp_bench import gather_timing, trace_timeline
+
+    def ev(name, cat, ts, dur, tid, ext=None):
+        e = {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+        if ext is not None:
+            e["args"] = {"External id": ext}
+        return e
+
+    events = [
+        ev("train_step", "gpu_user_annotation", 1000, 300, 20, ext=5),  # NCCL stream: gathers .. reduce
+        ev("train_step", "gpu_user_annotation", 1010, 490, 7, ext=5),  # compute stream, to the optimizer
+        ev("fsdp_unit:0", "gpu_user_annotation", 1010, 40, 7, ext=6),
+        ev("fsdp_unit:1", "gpu_user_annotation", 1066, 34, 7, ext=7),
+        ev("ncclDevKernel_AllGather_RING_LL", "kernel", 1000, 10, 20),
+        ev("ncclDevKernel_AllGather_RING_LL", "kernel", 1015, 50, 20),  # ends after layer 1 would start
+        ev("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "kernel", 1250, 50, 20),
+        ev("sgemm", "kernel", 1010, 40, 7), ev("sgemm", "kernel", 1066, 34, 7),
+        ev("adam", "kernel", 1400, 100, 7),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    timeline = trace_timeline(path)
+    assert timeline["kind"] == "gpu"
+    assert timeline["step"] == pytest.approx((0.0, 0.5))
+    assert [u[0] for u in timeline["units"]] == [0, 1]
+    rows = gather_timing(timeline)
+    assert [r["in_time"] for r in rows] == [True, False]
+    assert rows[1]["stall_ms"] == pytest.approx(0.015)  # compute idle 1050-1065 waiting for the gather
+
+
+def test_optimizer_state_bytes_counts_local_shards():
+    """FSDP2's AdamW moments are DTensors whose numel() is global; only the local shard is held."""
+    from types import SimpleNamespace
+
+    from systems.distributed.fsdp_bench import optimizer_state_bytes
+
+    class GlobalView(torch.Tensor):  # stands in for a DTensor sharded over 2 ranks
+        def to_local(self):
+            return torch.zeros(self.numel() // 2, dtype=self.dtype)
+
+    p = torch.zeros(8)
+    opt = SimpleNamespace(state={p: {"exp_avg": torch.zeros(8).as_subclass(GlobalView),
+                                     "exp_avg_sq": torch.zeros(8).as_subclass(GlobalView),
+                                     "step": torch.tensor(1.0)}})
+    assert optimizer_state_bytes(opt) == 2 * 4 * 4 + 4

@@ -43,6 +43,7 @@ from .ddp import DDPIndividualParameters
 from .fsdp import FSDP
 from .launch import (DistContext, add_benchmark_arguments, all_gather_objects, launch, resolve_backend,
                      under_torchrun)
+from .overlap import gpu_annotation_spans
 from .sharded_optimizer import ShardedOptimizer
 
 PRECISIONS = ("fp32", "bf16")
@@ -123,7 +124,10 @@ def _mib(x):
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     if isinstance(opt, ShardedOptimizer):
         return opt.state_bytes()
-    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    # FSDP2's moments are DTensors, whose numel() is the global size: count the local shard
+    local = [t.to_local() if hasattr(t, "to_local") else t
+             for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 # ---- one variant -------------------------------------------------------------------------------
@@ -344,7 +348,10 @@ def trace_timeline(path: str | Path) -> dict:
                    and e.get("tid") not in threads]
         annot = [e for e in events if e.get("cat") == "user_annotation"]
     units = sorted((int(e["name"].split(":")[1]), *span(e)) for e in annot if e["name"].startswith(UNIT_MARK + ":"))
-    steps = [span(e) for e in annot if e["name"] == "train_step"] or \
+    # on GPU the step's range has one annotation per stream (compute and NCCL, whose forward
+    # all-gathers it launches): merged into one span, or "step" could be the NCCL stream's alone
+    steps = (gpu_annotation_spans(events, "train_step") if kind == "gpu" else
+             [span(e) for e in annot if e["name"] == "train_step"]) or \
         [span(e) for e in events if e.get("cat") == "user_annotation" and e["name"] == "train_step"]
     origin = min([s for s, _ in steps] or [s for s, _ in compute] or [0.0])
     ms = lambda iv: [((a - origin) / 1e3, (b - origin) / 1e3) for a, b in iv]  # noqa: E731

@@ -43,13 +43,38 @@ def _span(e: dict) -> tuple[float, float]:
     return start, start + float(e["dur"])
 
 
+def gpu_annotation_spans(events: list[dict], name: str) -> list[tuple[float, float]]:
+    """GPU-side spans of the record_function ranges called ``name``, one per range.
+
+    Kineto writes one "gpu_user_annotation" event per (range, CUDA stream) that ran its kernels
+    (GpuUserEventMap is keyed by device and stream), all carrying the CPU range's "External id".
+    A step whose NCCL kernels were launched from the range's thread (naive, flat DDP; FSDP's
+    forward all-gathers) therefore appears twice, once on the compute stream and once on the
+    NCCL stream; counting both would halve every per-step number. Events with the same id are
+    merged into one span (first start, last end); events without an id stay separate.
+    """
+    merged: dict[object, list[float]] = {}
+    for i, e in enumerate(events):
+        if e.get("cat") != "gpu_user_annotation" or e["name"] != name:
+            continue
+        ext = (e.get("args") or {}).get("External id")
+        key = ("id", ext) if ext is not None else ("event", i)
+        a, b = _span(e)
+        if key in merged:
+            merged[key][0] = min(merged[key][0], a)
+            merged[key][1] = max(merged[key][1], b)
+        else:
+            merged[key] = [a, b]
+    return sorted((a, b) for a, b in merged.values())
+
+
 def trace_intervals(path: str | Path) -> TraceIntervals:
     events = _load(path)
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if kernels:
         comm = [_span(e) for e in kernels if "nccl" in e["name"].lower()]
         compute = [_span(e) for e in kernels if "nccl" not in e["name"].lower()]
-        steps = [_span(e) for e in events if e.get("cat") == "gpu_user_annotation" and e["name"] == STEP_MARK]
+        steps = gpu_annotation_spans(events, STEP_MARK)  # one per step, not one per stream
         kind = "gpu"
     else:
         comm_events = [e for e in events if e["name"].startswith("gloo:")]
