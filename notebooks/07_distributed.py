@@ -21,7 +21,7 @@
 # the debug model. Ranks are started by `systems.distributed.launch.spawn` (or `torchrun`).
 
 # %% tags=["parameters"]
-profile = "smoke"        # "smoke" (CPU, gloo, < 90 s) or "full" (NCCL on >= 2 GPUs)
+profile = "smoke"        # "smoke" (CPU, gloo, < 90 s) or "full" (NCCL on two or more GPUs)
 out_dir = "build/smoke"  # the runner injects this
 ddp_world_size = 2       # ranks for the DDP benchmark (global batch 4 -> 2 per rank)
 gloo_max_mb = None       # cap on gloo all-reduce sizes; None: 10 MB (smoke) / 100 MB (full)

@@ -19,7 +19,7 @@
 # profiler trace to see whether each layer's all-gather finishes before the layer needs it.
 
 # %% tags=["parameters"]
-profile = "smoke"        # "smoke" (2 gloo ranks on CPU, < 90 s) or "full" (NCCL on >= 2 GPUs, < 6 min)
+profile = "smoke"        # "smoke" (2 gloo ranks on CPU, < 90 s) or "full" (NCCL on two or more GPUs, < 6 min)
 out_dir = "build/smoke"  # the runner injects this
 
 # %%

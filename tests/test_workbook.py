@@ -21,6 +21,17 @@ def test_notebooks_are_output_free_jupytext_scripts():
         assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
 
 
+def test_papermill_reads_every_parameters_cell():
+    """papermill's own parser must see profile and out_dir (a '=' inside a comment defeats it)."""
+    from papermill.translators import PythonTranslator
+
+    for path in workbook.discover():
+        nb = workbook.to_ipynb(path)
+        cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+        names = [p.name for p in PythonTranslator.inspect(cell)]
+        assert {"profile", "out_dir"} <= set(names), (path.name, names)
+
+
 def test_discover_filters_by_number_and_reports_missing():
     assert [p.stem for p in workbook.discover(["1"])] == ["01_benchmarking"]
     with pytest.raises(workbook.WorkbookError, match="no notebook matches"):
