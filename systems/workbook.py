@@ -25,14 +25,18 @@ from .env import REPO_ROOT
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 
+# GPUs a notebook's full profile needs (one process per GPU, NCCL); others need one.
+MIN_GPUS_FULL = {"07_distributed": 2, "08_sharding_fsdp": 2}
+
 
 @dataclass
 class NotebookRun:
     name: str
     ok: bool
     seconds: float
-    output: Path
+    output: Path | None
     error: str | None = None
+    skipped: str | None = None  # why it did not run (this machine lacks what it needs)
 
 
 class WorkbookError(RuntimeError):
@@ -50,6 +54,12 @@ def discover(only: list[str] | None = None) -> list[Path]:
             raise WorkbookError(f"no notebook matches {missing}; have {[p.stem for p in paths]}")
         return picked
     return paths
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def default_profile() -> str:
@@ -174,7 +184,14 @@ def run_notebooks(*, only: list[str] | None = None, profile: str = "auto", out_d
     out = Path(out_dir).resolve() if out_dir else default_out_dir(profile)
     runs: list[NotebookRun] = []
     paths = discover(only)
+    n_gpus = _gpu_count() if profile == "full" else 0
     for i, path in enumerate(paths, 1):
+        need = MIN_GPUS_FULL.get(path.stem, 1) if profile == "full" else 0
+        if n_gpus < need:
+            why = f"its full profile needs {need} GPUs, this machine has {n_gpus}"
+            runs.append(NotebookRun(path.stem, True, 0.0, None, skipped=why))
+            print(f"[{i}/{len(paths)}] {path.stem}: skipped ({why})", flush=True)
+            continue
         print(f"[{i}/{len(paths)}] {path.stem} ({profile}) ...", flush=True)
         run = run_notebook(path, profile=profile, out_dir=out, parameters=parameters, progress=progress)
         runs.append(run)
@@ -182,7 +199,7 @@ def run_notebooks(*, only: list[str] | None = None, profile: str = "auto", out_d
         print(f"[{i}/{len(paths)}] {path.stem}: {status} in {run.seconds:.0f} s -> {run.output}", flush=True)
         if not run.ok and not keep_going:
             break
-    if report and any(r.ok for r in runs):
+    if report and any(r.ok and not r.skipped for r in runs):
         print(f"report: {build_report(out)}", flush=True)
     return runs
 

@@ -47,6 +47,16 @@ def test_failing_cell_is_named(tmp_path):
     assert run.output.exists()  # the partial executed notebook is kept for inspection
 
 
+def test_full_profile_skips_notebooks_that_need_more_gpus(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(workbook, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(workbook, "run_notebook", lambda *a, **k: pytest.fail("should not execute"))
+    runs = workbook.run_notebooks(only=["07", "08"], profile="full", out_dir=tmp_path, progress=False)
+    assert [(r.name, r.ok, r.skipped) for r in runs] == [
+        ("07_distributed", True, "its full profile needs 2 GPUs, this machine has 1"),
+        ("08_sharding_fsdp", True, "its full profile needs 2 GPUs, this machine has 1")]
+    assert "skipped" in capsys.readouterr().out
+
+
 def test_cli_unknown_notebook_exits_non_zero(capsys):
     assert workbook.main(["run", "--only", "98", "--profile", "smoke"]) == 2
     assert "no notebook matches" in capsys.readouterr().err
