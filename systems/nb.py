@@ -83,6 +83,8 @@ def show(df: pd.DataFrame, *, caption: str | None = None, floatfmt: str = "{:,.3
 
         if get_ipython() is not None:
             styler = df.style.format(floatfmt, subset=df.select_dtypes("number").columns, na_rep="—")
+            if isinstance(df.index, pd.RangeIndex):
+                styler = styler.hide(axis="index")  # a 0..n row counter says nothing
             if caption:
                 styler = styler.set_caption(caption)
             display(styler)
