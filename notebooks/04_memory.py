@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from systems import memory, nb
 from systems.benchmark import BenchmarkConfig, run_benchmark
 from systems.config import get_config
+from systems.devices import release_memory
 from systems.model import TransformerBlock, TransformerLM
 from systems.optim import AdamW
 from systems.results import ResultWriter
@@ -114,7 +115,7 @@ for precision, mode, context in tqdm(points, desc="peak memory"):
         snapshots[(mode, precision, context)] = path
     rows.append(writer.write(row))
     del rec, tl
-    memory.free_device_memory()
+    release_memory()
 peaks = pd.DataFrame(rows).drop(columns=["env", "snapshot"])
 
 # %% [markdown]
@@ -249,7 +250,7 @@ nb.md(f"Saved for backward: **{rep.total_mib:,.1f} MiB** in {rep.n_storages} sto
       f"(4 d² + 3 d d_ff + 2 d) x 4 bytes = {expected_grad / 2**20:.1f} MiB: "
       f"{'match' if rep.grad_bytes == expected_grad else 'MISMATCH'}.")
 del block, x, rep
-memory.free_device_memory()
+release_memory()
 
 # %% [markdown]
 # ## Gradient checkpointing (a): the memory-optimal nested strategy
@@ -299,7 +300,7 @@ nb.md("Relative to no checkpointing: " + "; ".join(
     f"{r.forwards_per_block:.1f} forwards per block" for r in nested.iloc[1:].itertuples())
     + f" (binary nesting depth log2 N = {math.log2(N):.0f}).")
 del nest_model, inputs, targets
-memory.free_device_memory()
+release_memory()
 
 # %% [markdown]
 # ## Gradient checkpointing (b): one level, every group size
@@ -335,14 +336,14 @@ try:
             row.update(status="oom", error=str(exc).splitlines()[0][:200])
         ck_rows.append(ck_writer.write(row))
         m = None
-        memory.free_device_memory()
+        release_memory()
 except torch.OutOfMemoryError as exc:  # the model and AdamW state alone do not fit
     ck_rows.append(ck_writer.write({"model": CKPT_MODEL, "group_size": None, "status": "oom",
                                     "error": str(exc).splitlines()[0][:200]}))
 finally:
     torch.backends.cuda.matmul.allow_tf32 = prev_tf32
     del ck_model, opt
-    memory.free_device_memory()
+    release_memory()
 ck = pd.DataFrame(ck_rows).drop(columns=["env"])
 nb.show(ck.drop(columns=[c for c in ("error",) if c in ck.columns]),
         caption=f"{CKPT_MODEL} batch {CKPT_BATCH} x ctx {CKPT_CONTEXT}: one level of checkpointing")

@@ -11,7 +11,6 @@ produced (systems.results.ResultWriter), so an interrupted sweep keeps what it m
 
 from __future__ import annotations
 
-import gc
 import itertools
 import warnings
 from dataclasses import dataclass, field
@@ -22,8 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention.naive import naive_attention
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from .devices import DTYPES, release_memory
 IMPLS = ("triton", "naive", "sdpa_flash", "sdpa_cudnn")
 PASSES = ("fwd", "bwd", "e2e")
 
@@ -70,12 +68,6 @@ def _is_unsupported(exc: BaseException) -> bool:
         s in text for s in ("No available kernel", "not supported", "unsupported", "No valid", "cuDNN"))
 
 
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def time_attention(impl: str, *, batch: int, heads: int, seq: int, d: int, dtype: str, is_causal: bool = True,
                    warmup_ms: float = 10, rep_ms: float = 50, device: str = "cuda") -> dict:
     """One row: median fwd / bwd / e2e ms (do_bench) and TFLOP/s for one implementation and shape.
@@ -115,7 +107,7 @@ def time_attention(impl: str, *, batch: int, heads: int, seq: int, d: int, dtype
         row["error"] = f"{type(exc).__name__}: {first_line[:200]}"
     finally:
         q = k = v = do = out = None  # drop the references before freeing the cache
-        _free()
+        release_memory()
     for p in PASSES:
         ms = row.get(f"{p}_ms")
         flops = attention_flops(batch=batch * heads, n_q=seq, n_k=seq, d=d, is_causal=is_causal, pass_=p)

@@ -20,7 +20,6 @@ least-squares power-law fit, and the whole-model compiled-vs-eager sweep on top 
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import subprocess
@@ -35,6 +34,7 @@ import pandas as pd
 import torch
 
 from .attention.naive import naive_attention
+from .devices import is_oom, release_memory, resolve_device
 from .results import ResultWriter, read_records
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,27 +47,6 @@ def _element_size(dtype: str) -> int:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     return torch.empty((), dtype=DTYPES[dtype]).element_size()
-
-
-def _is_oom(exc: BaseException) -> bool:
-    # older allocator paths raise a plain RuntimeError whose message says so
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
-def _release_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was requested but torch.cuda.is_available() is False")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
-    return torch.device(device)
 
 
 def attention_flops(*, batch: int, seq: int, d: int, backward: bool = False) -> int:
@@ -239,14 +218,14 @@ def run_attention_point(point: AttentionPoint, *, fn: Callable | None = None, de
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     _element_size(point.dtype)
-    dev = device if isinstance(device, torch.device) else _resolve_device(device)
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
     fn = fn or naive_attention
     count_saved = (not point.compiled) if count_saved is None else count_saved
     row = {**{("batch_size" if k == "batch" else k): v for k, v in asdict(point).items()},
            "device": str(dev), "tf32": torch.backends.cuda.matmul.allow_tf32, "n_forward": n_forward,
            "n_backward": n_backward, "warmup": warmup, "status": "ok", "error": None, "oom_phase": None}
     if dev.type == "cuda":
-        _release_memory(dev)  # a clean allocator for each point (on a CPU refcounting is enough)
+        release_memory(dev)  # a clean allocator for each point (on a CPU refcounting is enough)
         torch.cuda.reset_peak_memory_stats(dev)
         row["cuda_free_bytes"], row["cuda_total_bytes"] = torch.cuda.mem_get_info(dev)
     state = {"phase": "start"}
@@ -256,7 +235,7 @@ def run_attention_point(point: AttentionPoint, *, fn: Callable | None = None, de
                                   warmup=warmup, seed=seed, count_saved=count_saved, fail_if=fail_if,
                                   state=state))
     except (torch.OutOfMemoryError, RuntimeError) as exc:
-        if not _is_oom(exc):
+        if not is_oom(exc):
             raise
         oom_message = str(exc).splitlines()[0][:300]
     if oom_message is not None:
@@ -264,7 +243,7 @@ def run_attention_point(point: AttentionPoint, *, fn: Callable | None = None, de
         row.update(status="oom", error=oom_message, oom_phase=state["phase"])
         if dev.type == "cuda":
             row["peak_bytes"] = torch.cuda.max_memory_allocated(dev)
-        _release_memory(dev)
+        release_memory(dev)
     if row["status"] == "ok":
         for phase, backward in (("forward", False), ("backward", True)):
             flops = attention_flops(batch=point.batch, seq=point.seq, d=point.d, backward=backward)
@@ -306,7 +285,7 @@ class AttentionSweepConfig:
         if list(self.seq_lens) != sorted(set(self.seq_lens)):
             raise ValueError(f"seq_lens must be strictly increasing, got {self.seq_lens}")
         _element_size(self.dtype)
-        _resolve_device(self.device)
+        resolve_device(self.device)
 
 
 def attention_function(cfg: AttentionSweepConfig) -> Callable:
@@ -352,7 +331,7 @@ def run_attention_sweep(cfg: AttentionSweepConfig, *, out_path: str | Path | Non
                                    f"{proc.returncode}; rows written so far are in {out_path}")
         return read_records(out_path)
 
-    device = _resolve_device(cfg.device)
+    device = resolve_device(cfg.device)
     fn = fn or attention_function(cfg)
     writer = ResultWriter(out_path, overwrite=not append) if out_path else None
     rows: list[dict] = []
@@ -610,7 +589,7 @@ def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, 
                 compiled_spent += elapsed
                 last_compiled[cfg.mode] = (n_layers, elapsed)
                 torch._dynamo.reset()  # drop the compiled graphs (and the model they reference)
-                _release_memory(torch.device("cuda" if torch.cuda.is_available() and device != "cpu" else "cpu"))
+                release_memory(torch.device("cuda" if torch.cuda.is_available() and device != "cpu" else "cpu"))
             else:
                 eager_status[(cfg.model, cfg.mode)] = rec["status"]
         if rec["status"] == "ok":

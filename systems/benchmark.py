@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import statistics
 import subprocess
@@ -28,6 +27,7 @@ import torch
 from torch.profiler import record_function
 
 from .config import PRESETS, ModelConfig, get_config
+from .devices import is_oom, release_memory, resolve_device, sync
 from .hardware import lookup_peak
 from .model import TransformerLM
 from .optim import AdamW, cross_entropy
@@ -82,16 +82,7 @@ class BenchmarkConfig:
         return get_config(self.model, attn_impl=self.attn_impl, **self.model_overrides)
 
     def resolved_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was requested but torch.cuda.is_available() is False")
-        return torch.device(self.device)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        return resolve_device(self.device)
 
 
 def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
@@ -100,11 +91,7 @@ def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
-class _Runner:
+class StepRunner:
     """Builds the model and optimizer once; ``step()`` runs one timed step of the configured mode."""
 
     def __init__(self, cfg: BenchmarkConfig, device: torch.device):
@@ -139,7 +126,7 @@ class _Runner:
                 with record_function(PHASE_RANGES["forward"]):
                     with torch.no_grad(), self._autocast():
                         self.fn(self.inputs)
-                    _sync(dev)
+                    sync(dev)
                 times["forward"] = timeit.default_timer() - t0
             else:
                 with record_function(PHASE_RANGES["forward"]):
@@ -149,14 +136,14 @@ class _Runner:
                         self.model.zero_grad(set_to_none=True)
                     with self._autocast():
                         loss = cross_entropy(self.fn(self.inputs), self.targets)
-                    _sync(dev)
+                    sync(dev)
                 t1 = timeit.default_timer()
                 times["forward"] = t1 - t0
                 if track_mem:
                     times["peak_forward"] = torch.cuda.max_memory_allocated(dev)
                 with record_function(PHASE_RANGES["backward"]):
                     (self.scaler.scale(loss) if self.scaler else loss).backward()
-                    _sync(dev)
+                    sync(dev)
                 t2 = timeit.default_timer()
                 times["backward"] = t2 - t1
                 if track_mem:
@@ -168,7 +155,7 @@ class _Runner:
                             self.scaler.update()
                         else:
                             self.optimizer.step()
-                        _sync(dev)
+                        sync(dev)
                     times["optimizer"] = timeit.default_timer() - t2
                     if track_mem:
                         times["peak_optimizer"] = torch.cuda.max_memory_allocated(dev)
@@ -178,8 +165,8 @@ class _Runner:
 
 def _measure(cfg: BenchmarkConfig, device: torch.device, around_measure, on_step) -> dict:
     t_setup = timeit.default_timer()
-    runner = _Runner(cfg, device)
-    _sync(device)
+    runner = StepRunner(cfg, device)
+    sync(device)
     record: dict = {"setup_s": timeit.default_timer() - t_setup, "n_params": runner.model.n_params()}
     warmup = [runner.step()["step"] for _ in range(cfg.warmup_steps)]
     if device.type == "cuda":
@@ -221,24 +208,19 @@ def run_benchmark(cfg: BenchmarkConfig, *, around_measure: Callable[[], ContextM
     record = {**asdict(cfg), "device": str(device), "status": "ok", "error": None,
               "d_model": model_cfg.d_model, "d_ff": model_cfg.d_ff, "n_layers": model_cfg.n_layers,
               "n_heads": model_cfg.n_heads, "vocab_size": model_cfg.vocab_size}
-    record.pop("model_overrides")
-    record["model_overrides"] = json.dumps(cfg.model_overrides) if cfg.model_overrides else None
+    record["model_overrides"] = json.dumps(cfg.model_overrides) if cfg.model_overrides else None  # flat column
     prev_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
     oom_message = None
     try:
         record.update(_measure(cfg, device, around_measure, on_step))
     except (torch.OutOfMemoryError, RuntimeError) as exc:
-        if not _is_oom(exc):
+        if not is_oom(exc):
             raise
         oom_message = str(exc).splitlines()[0][:300]
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    # Outside the except block, so the traceback (and the tensors its frames hold) is gone.
-    # Give cached blocks back to the driver: the next point, or another process, starts clean.
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(device)  # outside the except block: the traceback's frames are gone
     if oom_message is not None:
         record.update(status="oom", error=oom_message)
         return record

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import math
 import pickle
 import re
@@ -726,12 +725,6 @@ class LiveTensorTracker:
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
         self._mode = None
-
-
-def free_device_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def sqrt_group_size(n_layers: int) -> int:

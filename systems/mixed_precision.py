@@ -27,13 +27,7 @@ import torch.nn.functional as F
 
 from .benchmark import MODES, BenchmarkConfig
 from .config import get_config
-
-DTYPES: dict[str, torch.dtype] = {
-    "fp64": torch.float64,
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
+from .devices import DTYPES
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 

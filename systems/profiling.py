@@ -8,7 +8,7 @@ Library:
 CLI (the process nsys launches): ``python -m systems.profiling nsys-target --config-json '{...}'``.
 
 How a profile is taken. The model and optimizer come from the harness's own runner
-(``systems.benchmark._Runner``); a step here is the harness's step with named ranges around its
+(``systems.benchmark.StepRunner``); a step here is the harness's step with named ranges around its
 phases (``step`` > ``forward`` / ``backward`` / ``optimizer step``), added from outside the model,
 with the same synchronise-and-time rule. Inside attention the model already names ``attention
 scores`` / ``softmax`` / ``final matmul``. The profiler runs with a schedule (one profiler warm-up
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import gc
 import gzip
 import json
 import math
@@ -48,7 +47,8 @@ import pandas as pd
 import torch
 
 from .benchmark import PHASE_RANGES as HARNESS_PHASE_RANGES
-from .benchmark import STEP_RANGE, BenchmarkConfig, _Runner, run_benchmark
+from .benchmark import STEP_RANGE, BenchmarkConfig, StepRunner, run_benchmark
+from .devices import release_memory
 
 PHASE_RANGES = tuple(HARNESS_PHASE_RANGES.values())  # ("forward", "backward", "optimizer step")
 ATTENTION_RANGES = ("attention scores", "softmax", "final matmul")  # named in systems.attention.naive
@@ -364,14 +364,6 @@ class ProfileResult:
         return spans
 
 
-def _free(device: torch.device) -> None:
-    """Return cached CUDA memory between configurations (CPU memory needs no help, and a full
-    gc.collect over the notebook's DataFrames costs a noticeable fraction of a smoke run)."""
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
 def profile_config(cfg: BenchmarkConfig, *, profile_steps: int = 3, trace_path: str | Path | None = None,
                    record_shapes: bool = False) -> ProfileResult:
     """Warm up (cfg.warmup_steps), time cfg.measure_steps phased steps without the profiler, then
@@ -389,7 +381,7 @@ def profile_config(cfg: BenchmarkConfig, *, profile_steps: int = 3, trace_path: 
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
     tmp = None
     try:
-        runner = _Runner(cfg, device)
+        runner = StepRunner(cfg, device)
         for _ in range(cfg.warmup_steps):
             runner.step()
         plain = [runner.step() for _ in range(cfg.measure_steps)]
@@ -412,7 +404,7 @@ def profile_config(cfg: BenchmarkConfig, *, profile_steps: int = 3, trace_path: 
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
         if tmp is not None:
             tmp.cleanup()
-        _free(device)
+        release_memory(device)
     profiled = profiled[1:]  # the profiler's warm-up step is not in the trace either
     timings = {}
     for ph in ("forward", "backward", "optimizer", "step"):
@@ -526,7 +518,7 @@ def profile_sweep(configs: Iterable[tuple[str, BenchmarkConfig]], *, profile_ste
             trace_path = Path(trace_dir) / f"{label}_{cfg.context_length}_{cfg.mode}.json.gz"
         try:
             harness = harness_timings(cfg)
-            _free(device)
+            release_memory(device)
             if harness["harness_status"] != "ok":
                 raise torch.OutOfMemoryError("out of memory in the harness run")
             res = profile_config(cfg, profile_steps=profile_steps, trace_path=trace_path)
@@ -537,7 +529,7 @@ def profile_sweep(configs: Iterable[tuple[str, BenchmarkConfig]], *, profile_ste
                 raise
             row = {"label": label, "model": cfg.model, "context_length": cfg.context_length, "mode": cfg.mode,
                    "status": "oom", "error": str(exc).splitlines()[0][:300]}
-        _free(device)
+        release_memory(device)
         rows.append(writer.write(row) if writer is not None else row)
     df = pd.DataFrame(rows)
     if "env" in df.columns:
@@ -693,7 +685,7 @@ def _nsys_target(cfg: BenchmarkConfig, steps: int) -> None:
     record_function ranges emitted as NVTX."""
     device = cfg.resolved_device()
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
-    runner = _Runner(cfg, device)
+    runner = StepRunner(cfg, device)
     for _ in range(cfg.warmup_steps):
         runner.step()
     with torch.autograd.profiler.emit_nvtx(record_shapes=False):

@@ -38,7 +38,7 @@ def test_records_are_sane_for_every_mode_and_precision(mode, precision):
 
 def test_train_step_updates_weights_and_phases_cover_the_step():
     cfg = BenchmarkConfig(mode="train_step", **TINY)
-    runner = benchmark._Runner(cfg, torch.device("cpu"))
+    runner = benchmark.StepRunner(cfg, torch.device("cpu"))
     before = runner.model.lm_head.weight.detach().clone()
     times = runner.step()
     assert not torch.equal(before, runner.model.lm_head.weight)
@@ -49,14 +49,14 @@ def test_oom_becomes_a_row(monkeypatch):
     def explode(self):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
 
-    monkeypatch.setattr(benchmark._Runner, "step", explode)
+    monkeypatch.setattr(benchmark.StepRunner, "step", explode)
     r = run_benchmark(BenchmarkConfig(**TINY))
     assert r["status"] == "oom" and "out of memory" in r["error"]
     assert "step_mean_s" not in r
 
 
 def test_sweep_continues_past_oom_and_writes_rows_as_it_goes(monkeypatch, tmp_path):
-    real_step = benchmark._Runner.step
+    real_step = benchmark.StepRunner.step
     seen_rows = []
 
     def step(self):
@@ -65,7 +65,7 @@ def test_sweep_continues_past_oom_and_writes_rows_as_it_goes(monkeypatch, tmp_pa
             raise torch.OutOfMemoryError("CUDA out of memory")
         return real_step(self)
 
-    monkeypatch.setattr(benchmark._Runner, "step", step)
+    monkeypatch.setattr(benchmark.StepRunner, "step", step)
     out = tmp_path / "sweep.jsonl"
     cfgs = [BenchmarkConfig(**{**TINY, "context_length": c}) for c in (16, 64, 32)]
     records = run_sweep(cfgs, out_path=out, progress=False)

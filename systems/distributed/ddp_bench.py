@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,6 +36,7 @@ import torch
 from ..config import get_config
 from ..model import TransformerLM
 from ..optim import AdamW, cross_entropy
+from ..devices import release_memory
 from ..results import ResultWriter
 from .ddp import DDPBucketed, make_ddp
 from .launch import (DistContext, add_benchmark_arguments, all_gather_objects, launch, resolve_backend,
@@ -162,12 +162,6 @@ def _train_step(runner: _Runner, opt, tokens, targets, autocast_dtype, marks: _M
     marks.mark("end")
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def _profile(runner, opt, tokens, targets, autocast_dtype, ctx: DistContext, steps: int, path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -243,7 +237,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             runner.close()
             del runner
             opt.zero_grad(set_to_none=True)  # drop grads that live in bucket buffers
-            _free(ctx.device)
+            release_memory(ctx.device)
             row = summarise_steps(gathered)
             if name == "nosync":
                 baseline_ms = row["step_ms"]
@@ -277,7 +271,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
                 runner.close()
                 del runner
                 opt.zero_grad(set_to_none=True)
-                _free(ctx.device)
+                release_memory(ctx.device)
                 if ctx.is_main:
                     stats = overlap_stats(trace_intervals(path))
                     overlap_rows.append(overlap_writer.write({

@@ -24,7 +24,6 @@ per step, the slowest rank's, median over steps.
 from __future__ import annotations
 
 import argparse
-import gc
 import gzip
 import json
 import statistics
@@ -38,6 +37,7 @@ import torch.nn as nn
 from ..config import get_config
 from ..model import TransformerLM
 from ..optim import AdamW, cross_entropy
+from ..devices import release_memory
 from ..results import ResultWriter
 from .ddp import DDPIndividualParameters
 from .fsdp import FSDP
@@ -108,13 +108,6 @@ class _Mem:
             return None
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
 
 
 def _mib(x):
@@ -228,7 +221,7 @@ def _summarise(gathered: list[list[float]]) -> dict:
 def run_variant(variant: str, precision: str, model_cfg, ctx: DistContext, cfg: FSDPBenchConfig,
                 tokens, targets) -> dict:
     mem = _Mem(ctx.device)
-    _free(ctx.device)
+    release_memory(ctx.device)
     mem.reset_peak()
     base = mem.now()
     row: dict = {"variant": variant, "precision": precision}
@@ -253,7 +246,7 @@ def run_variant(variant: str, precision: str, model_cfg, ctx: DistContext, cfg: 
         row.update(status="oom", error=str(exc).splitlines()[0])
     finally:
         s = None
-        _free(ctx.device)
+        release_memory(ctx.device)
     # the ranks' memory differs slightly (ownership): report the largest
     mems = all_gather_objects({k: v for k, v in row.items() if k.startswith(("mem_", "peak_"))})
     for key in mems[0]:
@@ -515,7 +508,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             path = Path(cfg.trace_dir) / f"fsdp_{precision}_rank0.json"
             profile_fsdp_step(ctx, s, tokens, targets, path)
             s = None
-            _free(ctx.device)
+            release_memory(ctx.device)
             if main:
                 timeline = trace_timeline(path)
                 for r in gather_timing(timeline):

@@ -11,10 +11,10 @@ exposed communication = time some communication runs while no computation does
 
 from __future__ import annotations
 
-import gzip
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..profiling import load_trace
 
 STEP_MARK = "train_step"  # the record_function range the benchmark puts around each step
 
@@ -30,10 +30,8 @@ class TraceIntervals:
 
 
 def _load(path: str | Path) -> list[dict]:
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        trace = json.load(f)
+    """The complete ("X") events of a Chrome trace."""
+    trace = load_trace(path)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
 
