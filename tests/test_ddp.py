@@ -201,16 +201,14 @@ def test_notebook_07_smoke(tmp_path):
         assert (tmp_path / "figures" / f"07_distributed_{stem}.png").exists()
 
 
-def test_overlap_stats_from_a_gpu_trace(tmp_path):
+def test_overlap_stats_from_a_gpu_trace(tmp_path, trace_event):
     """Exposed communication = NCCL kernel time with no other kernel running, per step."""
     import gzip
     import json
 
     from systems.distributed.overlap import overlap_stats, trace_intervals
 
-    def ev(name, cat, ts, dur):
-        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
-
+    ev = trace_event
     events = [
         ev("train_step", "gpu_user_annotation", 1000, 100), ev("train_step", "gpu_user_annotation", 1100, 100),
         # step 1: compute 1000-1060, comm 1050-1080 -> 10 overlapped, 20 exposed
@@ -233,7 +231,7 @@ def test_overlap_stats_from_a_gpu_trace(tmp_path):
     assert stats["exposed_comm_pct_of_step"] == pytest.approx(100 * 20 / 200)
 
 
-def test_gpu_step_annotations_on_two_streams_count_once(tmp_path):
+def test_gpu_step_annotations_on_two_streams_count_once(tmp_path, trace_event):
     """Kineto writes one gpu_user_annotation per (range, stream): a naive-DDP step that launches
     NCCL kernels from its own thread shows up on the compute and the NCCL stream, with the same
     External id. They are one step, not two (else every per-step number is halved)."""
@@ -241,12 +239,7 @@ def test_gpu_step_annotations_on_two_streams_count_once(tmp_path):
 
     from systems.distributed.overlap import overlap_stats, trace_intervals
 
-    def ev(name, cat, ts, dur, tid, ext=None):
-        e = {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
-        if ext is not None:
-            e["args"] = {"External id": ext}
-        return e
-
+    ev = trace_event
     events = [
         # NCCL stream's annotations first, as a trace may order them
         ev("train_step", "gpu_user_annotation", 1060, 40, 20, ext=11),

@@ -203,19 +203,14 @@ def test_notebook_08_smoke(tmp_path):
         assert (tmp_path / "figures" / f"08_sharding_fsdp_{stem}.png").stat().st_size > 5000
 
 
-def test_gpu_trace_timeline_merges_the_step_across_streams(tmp_path):
+def test_gpu_trace_timeline_merges_the_step_across_streams(tmp_path, trace_event):
     """A synthetic GPU trace: the step range has one annotation per stream (NCCL stream listed
     first); the step is their union. Forward gathers pair with units in issue order."""
     import json
 
     from systems.distributed.fsdp_bench import gather_timing, trace_timeline
 
-    def ev(name, cat, ts, dur, tid, ext=None):
-        e = {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
-        if ext is not None:
-            e["args"] = {"External id": ext}
-        return e
-
+    ev = trace_event
     events = [
         ev("train_step", "gpu_user_annotation", 1000, 300, 20, ext=5),  # NCCL stream: gathers .. reduce
         ev("train_step", "gpu_user_annotation", 1010, 490, 7, ext=5),  # compute stream, to the optimizer
