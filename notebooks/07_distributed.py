@@ -33,6 +33,7 @@ from systems import nb
 from systems.distributed import allreduce_bench as arb
 from systems.distributed import report
 from systems.distributed.ddp_bench import DDPBenchConfig, run_ddp_benchmark
+from systems.parallel_math import ddp_bucket_overhead, optimal_bucket_bytes
 from systems.results import read_results
 
 ctx = nb.setup(name="07_distributed", profile=profile, out_dir=out_dir)
@@ -148,13 +149,8 @@ nb.md("**Against the targets** (2xH200 acceptance: best step time <= torch DDP's
 # world size; the measured points are the bucketed variants above.
 
 # %%
-try:
-    from systems.parallel_math import ddp_bucket_overhead, optimal_bucket_bytes
-except ImportError as exc:  # the model lives in another module of the workbook
-    ddp_bucket_overhead = optimal_bucket_bytes = None
-    nb.md(f"*The overhead model is not available ({exc}); the measured points are in the table above.*")
 fit = report.fit_alpha_beta(allreduce, backend=ddp_backend, world_size=ddp_world_size)
-if ddp_bucket_overhead is not None and fit is not None:
+if fit is not None:
     frame, optimum = report.bucket_model_frame(ddp, fit, overhead_fn=ddp_bucket_overhead,
                                                optimal_bytes_fn=optimal_bucket_bytes)
     nb.show(frame, caption="Bucketed DDP: measured overhead vs the model at the same bucket count")
@@ -174,6 +170,6 @@ if ddp_bucket_overhead is not None and fit is not None:
           "kernels slow the computation they overlap, that backward does not produce gradients "
           "at a uniform rate, and that real buckets are not equal (a parameter larger than the cap gets "
           "a bucket of its own).")
-elif fit is None:
+else:
     nb.md(f"*No {ddp_backend} all-reduce at {ddp_world_size} ranks with two sizes was measured, so o and w "
           "cannot be fitted.*")
