@@ -24,11 +24,14 @@ def _run(cmd: list[str]) -> str | None:
 def git_commit() -> str | None:
     """HEAD's hash, with '+dirty' when tracked files differ from it.
 
-    A copy of the tree without .git (e.g. on a remote GPU machine) reports $WORKBOOK_GIT_COMMIT.
+    $WORKBOOK_GIT_COMMIT, when set, wins: a copy of the tree shipped to a remote GPU machine may
+    carry no .git, or a stale one whose HEAD is not the commit the tree was copied from.
     """
+    if os.environ.get("WORKBOOK_GIT_COMMIT"):
+        return os.environ["WORKBOOK_GIT_COMMIT"]
     head = _run(["git", "rev-parse", "--short=12", "HEAD"])
     if head is None:
-        return os.environ.get("WORKBOOK_GIT_COMMIT")
+        return None
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
     return head + ("+dirty" if dirty else "")
 
