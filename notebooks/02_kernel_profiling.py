@@ -192,7 +192,7 @@ nb.md(
     f"to train step is " + ", ".join(f"{c} {v:+.1%} points" for c, v in delta.items())
     + f"; `{grow}` grows most. The optimizer step launches "
     f"{ok.loc[ok['mode'] == 'train_step', 'optimizer_kernels_per_step'].max():.0f} {device_word.split()[1]} per step "
-    f"at most (our AdamW loops over parameters), and by name "
+    f"at most (our AdamW batches its updates into multi-tensor `_foreach` kernels on CUDA), and by name "
     f"{ok.loc[ok['mode'] == 'train_step', 'optimizer_elementwise_share'].median():.0%} of its time (median) is "
     f"elementwise kernels."
 )

@@ -1,0 +1,164 @@
+"""Tile-size exploration for the FlashAttention-2 Triton kernels, one kernel at a time.
+
+The autotuner inside ``systems.attention.flash_triton`` picks among a short list of configs
+per (sequence bucket, head dim, causal, dtype); this tool measures a longer list of candidates
+for each of the three kernels (forward, dK/dV, dQ) directly, next to torch SDPA's flash and cuDNN
+backends at the same shapes, so the short list can be chosen from data. It launches the kernels
+with explicit tile sizes, bypassing the autotuner, and writes one row per (shape, kernel,
+candidate) as it goes.
+
+    python -m systems.flash_tuning --out results/flash_tuning.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from .devices import DTYPES, release_memory
+from .results import ResultWriter
+
+# (block_m, block_n, num_warps, num_stages); for dK/dV block_m is the streamed query tile and
+# block_n the resident key tile, for dQ block_m is the resident query tile.
+CANDIDATES: dict[str, list[tuple[int, int, int, int]]] = {
+    "fwd": [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3),
+            (128, 128, 8, 2), (128, 32, 4, 4), (64, 32, 4, 4)],
+    "dkdv": [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3),
+             (64, 128, 8, 2), (16, 64, 4, 4), (16, 128, 4, 4)],
+    "dq": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 4),
+           (128, 128, 8, 2), (64, 32, 4, 4), (32, 64, 4, 3)],
+}
+
+SHAPES = [(1, 1024, 64), (1, 4096, 64), (1, 16384, 64), (1, 65536, 64),
+          (1, 1024, 128), (1, 4096, 128), (1, 16384, 128), (1, 65536, 128),
+          (16, 16384, 64)]  # (batch, seq, head dim); the last is the leaderboard shape
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    lse: torch.Tensor
+    do: torch.Tensor
+    delta: torch.Tensor
+
+
+def make_inputs(*, batch: int, seq: int, d: int, dtype: str, device: str = "cuda") -> Inputs:
+    from .attention.flash_triton import flash_forward_triton
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, do = (torch.randn(batch, seq, d, device=device, dtype=DTYPES[dtype], generator=gen) for _ in range(4))
+    o, lse = flash_forward_triton(q, k, v, True)
+    delta = (o.float() * do.float()).sum(-1)
+    return Inputs(q, k, v, o, lse, do, delta)
+
+
+def launch(kernel: str, x: Inputs, cfg: tuple[int, int, int, int], *, is_causal: bool = True):
+    """One launch of ``kernel`` with the tile sizes of ``cfg``; returns a zero-argument closure."""
+    import triton
+
+    from .attention import flash_triton as ft
+
+    bm, bn, warps, stages = cfg
+    batch, n, d = x.q.shape
+    common = ft._common(x.q, x.k)
+    run = dict(num_warps=warps, num_stages=stages, IS_CAUSAL=is_causal, **common)
+    sm_scale = d ** -0.5
+    qk_scale = sm_scale * 1.4426950408889634
+    if kernel == "fwd":
+        o, lse = torch.empty_like(x.q), torch.empty_like(x.lse)
+        return lambda: ft._flash_fwd_kernel.fn[(triton.cdiv(n, bm), batch)](
+            x.q, x.k, x.v, o, lse, *x.q.stride(), *x.k.stride(), *x.v.stride(), *o.stride(), lse.stride(0),
+            n, n, qk_scale, BLOCK_M=bm, BLOCK_N=bn, **run)
+    if kernel == "dkdv":
+        dk, dv = torch.empty_like(x.k), torch.empty_like(x.v)
+        return lambda: ft._flash_bwd_dkdv_kernel.fn[(triton.cdiv(n, bn), batch)](
+            x.q, x.k, x.v, x.do, x.lse, x.delta, dk, dv,
+            *x.q.stride(), *x.k.stride(), *x.v.stride(), *x.do.stride(), *dk.stride(), *dv.stride(),
+            x.lse.stride(0), n, n, qk_scale, sm_scale, BLOCK_M1=bm, BLOCK_N1=bn, **run)
+    if kernel == "dq":
+        dq = torch.empty_like(x.q)
+        return lambda: ft._flash_bwd_dq_kernel.fn[(triton.cdiv(n, bm), batch)](
+            x.q, x.k, x.v, x.do, x.lse, x.delta, dq,
+            *x.q.stride(), *x.k.stride(), *x.v.stride(), *x.do.stride(), *dq.stride(), x.lse.stride(0),
+            n, n, qk_scale, sm_scale, BLOCK_M2=bm, BLOCK_N2=bn, **run)
+    raise ValueError(f"unknown kernel {kernel!r}; choose one of {list(CANDIDATES)}")
+
+
+def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_path: str | None = None,
+            rep_ms: float = 30) -> list[dict]:
+    """Every candidate of every kernel at every shape, plus SDPA flash / cuDNN fwd and bwd."""
+    import triton.testing
+
+    from .attention_bench import attention_flops, time_attention
+
+    writer = ResultWriter(out_path) if out_path else None
+    rows = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        if writer is not None:
+            writer.write(row)
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+
+    for batch, seq, d in shapes:
+        shape = dict(batch=batch, seq=seq, d=d, dtype=dtype)
+        fwd_flops = attention_flops(batch=batch, n_q=seq, n_k=seq, d=d, is_causal=True, pass_="fwd")
+        for impl in ("sdpa_flash", "sdpa_cudnn"):
+            r = time_attention(impl, batch=batch, heads=1, seq=seq, d=d, dtype=dtype, rep_ms=rep_ms)
+            emit(dict(**shape, kernel="baseline", impl=impl, status=r["status"], fwd_ms=r.get("fwd_ms"),
+                      bwd_ms=r.get("bwd_ms"), e2e_ms=r.get("e2e_ms")))
+        x = make_inputs(batch=batch, seq=seq, d=d, dtype=dtype)
+        for kernel, cands in candidates.items():
+            # FLOPs each kernel really performs: the dK/dV and dQ kernels both recompute S and dP
+            flops = fwd_flops * {"fwd": 1.0, "dkdv": 2.0, "dq": 1.5}[kernel]
+            for cfg in cands:
+                row = dict(**shape, kernel=kernel, impl="triton", block_m=cfg[0], block_n=cfg[1],
+                           warps=cfg[2], stages=cfg[3], status="ok")
+                try:
+                    fn = launch(kernel, x, cfg)
+                    fn()
+                    ms = triton.testing.do_bench(fn, warmup=5, rep=rep_ms, return_mode="median")
+                    row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+                except Exception as exc:  # noqa: BLE001 - out of shared memory etc.: a row, go on
+                    row.update(status="error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+                emit(row)
+        del x
+        release_memory()
+    return rows
+
+
+def best_configs(rows: list[dict]) -> dict:
+    """(kernel, batch, seq, d) -> the fastest candidate's (block_m, block_n, warps, stages) and ms."""
+    best: dict = {}
+    for r in rows:
+        if r.get("impl") != "triton" or r.get("status") != "ok":
+            continue
+        key = (r["kernel"], r["batch"], r["seq"], r["d"])
+        if key not in best or r["ms"] < best[key][1]:
+            best[key] = ((r["block_m"], r["block_n"], r["warps"], r["stages"]), r["ms"])
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="results/flash_tuning.jsonl")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--rep-ms", type=float, default=30)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("the exploration times GPU kernels and needs CUDA")
+    rows = explore(dtype=args.dtype, out_path=args.out, rep_ms=args.rep_ms)
+    for (kernel, batch, seq, d), (cfg, ms) in sorted(best_configs(rows).items(),
+                                                     key=lambda kv: (kv[0][0], kv[0][3], kv[0][1], kv[0][2])):
+        print(f"best {kernel:5s} batch {batch:2d} seq {seq:6d} d {d:3d}: {cfg} {ms:.4f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

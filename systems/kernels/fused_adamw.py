@@ -1,0 +1,335 @@
+"""Fused AdamW: one Triton kernel launch updates a whole bucket of parameters in one pass.
+
+Layout of this module: helpers (constants, buckets, launch tables, the PyTorch fallback),
+the kernel, then the optimizer class ``FusedAdamW``.
+
+The update is ``systems.optim.AdamW``'s, operation for operation (decoupled decay first,
+torch's lerp for the first moment, sqrt and divisions rounded to nearest as torch's are):
+
+    p *= 1 - lr * wd;  m = lerp(m, g, 1 - beta1);  v = beta2 * v + (1 - beta2) * g * g
+    p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+
+Per element the kernel reads p, g, m, v once and writes p, m, v (and optionally a bf16/fp16
+copy of the new p) once, in fp32 registers whatever the storage dtypes; the unfused optimizer
+makes eight passes. One launch covers every parameter of a bucket (same device, group,
+step count and dtypes): a table of their addresses is passed to the kernel, and each program
+finds its tensor and block through a block -> tensor map (multi-tensor apply, as apex and
+torch's fused optimizers do), so a model of hundreds of tensors costs a launch or two, not
+hundreds. CPU tensors (outside TRITON_INTERPRET=1) take a torch._foreach_* fallback.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import triton
+import triton.language as tl
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # parameter and gradient dtypes the kernel takes
+COPY_DTYPES = (torch.bfloat16, torch.float16)  # low-precision copies
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+# Elements per program: 8 per thread at 8 warps, i.e. two 16-byte fp32 vectors per tensor.
+BLOCK = 2048
+NUM_WARPS = 8
+ALIGN_BYTES = 16  # the kernel tells the compiler addresses are 16-byte aligned when they all are
+N_POINTERS = 5  # columns of the address table: param, grad, exp_avg, exp_avg_sq, copy (0 when none)
+# the kernels' views of the two (jit'ed code reads module globals only as constexprs)
+_ALIGN_BYTES = tl.constexpr(ALIGN_BYTES)
+_N_POINTERS = tl.constexpr(N_POINTERS)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class _Scalars:
+    """One bucket's step scalars, computed in Python doubles as systems.optim.AdamW does."""
+
+    decay: float  # 1 - lr * wd
+    lerp_weight: float  # 1 - beta1
+    beta2: float
+    one_minus_beta2: float
+    step_size: float  # lr / (1 - beta1^t)
+    bias_correction2_sqrt: float  # sqrt(1 - beta2^t)
+    eps: float
+
+    @classmethod
+    def of(cls, group: dict, step: int) -> "_Scalars":
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        return cls(decay=1 - lr * wd, lerp_weight=1 - beta1, beta2=beta2, one_minus_beta2=1 - beta2,
+                   step_size=lr / (1 - beta1**step), bias_correction2_sqrt=math.sqrt(1 - beta2**step), eps=eps)
+
+
+@dataclass
+class _Bucket:
+    """Parameters updated by one launch (or one round of foreach calls)."""
+
+    scalars: _Scalars
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    copies: list[torch.Tensor] | None  # all or none: whether a copy is written is a compile-time flag
+
+
+def _kernel_applies(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                    copy: torch.Tensor | None) -> bool:
+    # the kernel indexes flat memory, so every tensor must be dense and in row-major order,
+    # and it reads the moments with the parameter's dtype
+    tensors = (p, g, m, v) if copy is None else (p, g, m, v, copy)
+    return ((p.is_cuda or interpreting()) and p.dtype in KERNEL_DTYPES and g.dtype in KERNEL_DTYPES
+            and m.dtype == v.dtype == p.dtype and all(t.is_contiguous() for t in tensors))
+
+
+@dataclass(frozen=True)
+class _BlockMap:
+    """Which tensor and which block of it each program updates (depends on the numels only)."""
+
+    numels: torch.Tensor  # (tensors,) int64
+    first_block: torch.Tensor  # (tensors,) int64: the program that starts each tensor
+    block_tensor: torch.Tensor  # (programs,) int32: the tensor of each program
+    n_blocks: int
+
+
+def _block_map(numels: tuple[int, ...], device: torch.device) -> _BlockMap:
+    blocks = torch.tensor([triton.cdiv(n, BLOCK) for n in numels], dtype=torch.int64)
+    first_block = torch.cumsum(blocks, 0) - blocks
+    block_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), blocks)
+    return _BlockMap(numels=torch.tensor(numels, dtype=torch.int64).to(device), first_block=first_block.to(device),
+                     block_tensor=block_tensor.to(device), n_blocks=int(blocks.sum()))
+
+
+def _address_table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    table = torch.tensor(addresses, dtype=torch.int64).view(-1, N_POINTERS)
+    if device.type != "cuda":
+        return table
+    # pinned + non_blocking: a pageable copy would make the host wait for the queued backward
+    return table.pin_memory().to(device, non_blocking=True)
+
+
+def _foreach_step(bucket: _Bucket) -> None:
+    """The PyTorch fallback: systems.optim.AdamW's operations, as multi-tensor foreach calls."""
+    s = bucket.scalars
+    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(bucket.params, bucket.grads)]
+    torch._foreach_mul_(bucket.params, s.decay)
+    torch._foreach_lerp_(bucket.exp_avgs, grads, s.lerp_weight)
+    torch._foreach_mul_(bucket.exp_avg_sqs, s.beta2)
+    torch._foreach_addcmul_(bucket.exp_avg_sqs, grads, grads, value=s.one_minus_beta2)
+    denom = torch._foreach_sqrt(bucket.exp_avg_sqs)
+    torch._foreach_div_(denom, s.bias_correction2_sqrt)
+    torch._foreach_add_(denom, s.eps)
+    torch._foreach_addcdiv_(bucket.params, bucket.exp_avgs, denom, value=-s.step_size)
+    if bucket.copies is not None:
+        torch._foreach_copy_(bucket.copies, bucket.params)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _pointer(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    ptr = address.to(tl.pointer_type(DTYPE))
+    if ALIGNED:  # lets full blocks use 16-byte vector loads and stores
+        ptr = tl.multiple_of(ptr, _ALIGN_BYTES)
+    return ptr
+
+
+@triton.jit
+def _load_f32(ptr, offs, numel, MASKED: tl.constexpr):
+    if MASKED:
+        x = tl.load(ptr + offs, mask=offs < numel, other=0.0)
+    else:
+        x = tl.load(ptr + offs)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, x, offs, numel, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=offs < numel)
+    else:
+        tl.store(ptr + offs, x.to(ptr.dtype.element_ty))
+
+
+@triton.jit
+def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel,
+                 decay, lerp_weight, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps,
+                 HAS_COPY: tl.constexpr, MASKED: tl.constexpr):
+    p = _load_f32(p_ptr, offs, numel, MASKED)
+    g = _load_f32(g_ptr, offs, numel, MASKED)
+    m = _load_f32(m_ptr, offs, numel, MASKED)
+    v = _load_f32(v_ptr, offs, numel, MASKED)
+    p = p * decay  # decoupled decay acts on the pre-update weights
+    # torch's lerp(m, g, w): m + w (g - m) for w < 0.5, else g - (g - m)(1 - w) (exact at w = 1)
+    m = tl.where(lerp_weight < 0.5, m + lerp_weight * (g - m), g - (g - m) * (1.0 - lerp_weight))
+    v = v * beta2 + one_minus_beta2 * g * g
+    # sqrt and divisions rounded to nearest as torch's (tl.sqrt and / may be approximate on GPUs)
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p - tl.div_rn(step_size * m, denom)
+    _store(p_ptr, p, offs, numel, MASKED)
+    _store(m_ptr, m, offs, numel, MASKED)
+    _store(v_ptr, v, offs, numel, MASKED)
+    if HAS_COPY:
+        _store(c_ptr, p, offs, numel, MASKED)
+
+
+@triton.jit
+def _adamw_kernel(Addresses, Numels, FirstBlock, BlockTensor,
+                  decay, lerp_weight, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps,
+                  PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr,
+                  HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (blocks of all tensors,). One program: BLOCK elements of one tensor of the bucket."""
+    pid = tl.program_id(0)
+    t = tl.load(BlockTensor + pid).to(tl.int64)
+    numel = tl.load(Numels + t)
+    start = (pid - tl.load(FirstBlock + t)) * BLOCK
+    row = Addresses + t * _N_POINTERS
+    p_ptr = _pointer(tl.load(row + 0), PARAM_DTYPE, ALIGNED)
+    g_ptr = _pointer(tl.load(row + 1), GRAD_DTYPE, ALIGNED)
+    m_ptr = _pointer(tl.load(row + 2), PARAM_DTYPE, ALIGNED)
+    v_ptr = _pointer(tl.load(row + 3), PARAM_DTYPE, ALIGNED)
+    c_ptr = p_ptr
+    if HAS_COPY:
+        c_ptr = _pointer(tl.load(row + 4), COPY_DTYPE, ALIGNED)
+    offs = start + tl.arange(0, BLOCK)
+    # full blocks unmasked (the masks of a runtime numel would keep loads scalar), the tail masked
+    if start + BLOCK <= numel:
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel, decay, lerp_weight, beta2,
+                     one_minus_beta2, step_size, bias_correction2_sqrt, eps, HAS_COPY, False)
+    else:
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel, decay, lerp_weight, beta2,
+                     one_minus_beta2, step_size, bias_correction2_sqrt, eps, HAS_COPY, True)
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """``systems.optim.AdamW`` with a fused Triton update, optionally writing low-precision copies.
+
+    ``low_precision_copies`` maps parameters to bf16/fp16 tensors of their shape; after each
+    step a copy holds ``param.to(copy.dtype)``, written by the same kernel pass (``attach_copy``
+    adds one later). The state (``step``, ``exp_avg``, ``exp_avg_sq``) is laid out as AdamW's,
+    so state dicts move between the two; the copies are not part of the state.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, *,
+                 low_precision_copies: dict[torch.Tensor, torch.Tensor] | None = None):
+        if lr < 0:
+            raise ValueError(f"invalid learning rate {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas {betas}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self._copies: dict[torch.Tensor, torch.Tensor] = {}
+        # launch tables of the last step, reused while addresses and sizes stay the same
+        self._tables: dict[tuple, torch.Tensor] = {}
+        self._block_maps: dict[tuple, _BlockMap] = {}
+        for param, copy in (low_precision_copies or {}).items():
+            self.attach_copy(param, copy)
+
+    def __setstate__(self, state: dict) -> None:
+        # copy.deepcopy and pickle carry the optimizer's state only: no copies, empty caches
+        super().__setstate__(state)
+        self.__dict__.setdefault("_copies", {})
+        self.__dict__.setdefault("_tables", {})
+        self.__dict__.setdefault("_block_maps", {})
+
+    @torch.no_grad()
+    def attach_copy(self, param: torch.Tensor, copy: torch.Tensor) -> None:
+        """From now on every step writes ``param.to(copy.dtype)`` into ``copy`` (written once now)."""
+        if not any(p is param for group in self.param_groups for p in group["params"]):
+            raise ValueError("attach_copy: the parameter is not in this optimizer's param_groups")
+        if copy.dtype not in COPY_DTYPES:
+            raise ValueError(f"attach_copy: the copy's dtype must be one of {COPY_DTYPES}, got {copy.dtype}")
+        if copy.shape != param.shape or copy.device != param.device:
+            raise ValueError(f"attach_copy: the copy must match the parameter's shape {tuple(param.shape)} and "
+                             f"device {param.device}, got {tuple(copy.shape)} on {copy.device}")
+        if not copy.is_contiguous():
+            raise ValueError("attach_copy: the copy must be contiguous")
+        copy.copy_(param)
+        self._copies[param] = copy
+
+    def _buckets(self) -> tuple[list[_Bucket], list[_Bucket]]:
+        """Advance every stepped parameter's count; group them into (kernel buckets, foreach buckets)."""
+        kernel, fallback = {}, {}
+        for index, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("FusedAdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                copy = self._copies.get(p)
+                use_kernel = _kernel_applies(p, p.grad, state["exp_avg"], state["exp_avg_sq"], copy)
+                key = (index, state["step"], p.device, p.dtype, p.grad.dtype,
+                       copy.dtype if copy is not None else None)
+                buckets = kernel if use_kernel else fallback
+                if key not in buckets:
+                    buckets[key] = _Bucket(scalars=_Scalars.of(group, state["step"]), params=[], grads=[],
+                                           exp_avgs=[], exp_avg_sqs=[], copies=[] if copy is not None else None)
+                b = buckets[key]
+                b.params.append(p)
+                b.grads.append(p.grad)
+                b.exp_avgs.append(state["exp_avg"])
+                b.exp_avg_sqs.append(state["exp_avg_sq"])
+                if copy is not None:
+                    b.copies.append(copy)
+        return list(kernel.values()), list(fallback.values())
+
+    def _launch(self, bucket: _Bucket, tables: dict, block_maps: dict) -> None:
+        p0 = bucket.params[0]
+        copies = bucket.copies if bucket.copies is not None else [None] * len(bucket.params)
+        addresses = tuple(a for p, g, m, v, c in zip(bucket.params, bucket.grads, bucket.exp_avgs,
+                                                     bucket.exp_avg_sqs, copies)
+                          for a in (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
+                                    c.data_ptr() if c is not None else 0))
+        map_key = (p0.device, tuple(p.numel() for p in bucket.params))
+        block_map = self._block_maps.get(map_key)
+        if block_map is None:
+            block_map = _block_map(map_key[1], p0.device)
+        table = self._tables.get(addresses)
+        if table is None:
+            table = _address_table(addresses, p0.device)
+        block_maps[map_key], tables[addresses] = block_map, table
+        if block_map.n_blocks == 0:
+            return
+        s = bucket.scalars
+        copy_dtype = bucket.copies[0].dtype if bucket.copies is not None else torch.bfloat16  # unused without copies
+        _adamw_kernel[(block_map.n_blocks,)](
+            table, block_map.numels, block_map.first_block, block_map.block_tensor,
+            s.decay, s.lerp_weight, s.beta2, s.one_minus_beta2, s.step_size, s.bias_correction2_sqrt, s.eps,
+            PARAM_DTYPE=_TL_DTYPES[p0.dtype], GRAD_DTYPE=_TL_DTYPES[bucket.grads[0].dtype],
+            COPY_DTYPE=_TL_DTYPES[copy_dtype], HAS_COPY=bucket.copies is not None,
+            ALIGNED=all(a % ALIGN_BYTES == 0 for a in addresses), BLOCK=BLOCK, num_warps=NUM_WARPS)
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        kernel_buckets, fallback_buckets = self._buckets()
+        # keep only this step's tables: the caches stay as small as the model
+        tables, block_maps = {}, {}
+        for bucket in kernel_buckets:
+            self._launch(bucket, tables, block_maps)
+        self._tables, self._block_maps = tables, block_maps
+        for bucket in fallback_buckets:
+            _foreach_step(bucket)
+        return loss
