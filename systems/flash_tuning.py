@@ -7,7 +7,7 @@ backends at the same shapes, so the short list can be chosen from data. It launc
 with explicit tile sizes, bypassing the autotuner, and writes one row per (shape, kernel,
 candidate) as it goes.
 
-    python -m systems.flash_tuning --out results/flash_tuning.jsonl
+    python -m systems.flash_tuning --out results/06_flash_attention_tuning.jsonl
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def best_configs(rows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results/flash_tuning.jsonl")
+    parser.add_argument("--out", default="results/06_flash_attention_tuning.jsonl")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--rep-ms", type=float, default=30)
     args = parser.parse_args(argv)

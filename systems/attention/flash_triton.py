@@ -124,8 +124,10 @@ def autotuning() -> bool:
 
 # Per kernel: configs for 16-bit inputs and for fp32 inputs (fp32 tiles hold twice the bytes
 # and its ieee dots run on CUDA cores, so smaller tiles win and big ones spill). The lists are
-# short on purpose: each config costs a compile per (head dim, dtype, causal), and the
-# 16-bit ones were the fastest of 12 tried per kernel on an H100 at (16, 16384, 64) bf16 causal.
+# short on purpose: each config costs a compile per (head dim, dtype, causal). The 16-bit ones
+# are the winners of systems.flash_tuning's 8 candidates per kernel on an H100 (bf16, causal,
+# seq 1k-64k x d 64/128 and the leaderboard shape; results/06_flash_attention_tuning.jsonl):
+# 64-row tiles win up to 16k, 128-row query tiles (and 64x128 dK/dV tiles) at 64k with d=128.
 # Under the interpreter there is one small config each: multi-config autotuning benchmarks
 # on a GPU (it fails without a driver), and 16-row tiles exercise the tile loops at tiny sizes.
 if interpreting():
@@ -153,13 +155,13 @@ else:
         "dkdv": {
             "half": [_cfg(BLOCK_M1=64, BLOCK_N1=64, warps=4, stages=3),
                      _cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=3),
-                     _cfg(BLOCK_M1=32, BLOCK_N1=128, warps=4, stages=3)],
+                     _cfg(BLOCK_M1=64, BLOCK_N1=128, warps=8, stages=3)],
             "fp32": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2),
                      _cfg(BLOCK_M1=32, BLOCK_N1=32, warps=4, stages=2)],
         },
         "dq": {
             "half": [_cfg(BLOCK_M2=128, BLOCK_N2=64, warps=8, stages=3),
-                     _cfg(BLOCK_M2=128, BLOCK_N2=64, warps=4, stages=3),
+                     _cfg(BLOCK_M2=128, BLOCK_N2=32, warps=4, stages=3),
                      _cfg(BLOCK_M2=64, BLOCK_N2=64, warps=4, stages=3)],
             "fp32": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2),
                      _cfg(BLOCK_M2=32, BLOCK_N2=32, warps=4, stages=2)],
