@@ -132,6 +132,11 @@ class TransformerLM(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """(batch, seq) token ids -> (batch, seq, vocab) logits."""
+        return self.lm_head(self.hidden_states(token_ids))
+
+    def hidden_states(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """(batch, seq) token ids -> (batch, seq, d_model), the normed input of the LM head
+        (a fused head + loss takes it with ``lm_head.weight`` instead of the logits)."""
         seq_len = token_ids.shape[-1]
         if seq_len > self.cfg.context_length:
             raise ValueError(
@@ -141,7 +146,7 @@ class TransformerLM(nn.Module):
         x = self.token_embeddings(token_ids)
         for layer in self.layers:
             x = layer(x, positions)
-        return self.lm_head(self.ln_final(x))
+        return self.ln_final(x)
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,117 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 10 · A fast full training step
+# How fast can one full training step of the 2.7B model (batch 4 × context 512, bf16 autocast over
+# fp32 master weights: forward, cross-entropy, backward, AdamW) run on one GPU, and what does each
+# lever buy? Hugging Face transformers' `LlamaForCausalLM` (the same architecture, SDPA attention,
+# torch's fused AdamW) is the baseline in the same run; our model runs eager, with its blocks
+# compiled, with the fused kernels of `systems/kernels/` (an LM head + cross-entropy that never
+# materialises the logits; an AdamW that updates p, m and v in one Triton pass), and with all of
+# them (`ours_fast`). The variants are data in `systems.train_step.VARIANTS`.
+
+# %% tags=["parameters"]
+profile = "smoke"        # "smoke" (CPU, debug model, < 60 s) or "full" (GPU, < 6 min on one H100)
+out_dir = "build/smoke"  # the runner injects this
+peak_tflops = 680.0      # bf16 dense-matmul rate MFU is relative to: measured on our H100 (shared/device/README.md)
+
+# %%
+from systems import nb, profiling
+from systems import train_step as ts
+from systems.results import ResultWriter
+
+ctx = nb.setup(name="10_fast_train_step", profile=profile, out_dir=out_dir)
+if ctx.full:
+    # targets (issue: fast full training step): 2.7B <= 105 ms, xl <= 75 ms per step on one H100
+    # (ours_compiled, blocks compiled without the fused kernels, is left out for time: each
+    # compiled variant costs a compile of the block)
+    PLAN = {"2.7B": ["hf_llama", "ours_eager", "ours_fused", "ours_fast"],
+            "xl": ["hf_llama", "ours_eager", "ours_fast"]}
+    TARGET_MS = {"2.7B": 105.0, "xl": 75.0}
+    STEP = dict(batch_size=4, context_length=512, warmup=3, steps=10)
+    TRACE = ("2.7B", "ours_fast")
+else:
+    # CPU: the debug model; compiled variants are left out (inductor's CPU compile dominates a
+    # smoke run and needs a C++ toolchain)
+    PLAN = {"debug": ["hf_llama", "ours_eager", "ours_fused"]}
+    TARGET_MS = {}
+    STEP = dict(batch_size=2, context_length=64, warmup=1, steps=3)
+    TRACE = ("debug", "ours_fused")
+trace_path = ctx.out_dir / "traces" / f"{ctx.name}_{TRACE[0]}_{TRACE[1]}.json"
+writer = ResultWriter(ctx.result_path("steps"))
+rows = []
+for model, variants in PLAN.items():
+    rows += ts.run_variants(model=model, variants=variants, writer=writer,
+                            peak_flops=peak_tflops * 1e12 if ctx.full else None,  # a CPU has no such peak
+                            trace_variant=TRACE[1] if model == TRACE[0] else None, trace_path=trace_path,
+                            **STEP)
+table = ts.step_table(rows)
+nb.show(table, caption=f"Full training step, batch {STEP['batch_size']} x context {STEP['context_length']}, "
+                       f"bf16 autocast, {STEP['steps']} timed steps after {STEP['warmup']} warm-up ({ctx.gpu}); "
+                       f"MFU of {peak_tflops:g} TFLOP/s")
+
+# %%
+fig = ts.plot_phases(table, title=f"Where a step's time goes, per variant ({ctx.gpu})")
+nb.save_figure(fig, ctx, "phases")
+
+# %%
+lines = []
+ok = table[table["status"] == "ok"].set_index(["model", "variant"])
+for model in PLAN:
+    part = ok.loc[model] if model in ok.index.get_level_values(0) else None
+    if part is None or part.empty:
+        lines.append(f"- **{model}**: no variant ran.")
+        continue
+    best = part["step_ms"].idxmin()
+    b = part.loc[best]
+    text = (f"- **{model}**: the fastest variant is `{best}` at {b['step_ms']:.1f} ms per step "
+            f"(p10–p90 {b['step_ms_p10']:.1f}–{b['step_ms_p90']:.1f}), {b['achieved_tflops']:.3g} TFLOP/s")
+    if "mfu" in b and b["mfu"] == b["mfu"]:
+        text += f", MFU {b['mfu']:.1%}"
+    if "hf_llama" in part.index:
+        text += f"; {b['speedup_vs_hf_llama']:.2f}x Hugging Face Llama's {part.loc['hf_llama', 'step_ms']:.1f} ms"
+    if model in TARGET_MS:
+        met = b["step_ms"] <= TARGET_MS[model]
+        text += (f". Target <= {TARGET_MS[model]:g} ms: **{'met' if met else 'not met'}** "
+                 f"({b['step_ms'] / TARGET_MS[model]:.2f}x the target)")
+    lines.append(text + ".")
+    if "ours_eager" in part.index and best.startswith("ours") and best != "ours_eager":
+        e = part.loc["ours_eager"]
+        deltas = ", ".join(f"{ph.removesuffix('_ms')} {e[ph]:.1f} -> {b[ph]:.1f} ms"
+                           for ph in ("forward_ms", "backward_ms", "optimizer_ms"))
+        lines.append(f"  - from `ours_eager` to `{best}`: {deltas}; first step (compilation, autotuning) "
+                     f"{b['first_step_s']:.1f} s against {e['first_step_s']:.1f} s.")
+nb.md("**Step time against the targets.**\n\n" + "\n".join(lines))
+
+# %% [markdown]
+# ## One step of the fastest configuration, profiled
+# `torch.profiler` over one warm step of the traced variant; kernels grouped into categories
+# (`systems.profiling`), phases shaded.
+
+# %%
+items, ranges = profiling.parse_trace(profiling.load_trace(trace_path))
+items = profiling.attribute(items, ranges)
+cats = profiling.category_table(items)
+nb.show(cats, caption=f"{TRACE[0]} `{TRACE[1]}`: kernel time per category in one step ({ctx.gpu})")
+nb.show(profiling.range_table(items, ranges), caption="per phase: wall time and kernel time in the step")
+fig = profiling.plot_step_timeline(trace_path, title=f"{TRACE[0]} `{TRACE[1]}`, one step ({ctx.gpu})")
+nb.save_figure(fig, ctx, "timeline")
+
+# %%
+top = cats.sort_values("ms_per_step", ascending=False).iloc[0]
+busy = items["dur"].sum() / 1e3
+phase = profiling.range_table(items, ranges).set_index("range")
+step_wall = phase.loc["step", "wall_ms_per_step"] if "step" in phase.index else float("nan")
+nb.md(f"In the profiled step, kernels are busy {busy:.1f} ms of the step's {step_wall:.1f} ms of host time "
+      f"({busy / step_wall:.0%}); the largest category is {top['category']} with {top['ms_per_step']:.1f} ms "
+      f"({top['share']:.0%} of kernel time) in {top['kernels_per_step']:.0f} kernels.")

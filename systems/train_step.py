@@ -1,0 +1,360 @@
+"""One full training step, made fast, against Hugging Face's Llama in the same run.
+
+Every variant trains the same architecture (pre-norm RMSNorm, RoPE, SwiGLU, untied head) on
+batch x context random tokens with bf16 autocast over fp32 master weights: forward, mean
+cross-entropy, backward, AdamW. Variants are data (``VARIANTS``), each a combination of:
+
+- ``impl``: ``hf`` (transformers' LlamaForCausalLM, SDPA attention) or ``ours`` (TransformerLM,
+  SDPA attention);
+- ``compile_blocks``: torch.compile every transformer block (one compile serves all of them:
+  same code, same shapes), which fuses RMSNorm, RoPE, SwiGLU's gate and the residual adds;
+- ``fused_loss``: ``systems.kernels.fused_linear_ce`` instead of full logits + cross-entropy;
+- ``optimizer``: ``torch_fused`` (torch.optim.AdamW(fused=True)), ``ours`` (systems.optim.AdamW)
+  or ``fused`` (systems.kernels.fused_adamw.FusedAdamW, one Triton pass over p, g, m, v).
+
+Timing: CUDA events around each phase of every step (no synchronisation inside a step), then
+medians and 10th/90th percentiles over the timed steps; the first step's wall time is reported
+separately (it includes compilation and autotuning). Each row is written as soon as it exists.
+
+    python -m systems.train_step --model 2.7B --variants hf_llama ours_eager ours_fast
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.profiler import record_function
+
+from .benchmark import PHASE_RANGES, STEP_RANGE
+from .config import ModelConfig, get_config
+from .devices import is_oom, release_memory, resolve_device, sync
+from .results import ResultWriter
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Variant:
+    impl: str  # "hf" or "ours"
+    compile_blocks: bool = False
+    fused_loss: bool = False
+    optimizer: str = "ours"  # "ours", "fused" or "torch_fused"
+
+
+VARIANTS: dict[str, Variant] = {
+    "hf_llama": Variant(impl="hf", optimizer="torch_fused"),
+    "ours_eager": Variant(impl="ours"),
+    "ours_compiled": Variant(impl="ours", compile_blocks=True),
+    "ours_fused": Variant(impl="ours", fused_loss=True, optimizer="fused"),
+    "ours_fast": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused"),
+}
+
+
+@dataclass
+class StepConfig:
+    model: str = "2.7B"
+    batch_size: int = 4
+    context_length: int = 512
+    variant: str = "ours_fast"
+    warmup: int = 3
+    steps: int = 10
+    lr: float = 1e-4
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
+        if self.batch_size < 1 or self.context_length < 2:
+            raise ValueError(f"need batch_size >= 1 and context_length >= 2, got {self.batch_size}, "
+                             f"{self.context_length}")
+        if self.warmup < 1 or self.steps < 1:
+            raise ValueError(f"need warmup >= 1 and steps >= 1, got {self.warmup} and {self.steps}")
+
+    def model_config(self) -> ModelConfig:
+        return get_config(self.model, context_length=self.context_length, attn_impl="sdpa")
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def hf_llama(cfg: ModelConfig, *, device: torch.device) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM with our config's shapes (no bias, untied head, MHA)."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as exc:
+        raise ImportError("the hf_llama baseline needs transformers: pip install transformers") from exc
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+                         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                         num_key_value_heads=cfg.n_heads, max_position_embeddings=cfg.context_length,
+                         rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False,
+                         attention_bias=False, mlp_bias=False, use_cache=False)
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        return LlamaForCausalLM(hf_cfg)
+
+
+def build(cfg: StepConfig, *, device: torch.device):
+    """(model, optimizer, loss_fn); loss_fn(model, tokens, targets) -> scalar loss."""
+    from .model import TransformerLM
+    from .optim import cross_entropy
+
+    variant = VARIANTS[cfg.variant]
+    mcfg = cfg.model_config()
+    if variant.impl == "hf":
+        model = hf_llama(mcfg, device=device)
+
+        def loss_fn(m, x, y):
+            return cross_entropy(m(input_ids=x).logits, y)
+    else:
+        with torch.device(device):
+            model = TransformerLM(mcfg)
+        if variant.fused_loss:
+            from .kernels.fused_linear_ce import linear_cross_entropy
+
+            def loss_fn(m, x, y):
+                # the targets are generated in range: skip the range check's device sync
+                return linear_cross_entropy(m.hidden_states(x), m.lm_head.weight, y, check_targets=False)
+        else:
+            def loss_fn(m, x, y):
+                return cross_entropy(m(x), y)
+    if variant.compile_blocks:
+        blocks = model.model.layers if variant.impl == "hf" else model.layers
+        for block in blocks:
+            block.compile()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if variant.optimizer == "torch_fused":
+        opt = torch.optim.AdamW(params, lr=cfg.lr, fused=True)
+    elif variant.optimizer == "fused":
+        from .kernels.fused_adamw import FusedAdamW
+
+        opt = FusedAdamW(params, lr=cfg.lr)
+    else:
+        from .optim import AdamW
+
+        opt = AdamW(params, lr=cfg.lr)
+    return model, opt, loss_fn
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+class _Clock:
+    """Per-phase device times of one step: CUDA events on a GPU, wall time after a sync on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def train_step(model, opt, loss_fn, x, y, *, device: torch.device, clock: _Clock | None = None) -> torch.Tensor:
+    """forward + loss, backward, optimizer step; phases are named ranges for the profiler."""
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    with record_function(STEP_RANGE):
+        if clock:
+            clock.mark()
+        with record_function(PHASE_RANGES["forward"]), autocast:
+            loss = loss_fn(model, x, y)
+        if clock:
+            clock.mark()
+        with record_function(PHASE_RANGES["backward"]):
+            loss.backward()
+        if clock:
+            clock.mark()
+        with record_function(PHASE_RANGES["optimizer"]):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if clock:
+            clock.mark()
+    return loss
+
+
+def _quantiles(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    pick = lambda q: xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]  # noqa: E731
+    return dict(median=statistics.median(xs), p10=pick(0.1), p90=pick(0.9))
+
+
+def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str | Path | None = None) -> dict:
+    """One row: step time (median, p10, p90), per-phase medians, first-step time, MFU, peak memory.
+
+    ``trace_path``: also profile one step after the timed ones and export its Chrome trace.
+    Out of memory gives a row with status "oom".
+    """
+    device = resolve_device(cfg.device)
+    mcfg = cfg.model_config()
+    tokens = cfg.batch_size * cfg.context_length
+    flops = 3 * mcfg.forward_flops(cfg.batch_size, cfg.context_length)  # forward + backward (2x)
+    row: dict = dict(**asdict(cfg), tokens=tokens, n_params=mcfg.n_params, step_flops=flops, status="ok",
+                     **asdict(VARIANTS[cfg.variant]))
+    model = opt = None
+    try:
+        torch.manual_seed(cfg.seed)
+        model, opt, loss_fn = build(cfg, device=device)
+        gen = torch.Generator(device=device).manual_seed(cfg.seed)
+        x = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, cfg.context_length), device=device, generator=gen)
+        y = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, cfg.context_length), device=device, generator=gen)
+        t0 = time.perf_counter()
+        loss = train_step(model, opt, loss_fn, x, y, device=device)
+        sync(device)
+        row["first_step_s"] = time.perf_counter() - t0
+        for _ in range(cfg.warmup - 1):
+            train_step(model, opt, loss_fn, x, y, device=device)
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        phases = {"forward_ms": [], "backward_ms": [], "optimizer_ms": [], "step_ms": []}
+        clocks = []
+        for _ in range(cfg.steps):
+            clock = _Clock(device)
+            loss = train_step(model, opt, loss_fn, x, y, device=device, clock=clock)
+            clocks.append(clock)
+            if device.type != "cuda":
+                sync(device)
+        for clock in clocks:
+            fwd, bwd, opt_ms = clock.intervals_ms()
+            for key, v in zip(("forward_ms", "backward_ms", "optimizer_ms", "step_ms"),
+                              (fwd, bwd, opt_ms, fwd + bwd + opt_ms)):
+                phases[key].append(v)
+        for key, values in phases.items():
+            q = _quantiles(values)
+            row[key] = q["median"]
+            if key == "step_ms":
+                row.update(step_ms_p10=q["p10"], step_ms_p90=q["p90"])
+        row["loss"] = float(loss.detach())
+        row["tokens_per_s"] = tokens / (row["step_ms"] * 1e-3)
+        row["achieved_tflops"] = flops / (row["step_ms"] * 1e-3) / 1e12
+        if peak_flops:
+            row["mfu"] = flops / (row["step_ms"] * 1e-3) / peak_flops
+        if device.type == "cuda":
+            row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
+        if trace_path is not None:
+            row["trace"] = str(profile_one_step(model, opt, loss_fn, x, y, device=device, trace_path=trace_path))
+    except Exception as exc:  # noqa: BLE001 - an OOM point is a row; anything else propagates
+        if not is_oom(exc):
+            raise
+        row["status"] = "oom"
+    finally:
+        model = opt = None
+        release_memory()
+    return row
+
+
+def profile_one_step(model, opt, loss_fn, x, y, *, device: torch.device, trace_path: str | Path) -> Path:
+    """Profile one (warm) step with torch.profiler and export its Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    trace_path = Path(trace_path)
+    trace_path.parent.mkdir(parents=True, exist_ok=True)
+    with profile(activities=acts) as prof:
+        train_step(model, opt, loss_fn, x, y, device=device)
+        sync(device)
+    prof.export_chrome_trace(str(trace_path))
+    return trace_path
+
+
+def run_variants(*, model: str, variants: list[str], writer: ResultWriter | None = None,
+                 peak_flops: float | None = None, trace_variant: str | None = None,
+                 trace_path: str | Path | None = None, progress: bool = True, **step_kw) -> list[dict]:
+    """Every variant of one model size, one row each, written as it is produced."""
+    from tqdm.auto import tqdm
+
+    rows = []
+    bar = tqdm(variants, desc=f"train step ({model})", disable=not progress)
+    for name in bar:
+        bar.set_postfix_str(name)
+        cfg = StepConfig(model=model, variant=name, **step_kw)
+        row = measure(cfg, peak_flops=peak_flops, trace_path=trace_path if name == trace_variant else None)
+        if writer is not None:
+            writer.write(row)
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- tables and figures
+
+
+def step_table(rows, *, baseline: str = "hf_llama"):
+    """One line per (model, variant): times, MFU, memory, and speed-up over the baseline variant."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    cols = ["model", "variant", "status", "step_ms", "step_ms_p10", "step_ms_p90", "forward_ms", "backward_ms",
+            "optimizer_ms", "first_step_s", "achieved_tflops", "mfu", "peak_memory_gib", "tokens_per_s"]
+    df = df[[c for c in cols if c in df.columns]].copy()
+    if "step_ms" in df.columns:
+        base = df[df["variant"] == baseline].set_index("model")["step_ms"]
+        df[f"speedup_vs_{baseline}"] = df["model"].map(base) / df["step_ms"]
+    return df
+
+
+def plot_phases(table, *, title: str):
+    """Stacked per-phase medians per variant, one panel per model size."""
+    import matplotlib.pyplot as plt
+
+    ok = table[table["status"] == "ok"]
+    models = list(dict.fromkeys(ok["model"]))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        part = ok[ok["model"] == model]
+        left = [0.0] * len(part)
+        for i, phase in enumerate(("forward_ms", "backward_ms", "optimizer_ms")):
+            ax.barh(part["variant"], part[phase], left=left, color=f"C{i}", label=phase.removesuffix("_ms"))
+            left = [a + b for a, b in zip(left, part[phase])]
+        ax.invert_yaxis()
+        ax.set_xlabel("ms per step (median of each phase)")
+        ax.set_title(model)
+    axes[0][0].legend(loc="lower right", fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="2.7B")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--context-length", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="bf16 matmul rate MFU is relative to (e.g. a measured ceiling)")
+    parser.add_argument("--out", default=None, help="JSON-lines results file")
+    args = parser.parse_args(argv)
+    try:
+        rows = run_variants(model=args.model, variants=args.variants,
+                            writer=ResultWriter(args.out) if args.out else None,
+                            peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+                            batch_size=args.batch_size, context_length=args.context_length,
+                            steps=args.steps, warmup=args.warmup)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for r in rows:
+        extra = f"{r['step_ms']:.1f} ms/step" if r["status"] == "ok" else r["status"]
+        print(f"{r['model']:>6} {r['variant']:>14}: {extra}")
+    return 0 if all(r["status"] == "ok" for r in rows) else 3
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
