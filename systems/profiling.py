@@ -578,7 +578,10 @@ def plot_step_timeline(source: ProfileResult | str | Path, *, step: int = -1, ax
     if uniq:
         ax.legend(uniq.values(), uniq.keys(), loc="upper right", fontsize=8)
     ax.set_yticks(range(len(CATEGORIES)), CATEGORIES)
-    ax.set_xlim(0, (t1 - t0) / 1e3)
+    # GPU work launched inside the step can finish after the CPU range closes (asynchronous
+    # launches): keep it in view
+    end = max(t1, float((mine["ts"] + dur).max())) if len(mine) else t1
+    ax.set_xlim(0, (end - t0) / 1e3)
     ax.set_xlabel("time since step start (ms)")
     what = "GPU kernels" if (mine["device"] == "cuda").any() else "CPU operators"
     ax.set_title(title or f"one step: {what} by category")

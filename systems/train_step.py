@@ -166,23 +166,33 @@ class _Clock:
         return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
-def train_step(model, opt, loss_fn, x, y, *, device: torch.device, clock: _Clock | None = None) -> torch.Tensor:
-    """forward + loss, backward, optimizer step; phases are named ranges for the profiler."""
+def train_step(model, opt, loss_fn, x, y, *, device: torch.device, clock: _Clock | None = None,
+               sync_phases: bool = False) -> torch.Tensor:
+    """forward + loss, backward, optimizer step; phases are named ranges for the profiler.
+
+    ``sync_phases`` closes each range after a device synchronisation, so that a profile's CPU
+    ranges contain their kernels (the timed steps run without it)."""
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     with record_function(STEP_RANGE):
         if clock:
             clock.mark()
         with record_function(PHASE_RANGES["forward"]), autocast:
             loss = loss_fn(model, x, y)
+            if sync_phases:
+                sync(device)
         if clock:
             clock.mark()
         with record_function(PHASE_RANGES["backward"]):
             loss.backward()
+            if sync_phases:
+                sync(device)
         if clock:
             clock.mark()
         with record_function(PHASE_RANGES["optimizer"]):
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if sync_phases:
+                sync(device)
         if clock:
             clock.mark()
     return loss
@@ -267,7 +277,7 @@ def profile_one_step(model, opt, loss_fn, x, y, *, device: torch.device, trace_p
     trace_path = Path(trace_path)
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     with profile(activities=acts) as prof:
-        train_step(model, opt, loss_fn, x, y, device=device)
+        train_step(model, opt, loss_fn, x, y, device=device, sync_phases=True)
         sync(device)
     prof.export_chrome_trace(str(trace_path))
     return trace_path
