@@ -162,8 +162,17 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
                 s += (f"`{best['variant']}` spends {best['comm_overhead_ms']:.3g} ms "
                       f"({100 * best['comm_share']:.1f}% of its step) on communication it does not hide")
             else:
-                s += (f"`{best['variant']}` costs nothing measurable over it ({best['comm_overhead_ms']:.3g} ms, "
-                      "within the step-to-step noise)")
+                b0 = base.iloc[0]
+                s += f"`{best['variant']}` costs nothing measurable over it ({best['comm_overhead_ms']:.3g} ms"
+                lo, hi = b0.get("step_ms_p10"), b0.get("step_ms_p90")
+                if lo == lo and hi == hi and lo is not None and hi is not None:
+                    inside = lo <= best["step_ms"] <= hi
+                    s += (f"; the no-communication steps range {lo:.4g}–{hi:.4g} ms from 10th to 90th percentile, "
+                          + ("and this step time lies inside that range)" if inside else
+                             "and this step time lies outside it: something other than communication, such as "
+                             "host-bound kernel launches, moves the step time by more than communication does)"))
+                else:
+                    s += ")"
         if len(naive) and len(base):
             n = naive.iloc[0]
             s += (f". Naive DDP (one blocking all-reduce per parameter after backward) takes {n['step_ms']:.4g} ms, "

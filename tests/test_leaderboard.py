@@ -1,0 +1,77 @@
+"""The 8B leaderboard step's composition (checkpointing + bucketed DDP + ZeRO-1 sharded fused
+AdamW + fused summed cross-entropy) against plain single-process training, on 2 gloo ranks."""
+
+import pytest
+import torch
+
+from systems.config import get_config
+from systems.distributed import leaderboard as lb
+from systems.distributed.launch import spawn
+
+CFG = dict(model="debug", context_length=32, global_batch=4, precision="fp32", lr=1e-2, bucket_size_mb=0.05,
+           out_path=None)
+STEPS = 2
+
+
+def _train_worker(ctx, cfg_dict):
+    cfg = lb.LeaderboardConfig(**cfg_dict)
+    model, step, losses = lb.make_training(cfg, ctx)
+    for _ in range(STEPS):
+        step()
+    return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+
+
+def _reference() -> dict:
+    from systems.model import TransformerLM
+    from systems.optim import AdamW, cross_entropy
+
+    cfg = lb.LeaderboardConfig(**CFG)
+    mcfg = get_config("debug", context_length=cfg.context_length)
+    torch.manual_seed(cfg.seed)
+    model = TransformerLM(mcfg)
+    opt = AdamW(model.parameters(), lr=cfg.lr)
+    batches = [lb.rank_batch(cfg, rank=r, world_size=2, vocab_size=mcfg.vocab_size, device=torch.device("cpu"))
+               for r in range(2)]
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    for _ in range(STEPS):
+        # each rank's loss is a sum over its tokens and DDP averages the ranks' gradients: the
+        # full batch's summed loss divided by the world size
+        loss = cross_entropy(model(x), y) * y.numel() / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return dict(model.named_parameters())
+
+
+@pytest.mark.slow
+def test_leaderboard_step_equals_single_process_training():
+    results = spawn(_train_worker, 2, "gloo", args=(CFG,), timeout_s=120)
+    ref = _reference()
+    for rank_params in results:
+        for name, p in rank_params.items():
+            # fp32 throughout; the fused loss sums chunk by chunk and the all-reduce sums in another
+            # order, so only rounding differs, amplified a little by AdamW's division by sqrt(v)
+            torch.testing.assert_close(p, ref[name].detach(), rtol=1e-4,
+                                       atol=1e-5, msg=name)
+
+
+def test_config_errors_are_readable():
+    with pytest.raises(ValueError, match="precision"):
+        lb.LeaderboardConfig(precision="fp8")
+    with pytest.raises(ValueError, match="evenly"):
+        lb.LeaderboardConfig(global_batch=3).check_world_size(2)
+
+
+def test_model_flops_counts_causal_attention_once():
+    cfg = lb.LeaderboardConfig(model="debug", context_length=64, global_batch=2)
+    mcfg = get_config("debug", context_length=64)
+    full = 3 * mcfg.forward_flops(2, 64)
+    attention_full = 3 * mcfg.n_layers * 4 * 2 * 64 * 64 * mcfg.d_model
+    assert lb.model_flops(cfg) == pytest.approx(full - attention_full / 2)
+
+
+def test_cli_rejects_a_batch_that_does_not_split():
+    with pytest.raises(SystemExit) as exc:
+        lb.main(["--global-batch", "3", "--world-size", "2", "--model", "debug"])
+    assert exc.value.code == 2
