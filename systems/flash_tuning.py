@@ -132,6 +132,45 @@ def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_pa
     return rows
 
 
+def host_overhead(*, shapes=((1, 1024, 64), (1, 4096, 128)), dtype: str = "bf16", calls: int = 200,
+                  device: str = "cuda") -> list[dict]:
+    """Host (CPU) time per call of each path, the GPU left to run behind: microseconds to enqueue
+    our public forward, our public forward + backward, one direct forward-kernel launch, and SDPA's
+    forward + backward. When a path's host time exceeds its kernels' device time, the GPU waits
+    and the path's measured latency is the host time (the short-sequence points of the sweep)."""
+    import time
+
+    from .attention.flash_triton import flash_attention_triton
+    from .attention_bench import get_impl
+
+    rows = []
+    for batch, seq, d in shapes:
+        x = make_inputs(batch=batch, seq=seq, d=d, dtype=dtype, device=device)
+        q, k, v = (t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v))
+        sdpa = get_impl("sdpa_flash")
+        paths = {
+            "public_fwd": lambda: flash_attention_triton(x.q, x.k, x.v, is_causal=True),
+            "public_fwd_bwd": lambda: flash_attention_triton(q, k, v, is_causal=True).backward(x.do),
+            "kernel_fwd": launch("fwd", x, CANDIDATES["fwd"][1]),
+            "sdpa_flash_fwd_bwd": lambda: sdpa(q[None], k[None], v[None], True).backward(x.do[None]),
+        }
+        for name, fn in paths.items():
+            fn()  # compile, autotune, allocate outside the timed loop
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host_s = time.perf_counter() - t0  # enqueue time only: no synchronisation inside
+            if device == "cuda":
+                torch.cuda.synchronize()
+            total_s = time.perf_counter() - t0
+            rows.append(dict(batch=batch, seq=seq, d=d, dtype=dtype, path=name, calls=calls,
+                             host_us_per_call=host_s / calls * 1e6, wall_us_per_call=total_s / calls * 1e6))
+            q.grad = k.grad = v.grad = None
+    return rows
+
+
 def best_configs(rows: list[dict]) -> dict:
     """(kernel, batch, seq, d) -> the fastest candidate's (block_m, block_n, warps, stages) and ms."""
     best: dict = {}
@@ -149,9 +188,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="results/06_flash_attention_tuning.jsonl")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--rep-ms", type=float, default=30)
+    parser.add_argument("--host-overhead", action="store_true",
+                        help="only measure the host time per call of each path (see host_overhead)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the exploration times GPU kernels and needs CUDA")
+    if args.host_overhead:
+        writer = ResultWriter(args.out)
+        for row in host_overhead(dtype=args.dtype):
+            writer.write(row)
+            print(f"{row['path']:>20} seq {row['seq']:6d} d {row['d']:3d}: host {row['host_us_per_call']:8.1f} us, "
+                  f"wall {row['wall_us_per_call']:8.1f} us per call")
+        return 0
     rows = explore(dtype=args.dtype, out_path=args.out, rep_ms=args.rep_ms)
     for (kernel, batch, seq, d), (cfg, ms) in sorted(best_configs(rows).items(),
                                                      key=lambda kv: (kv[0][0], kv[0][3], kv[0][1], kv[0][2])):
