@@ -8,6 +8,18 @@ from typing import Callable, Iterable
 import torch
 
 
+def advance_state(state: dict, p: torch.Tensor) -> dict:
+    """AdamW's per-parameter state (zero moments on first use), its step count advanced by one.
+    The layout torch.optim.AdamW uses, shared by every AdamW here so their state dicts load
+    into each other."""
+    if not state:
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["step"] += 1
+    return state
+
+
 class AdamW(torch.optim.Optimizer):
     """Loshchilov & Hutter's AdamW, written to match torch.optim.AdamW's update order."""
 
@@ -31,12 +43,7 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
+                advance_state(self.state[p], p)
             foreach = group["foreach"]
             if foreach is None:
                 foreach = all(p.is_cuda for p in params)

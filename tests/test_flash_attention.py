@@ -8,21 +8,16 @@ GPU (marked gpu, skipped without CUDA): bf16/fp16/fp32 at larger shapes, against
 from __future__ import annotations
 
 import math
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from systems.testing import have_triton, interpreting, run_interpreter_cases
 from systems.attention import BACKENDS, FlashAttentionPytorch, get_backend
 from systems.attention.flash_pytorch import flash_forward
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETING = interpreting()
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-REPO = Path(__file__).resolve().parent.parent
 
 
 def reference(q, k, v, is_causal):
@@ -132,13 +127,8 @@ def test_backends_registered_and_model_uses_flash_pytorch():
 
 # ----------------------------------------------------------------------------- Triton, CPU
 
-def _have_triton() -> bool:
-    import importlib.util
 
-    return importlib.util.find_spec("triton") is not None
-
-
-@pytest.mark.skipif(not _have_triton() or INTERPRETING or torch.cuda.is_available(),
+@pytest.mark.skipif(not have_triton() or INTERPRETING or torch.cuda.is_available(),
                     reason="checks the CPU-tensor error outside the interpreter, without a GPU")
 def test_triton_rejects_cpu_tensors():
     from systems.attention import FlashAttentionTriton
@@ -148,16 +138,10 @@ def test_triton_rejects_cpu_tensors():
         FlashAttentionTriton.apply(x, x, x, False)
 
 
-@pytest.mark.skipif(not _have_triton() or INTERPRETING, reason="spawns the interpreter run itself")
+@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="spawns the interpreter run itself")
 def test_triton_kernels_in_interpreter_subprocess():
     """Runs this file's test_interp_* cases with TRITON_INTERPRET=1 set before triton is imported."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interp_",
-                           str(Path(__file__))], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    tail = (proc.stdout + proc.stderr)[-4000:]
-    assert proc.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= len(INTERP_CASES), tail
+    run_interpreter_cases(__file__, min_passed=len(INTERP_CASES))
 
 
 # small sizes with 16-row tiles: several tiles, diagonal tiles, ragged ends, d padding (24)

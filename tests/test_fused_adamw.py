@@ -8,21 +8,16 @@ must not leak into other tests). GPU (marked gpu, skipped without CUDA): the com
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from systems.testing import compile_ptx_for_h100, have_triton, interpreting, run_interpreter_cases
 from systems.kernels.fused_adamw import BLOCK, FusedAdamW
 from systems.optim import AdamW
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETING = interpreting()
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-REPO = Path(__file__).resolve().parent.parent
 
 # sizes below, at and above one kernel block, a ragged multi-block one, 0-d and empty tensors
 SHAPES = [(33,), (7, 13), (BLOCK,), (2 * BLOCK + 5,), (3, 4, 5), (), (0, 4)]
@@ -164,41 +159,14 @@ def test_float64_params_take_the_fallback():
 # ----------------------------------------------------------------------------- Triton kernel, CPU
 
 
-def _have_triton() -> bool:
-    import importlib.util
 
-    return importlib.util.find_spec("triton") is not None
-
-
-def compile_ptx_for_h100(fn, *, signature: dict, constexprs: dict, aligned_args: tuple[int, ...], num_warps: int) -> str:
-    """PTX of a jit'ed kernel compiled for sm_90 without a GPU (Triton ships the compiler and
-    ptxas): catches what the interpreter lets through (non-constexpr globals, type errors)."""
-    pytest.importorskip("triton.backends.nvidia")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned_args}  # as the launcher specialises them
-    try:
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    except TypeError as exc:  # another Triton's offline-compile API: nothing to check here
-        pytest.skip(f"Triton's ASTSource API differs: {exc}")
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
-
-
-@pytest.mark.skipif(not _have_triton() or INTERPRETING, reason="spawns the interpreter run itself")
+@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="spawns the interpreter run itself")
 def test_triton_kernel_in_interpreter_subprocess():
     """Runs this file's test_interp_* cases with TRITON_INTERPRET=1 set before triton is imported."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interp_",
-                           str(Path(__file__))], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    tail = (proc.stdout + proc.stderr)[-4000:]
-    assert proc.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= N_INTERP_TESTS, tail
+    run_interpreter_cases(__file__, min_passed=N_INTERP_TESTS)
 
 
-@pytest.mark.skipif(not _have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
+@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
 @pytest.mark.parametrize("grad", ["fp32", "bf16"])
 @pytest.mark.parametrize("has_copy", [True, False])
 def test_kernel_compiles_for_h100(grad, has_copy):

@@ -9,23 +9,18 @@ other tests). GPU (marked gpu, skipped without CUDA): fp32 and bf16 autocast on 
 from __future__ import annotations
 
 import math
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from systems.testing import compile_ptx_for_h100, have_triton, interpreting, run_interpreter_cases
 from systems.kernels.fused_linear_ce import default_chunk_size, linear_cross_entropy
 from systems.optim import cross_entropy
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETING = interpreting()
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-REPO = Path(__file__).resolve().parent.parent
 
 # fp32: the fused path sums the same products in another order (chunked GEMMs, grad_weight
 # summed over chunks, sum-then-scale instead of mean), so results differ by a few fp32 ulps
@@ -237,41 +232,14 @@ def test_rejects_bad_inputs(change, match):
 # ----------------------------------------------------------------------------- Triton kernel, CPU
 
 
-def _have_triton() -> bool:
-    import importlib.util
 
-    return importlib.util.find_spec("triton") is not None
-
-
-def compile_ptx_for_h100(fn, *, signature: dict, constexprs: dict, aligned_args: tuple[int, ...], num_warps: int) -> str:
-    """PTX of a jit'ed kernel compiled for sm_90 without a GPU (Triton ships the compiler and
-    ptxas): catches what the interpreter lets through (non-constexpr globals, type errors)."""
-    pytest.importorskip("triton.backends.nvidia")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned_args}  # as the launcher specialises them
-    try:
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    except TypeError as exc:  # another Triton's offline-compile API: nothing to check here
-        pytest.skip(f"Triton's ASTSource API differs: {exc}")
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
-
-
-@pytest.mark.skipif(not _have_triton() or INTERPRETING, reason="spawns the interpreter run itself")
+@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="spawns the interpreter run itself")
 def test_triton_kernel_in_interpreter_subprocess():
     """Runs this file's test_interp_* cases with TRITON_INTERPRET=1 set before triton is imported."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interp_",
-                           str(Path(__file__))], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    tail = (proc.stdout + proc.stderr)[-4000:]
-    assert proc.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= len(INTERP_CASES) + 2, tail
+    run_interpreter_cases(__file__, min_passed=len(INTERP_CASES) + 2)
 
 
-@pytest.mark.skipif(not _have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
+@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_row_kernel_compiles_for_h100(dtype):
     from systems.kernels.fused_linear_ce import MAX_BLOCK_V, ROW_KERNEL_WARPS, _ce_rows_kernel

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..optim import advance_state
+
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # parameter and gradient dtypes the kernel takes
 COPY_DTYPES = (torch.bfloat16, torch.float16)  # low-precision copies
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -269,12 +271,7 @@ class FusedAdamW(torch.optim.Optimizer):
                     continue
                 if p.grad.is_sparse:
                     raise ValueError("FusedAdamW does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
+                state = advance_state(self.state[p], p)
                 copy = self._copies.get(p)
                 use_kernel = _kernel_applies(p, p.grad, state["exp_avg"], state["exp_avg_sq"], copy)
                 key = (index, state["step"], p.device, p.dtype, p.grad.dtype,
