@@ -23,6 +23,7 @@ out_dir = "build/smoke"  # the runner injects this
 attn_iters = None        # timed forward and backward passes per point (default: 100 full, 10 smoke)
 model_sizes = None       # whole-model comparison (default: the handout sizes full, ["debug"] smoke)
 model_budget_s = 100     # wall-clock budget for the *compiled* whole-model points (full profile)
+compile_scope = "blocks" # "blocks" (each Transformer block compiled) or "model" (torch.compile of the model)
 smoke_limit_mib = 8      # smoke only: simulated device capacity that makes a CPU point "run out of memory"
 
 # %%
@@ -251,17 +252,22 @@ if not both.empty:
 # ## (b) torch_compile: the whole Transformer compiled vs eager
 #
 # Through the harness (`systems.benchmark.run_benchmark`): context 512, batch 4, fp32 weights with
-# TF32 matmuls allowed, 2 warm-up and 5 measured steps. To fit the compile-time budget each size
-# compiles twice, not three times: the inference forward (`mode="forward"`) and the train step;
-# forward+backward is the train step's separately synchronised forward and backward phases.
-# Eager runs every size; compiled sizes run smallest first until `model_budget_s` would be
-# exceeded (the skipped ones say so). Compile time = first warm-up step − steady-state median.
+# TF32 matmuls allowed, 2 warm-up and 5 measured steps. "Compiled" compiles every Transformer
+# block (`compile_scope` parameter, `"blocks"` by default): all blocks share one compiled graph, as
+# in torchtitan, so compile time does not grow with depth (`torch.compile` of the whole model
+# unrolls all layers into one graph: `compile_scope = "model"`); embedding, final norm and LM head
+# stay eager. Each size compiles twice, not three times: the inference forward (`mode="forward"`)
+# and the train step; forward+backward is the train step's separately synchronised forward and
+# backward phases. Eager runs every size; compiled sizes run smallest first until
+# `model_budget_s` would be exceeded (the skipped ones say so). Compile time = first warm-up
+# step − steady-state median.
 
 # %%
 if ctx.full:
     sizes = model_sizes or HANDOUT_SIZES
     model_rows = run_model_compile_sweep(sizes, context_length=512, batch_size=4, modes=("train_step", "forward"),
                                          tf32=True, device=ctx.device, budget_s=model_budget_s,
+                                         compile_scope=compile_scope,
                                          out_path=ctx.result_path("model_compile"))
 else:
     # Inductor's CPU compile of even the debug model takes tens of seconds: smoke runs eager only
@@ -270,7 +276,7 @@ else:
                                          tf32=False, device="cpu", compile=False, warmup_steps=1, measure_steps=2,
                                          out_path=ctx.result_path("model_compile"))
 mtab = model_compile_table(model_rows)
-nb.show(mtab, caption=f"whole model, eager vs torch.compile, on {ctx.gpu}")
+nb.show(mtab, caption=f"whole model, eager vs torch.compile (scope: {compile_scope}), on {ctx.gpu}")
 
 # %%
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))

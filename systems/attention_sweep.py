@@ -534,7 +534,8 @@ MODEL_MEASUREMENTS = ("forward (inference)", "forward (in train step)", "forward
 def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, batch_size: int = 4,
                             modes: Sequence[str] = ("forward", "train_step"), precision: str = "fp32",
                             tf32: bool = True, warmup_steps: int = 2, measure_steps: int = 5,
-                            device: str = "auto", compile: bool = True, budget_s: float | None = None,
+                            device: str = "auto", compile: bool = True, compile_scope: str = "model",
+                            budget_s: float | None = None,
                             out_path: str | Path | None = None, progress: bool = True,
                             model_overrides: dict | None = None, bench_fn: Callable | None = None,
                             clock: Callable[[], float] = time.perf_counter) -> list[dict]:
@@ -545,6 +546,8 @@ def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, 
     three times. Compilation dominates the cost; with ``budget_s`` a compiled point is skipped
     (``status="skipped"``) once the time spent on compiled points plus a prediction for this one
     (the last compiled point of the same mode, scaled by layer count) would exceed the budget.
+    ``compile_scope`` is BenchmarkConfig's: ``"blocks"`` compiles one block graph shared by every
+    layer, so the compile cost stops growing with depth.
     ``bench_fn`` replaces ``run_benchmark`` and ``clock`` the wall clock (tests).
     """
     from tqdm.auto import tqdm
@@ -559,7 +562,8 @@ def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, 
                   model_overrides=dict(model_overrides or {}))
     plan = [BenchmarkConfig(model=s, mode=m, compile=False, **common) for s in sizes for m in modes]
     if compile:
-        plan += [BenchmarkConfig(model=s, mode=m, compile=True, **common) for s in sizes for m in modes]
+        plan += [BenchmarkConfig(model=s, mode=m, compile=True, compile_scope=compile_scope, **common)
+                 for s in sizes for m in modes]
     writer = ResultWriter(out_path) if out_path else None
     records: list[dict] = []
     eager_status: dict[tuple[str, str], str] = {}

@@ -38,6 +38,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PHASES = ("forward", "backward", "optimizer")
 # profiler / NVTX range names of a step and its phases
+COMPILE_SCOPES = ("model", "blocks")
 STEP_RANGE = "step"
 PHASE_RANGES = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}
 
@@ -53,6 +54,10 @@ class BenchmarkConfig:
     mode: str = "train_step"
     precision: str = "fp32"  # fp32, or bf16 / fp16 autocast over fp32 master weights
     compile: bool = False
+    # "model": torch.compile(model), one graph per mode whose compile time grows with depth;
+    # "blocks": every TransformerBlock compiled (one graph serves all of them, as torchtitan
+    # does), embedding, final norm and LM head left eager
+    compile_scope: str = "model"
     attn_impl: str = "naive"
     device: str = "auto"
     tf32: bool = False  # allow TF32 tensor cores for fp32 matmuls
@@ -63,6 +68,8 @@ class BenchmarkConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {self.compile_scope!r}")
         for name in ("context_length", "batch_size", "measure_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -99,7 +106,12 @@ class StepRunner:
         self.model_cfg = cfg.model_config()
         torch.manual_seed(cfg.seed)
         self.model = TransformerLM(self.model_cfg, device=device)
-        self.fn = torch.compile(self.model) if cfg.compile else self.model
+        self.fn = self.model
+        if cfg.compile and cfg.compile_scope == "blocks":
+            for block in self.model.layers:
+                block.compile()
+        elif cfg.compile:
+            self.fn = torch.compile(self.model)
         self.optimizer = AdamW(self.model.parameters(), lr=1e-4) if cfg.mode == "train_step" else None
         self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" and cfg.mode != "forward" else None
         shape = (cfg.batch_size, cfg.context_length)
