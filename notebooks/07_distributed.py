@@ -81,13 +81,16 @@ nb.md("**Commentary.**\n\n" + report.allreduce_commentary(allreduce) + "\n\n"
 # variant is its step time minus the `nosync` step time of the same precision (for torch DDP too,
 # whose waiting happens inside backward). `sync_wait_ms` is the time from the end of backward to
 # the end of `finish_gradient_synchronization()` on the device, what is left to wait for.
+# `bucketed_lp:<MiB>` is the bucketed wrapper with `reduce_dtype=torch.bfloat16`: it sends half the
+# bytes of fp32 gradients (as FSDP2's `reduce_dtype` does), and each averaged gradient is rounded to
+# bf16 on the way; torch DDP and the other variants all-reduce in fp32.
 
 # %%
 if ctx.full:
-    ddp_config = DDPBenchConfig(model="xl", context_length=512, global_batch=4)
+    ddp_config = DDPBenchConfig(model="xl", context_length=512, global_batch=4, lp_reduce_buckets_mb=(1000.0,))
 else:
-    ddp_config = DDPBenchConfig(model="debug", context_length=64, global_batch=4,
-                                bucket_sizes_mb=(0.05, 0.2, 1.0), warmup=1, steps=3, profile_steps=1)
+    ddp_config = DDPBenchConfig(model="debug", context_length=64, global_batch=4, bucket_sizes_mb=(0.05, 0.2, 1.0),
+                                lp_reduce_buckets_mb=(1.0,), warmup=1, steps=3, profile_steps=1)
 ddp_config.out_path = str(ctx.result_path("ddp"))
 ddp_config.overlap_path = str(ctx.result_path("overlap"))
 ddp_config.trace_dir = str(ctx.results / f"{ctx.name}_traces")

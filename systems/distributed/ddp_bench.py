@@ -5,6 +5,7 @@ same model on its share of the global batch with our AdamW. Variants, timed in t
 
 - ``nosync``: no gradient communication at all, the computation-only baseline;
 - ``naive``, ``flat``, ``overlap`` (per-parameter async), ``bucketed:<MiB>``;
+- ``bucketed_lp:<MiB>`` (only when asked for): bucketed, all-reducing the gradients in bf16;
 - ``torch_ddp``: torch.nn.parallel.DistributedDataParallel with its defaults, last (it keeps
   hooks on the parameters until it is deleted).
 
@@ -54,6 +55,8 @@ class DDPBenchConfig:
     global_batch: int = 4
     precisions: tuple[str, ...] = PRECISIONS
     bucket_sizes_mb: tuple[float, ...] = HANDOUT_BUCKETS_MB
+    # bucketed variants that all-reduce in bf16 ("bucketed_lp:<MiB>"): half the bytes of fp32 gradients
+    lp_reduce_buckets_mb: tuple[float, ...] = ()
     include_torch_ddp: bool = True
     warmup: int = 3
     steps: int = 10
@@ -77,10 +80,11 @@ class DDPBenchConfig:
         if self.warmup < 1 or self.steps < 1:
             raise ValueError(f"need warmup >= 1 and steps >= 1, got {self.warmup} and {self.steps}")
         if not self.variants:
-            names = ["nosync", "naive", "flat", "overlap", *[f"bucketed:{b:g}" for b in self.bucket_sizes_mb]]
+            names = ["nosync", "naive", "flat", "overlap", *[f"bucketed:{b:g}" for b in self.bucket_sizes_mb],
+                     *[f"bucketed_lp:{b:g}" for b in self.lp_reduce_buckets_mb]]
             self.variants = tuple(names + (["torch_ddp"] if self.include_torch_ddp else []))
         unknown = [v for v in self.variants if v.split(":")[0] not in
-                   ("nosync", "naive", "flat", "overlap", "bucketed", "torch_ddp")]
+                   ("nosync", "naive", "flat", "overlap", "bucketed", "bucketed_lp", "torch_ddp")]
         if unknown:
             raise ValueError(f"unknown variants {unknown}")
         if "torch_ddp" in self.variants and self.variants[-1] != "torch_ddp":
@@ -124,6 +128,10 @@ class _Runner:
             ids = [ctx.device.index] if ctx.device.type == "cuda" else None
             self.ddp = DistributedDataParallel(model, device_ids=ids)
             self.forward = self.ddp
+        elif kind == "bucketed_lp":
+            self.ddp = DDPBucketed(model, bucket_size_mb=float(arg), reduce_dtype=torch.bfloat16)
+            self.forward = self.ddp
+            self.n_buckets = self.ddp.n_buckets
         else:
             kwargs = {"bucket_size_mb": float(arg)} if kind == "bucketed" else {}
             self.ddp = make_ddp(kind, model, **kwargs)
@@ -309,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_benchmark_arguments(parser, d, precisions=PRECISIONS)
     parser.add_argument("--bucket-sizes-mb", nargs="+", type=float, default=list(d.bucket_sizes_mb))
+    parser.add_argument("--lp-reduce-buckets-mb", nargs="*", type=float, default=[],
+                        help="also run bucketed DDP all-reducing in bf16 with these bucket sizes")
     parser.add_argument("--no-torch-ddp", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=d.profile_steps)
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in the fp32 runs")
@@ -317,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     config = DDPBenchConfig(
         model=args.model, context_length=args.context_length, global_batch=args.global_batch,
         precisions=tuple(args.precisions), bucket_sizes_mb=tuple(args.bucket_sizes_mb),
+        lp_reduce_buckets_mb=tuple(args.lp_reduce_buckets_mb),
         include_torch_ddp=not args.no_torch_ddp, warmup=args.warmup, steps=args.steps,
         profile=not args.no_profile, profile_steps=args.profile_steps, attn_impl=args.attn_impl,
         tf32=args.tf32, out_path=str(out / "07_distributed_ddp.jsonl"),
