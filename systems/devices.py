@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import torch
 
@@ -13,6 +14,12 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
+
+
+def triton_interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1, read by Triton
+    when it is imported): kernels then take CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def resolve_device(name: str) -> torch.device:

@@ -11,12 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .devices import triton_interpreting as interpreting
+
 REPO = Path(__file__).resolve().parent.parent
 
-
-def interpreting() -> bool:
-    """True when this process runs Triton kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def have_triton() -> bool:
@@ -55,3 +53,6 @@ def compile_ptx_for_h100(fn, *, signature: dict, constexprs: dict, aligned_args:
     except TypeError as exc:
         pytest.skip(f"Triton's ASTSource API differs: {exc}")
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+
+
+__all__ = ["REPO", "compile_ptx_for_h100", "have_triton", "interpreting", "run_interpreter_cases"]

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from ..devices import triton_interpreting
 from .flash_pytorch import backward_reference, check_inputs
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -40,10 +41,6 @@ BACKWARD_IMPLS = ("triton", "pytorch")
 
 # ----------------------------------------------------------------------------- helpers
 
-
-def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def seq_bucket(n: int) -> int:
@@ -62,7 +59,7 @@ def seq_bucket(n: int) -> int:
 
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs follow torch's global matmul setting (TF32 only when the user allowed it)
-    if dtype == torch.float32 and not interpreting() and torch.backends.cuda.matmul.allow_tf32:
+    if dtype == torch.float32 and not triton_interpreting() and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return "ieee"
 
@@ -75,7 +72,7 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
     check_inputs(q, k, v, is_causal, dtypes=SUPPORTED_DTYPES)
-    if not q.is_cuda and not interpreting():
+    if not q.is_cuda and not triton_interpreting():
         raise ValueError(f"FlashAttentionTriton needs CUDA tensors, got device {q.device}; "
                          "set TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU")
     d = q.shape[-1]
@@ -119,7 +116,7 @@ def _cfg(**kw) -> triton.Config:
 def autotuning() -> bool:
     """False under the interpreter, or with FLASH_TRITON_AUTOTUNE=0 (one default config each:
     no benchmarking, few compiles; what quick GPU tests want)."""
-    return not interpreting() and os.environ.get("FLASH_TRITON_AUTOTUNE", "1") != "0"
+    return not triton_interpreting() and os.environ.get("FLASH_TRITON_AUTOTUNE", "1") != "0"
 
 
 # Per kernel: configs for 16-bit inputs and for fp32 inputs (fp32 tiles hold twice the bytes
@@ -130,7 +127,7 @@ def autotuning() -> bool:
 # 64-row tiles win up to 16k, 128-row query tiles (and 64x128 dK/dV tiles) at 64k with d=128.
 # Under the interpreter there is one small config each: multi-config autotuning benchmarks
 # on a GPU (it fails without a driver), and 16-row tiles exercise the tile loops at tiny sizes.
-if interpreting():
+if triton_interpreting():
     _CONFIGS = {
         "fwd": {"half": [_cfg(BLOCK_M=16, BLOCK_N=16, warps=4, stages=1)], "fp32": []},
         "dkdv": {"half": [_cfg(BLOCK_M1=16, BLOCK_N1=32, warps=4, stages=1)], "fp32": []},

@@ -21,7 +21,6 @@ hundreds. CPU tensors (outside TRITON_INTERPRET=1) take a torch._foreach_* fallb
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -29,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..devices import triton_interpreting
 from ..optim import advance_state
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # parameter and gradient dtypes the kernel takes
@@ -47,10 +47,6 @@ _N_POINTERS = tl.constexpr(N_POINTERS)
 
 # ----------------------------------------------------------------------------- helpers
 
-
-def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -89,7 +85,7 @@ def _kernel_applies(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.
     # the kernel indexes flat memory, so every tensor must be dense and in row-major order,
     # and it reads the moments with the parameter's dtype
     tensors = (p, g, m, v) if copy is None else (p, g, m, v, copy)
-    return ((p.is_cuda or interpreting()) and p.dtype in KERNEL_DTYPES and g.dtype in KERNEL_DTYPES
+    return ((p.is_cuda or triton_interpreting()) and p.dtype in KERNEL_DTYPES and g.dtype in KERNEL_DTYPES
             and m.dtype == v.dtype == p.dtype and all(t.is_contiguous() for t in tensors))
 
 

@@ -24,11 +24,12 @@ and no gradient, and "mean" divides by the number of the other targets.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ..devices import triton_interpreting
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -58,14 +59,10 @@ ROW_KERNEL_WARPS = 8
 # ----------------------------------------------------------------------------- helpers
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 def _row_kernel_applies(logits: torch.Tensor) -> bool:
     # float64 logits stay with the PyTorch path: the kernel computes in fp32
-    return logits.dtype in KERNEL_DTYPES and (logits.is_cuda or interpreting())
+    return logits.dtype in KERNEL_DTYPES and (logits.is_cuda or triton_interpreting())
 
 
 def default_chunk_size(n_tokens: int, vocab: int, dtype: torch.dtype) -> int:
@@ -228,7 +225,7 @@ def _ce_rows_(logits: torch.Tensor, targets: torch.Tensor, losses: torch.Tensor,
     if not _row_kernel_applies(logits):
         _rows_torch_(logits, targets, losses, scale, ignore_index, write_grad)
         return
-    max_block = INTERPRETER_MAX_BLOCK_V if interpreting() else MAX_BLOCK_V
+    max_block = INTERPRETER_MAX_BLOCK_V if triton_interpreting() else MAX_BLOCK_V
     block_v = min(max_block, triton.next_power_of_2(n_cols))
     _ce_rows_kernel[(n_rows,)](logits, targets, losses, scale, logits.stride(0), n_cols, ignore_index,
                                BLOCK_V=block_v, WRITE_GRAD=write_grad, num_warps=ROW_KERNEL_WARPS)
