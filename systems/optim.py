@@ -68,22 +68,26 @@ class AdamW(torch.optim.Optimizer):
     def _update_foreach(self, group: dict, params: list[torch.Tensor]) -> None:
         """The same arithmetic in the same order as _update_one, batched over tensors that share
         a step count (parameters added at different times are updated in separate batches)."""
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         by_step: dict[int, list[torch.Tensor]] = {}
         for p in params:
             by_step.setdefault(self.state[p]["step"], []).append(p)
         for t, ps in by_step.items():
-            grads = [p.grad for p in ps]
-            ms = [self.state[p]["exp_avg"] for p in ps]
-            vs = [self.state[p]["exp_avg_sq"] for p in ps]
-            torch._foreach_mul_(ps, 1 - lr * wd)
-            torch._foreach_lerp_(ms, grads, 1 - beta1)
-            torch._foreach_mul_(vs, beta2)
-            torch._foreach_addcmul_(vs, grads, grads, value=1 - beta2)
-            denoms = torch._foreach_sqrt(vs)
-            torch._foreach_div_(denoms, math.sqrt(1 - beta2**t))
-            torch._foreach_add_(denoms, eps)
-            torch._foreach_addcdiv_(ps, ms, denoms, value=-lr / (1 - beta1**t))
+            adamw_foreach_(ps, [p.grad for p in ps], [self.state[p]["exp_avg"] for p in ps],
+                           [self.state[p]["exp_avg_sq"] for p in ps], group=group, step=t)
+
+
+def adamw_foreach_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                   exp_avg_sqs: list[torch.Tensor], *, group: dict, step: int) -> None:
+    """AdamW._update_one's arithmetic, in its order, as multi-tensor ops over tensors at one step count."""
+    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    torch._foreach_mul_(params, 1 - lr * wd)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denoms, math.sqrt(1 - beta2**step))
+    torch._foreach_add_(denoms, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-lr / (1 - beta1**step))
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ..devices import triton_interpreting
-from ..optim import advance_state
+from ..optim import AdamW, adamw_foreach_, advance_state
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # parameter and gradient dtypes the kernel takes
 COPY_DTYPES = (torch.bfloat16, torch.float16)  # low-precision copies
@@ -72,7 +72,8 @@ class _Scalars:
 class _Bucket:
     """Parameters updated by one launch (or one round of foreach calls)."""
 
-    scalars: _Scalars
+    group: dict  # the param group: lr, betas, eps, weight_decay
+    step: int
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
     exp_avgs: list[torch.Tensor]
@@ -116,17 +117,9 @@ def _address_table(addresses: tuple[int, ...], device: torch.device) -> torch.Te
 
 
 def _foreach_step(bucket: _Bucket) -> None:
-    """The PyTorch fallback: systems.optim.AdamW's operations, as multi-tensor foreach calls."""
-    s = bucket.scalars
+    """The PyTorch fallback: systems.optim.AdamW's multi-tensor update, then the copies."""
     grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(bucket.params, bucket.grads)]
-    torch._foreach_mul_(bucket.params, s.decay)
-    torch._foreach_lerp_(bucket.exp_avgs, grads, s.lerp_weight)
-    torch._foreach_mul_(bucket.exp_avg_sqs, s.beta2)
-    torch._foreach_addcmul_(bucket.exp_avg_sqs, grads, grads, value=s.one_minus_beta2)
-    denom = torch._foreach_sqrt(bucket.exp_avg_sqs)
-    torch._foreach_div_(denom, s.bias_correction2_sqrt)
-    torch._foreach_add_(denom, s.eps)
-    torch._foreach_addcdiv_(bucket.params, bucket.exp_avgs, denom, value=-s.step_size)
+    adamw_foreach_(bucket.params, grads, bucket.exp_avgs, bucket.exp_avg_sqs, group=bucket.group, step=bucket.step)
     if bucket.copies is not None:
         torch._foreach_copy_(bucket.copies, bucket.params)
 
@@ -212,7 +205,7 @@ def _adamw_kernel(Addresses, Numels, FirstBlock, BlockTensor,
 # ----------------------------------------------------------------------------- optimizer
 
 
-class FusedAdamW(torch.optim.Optimizer):
+class FusedAdamW(AdamW):
     """``systems.optim.AdamW`` with a fused Triton update, optionally writing low-precision copies.
 
     ``low_precision_copies`` maps parameters to bf16/fp16 tensors of their shape; after each
@@ -224,11 +217,7 @@ class FusedAdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, *,
                  low_precision_copies: dict[torch.Tensor, torch.Tensor] | None = None):
-        if lr < 0:
-            raise ValueError(f"invalid learning rate {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"invalid betas {betas}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._copies: dict[torch.Tensor, torch.Tensor] = {}
         # launch tables of the last step, reused while addresses and sizes stay the same
         self._tables: dict[tuple, torch.Tensor] = {}
@@ -274,7 +263,7 @@ class FusedAdamW(torch.optim.Optimizer):
                        copy.dtype if copy is not None else None)
                 buckets = kernel if use_kernel else fallback
                 if key not in buckets:
-                    buckets[key] = _Bucket(scalars=_Scalars.of(group, state["step"]), params=[], grads=[],
+                    buckets[key] = _Bucket(group=group, step=state["step"], params=[], grads=[],
                                            exp_avgs=[], exp_avg_sqs=[], copies=[] if copy is not None else None)
                 b = buckets[key]
                 b.params.append(p)
@@ -302,7 +291,7 @@ class FusedAdamW(torch.optim.Optimizer):
         block_maps[map_key], tables[addresses] = block_map, table
         if block_map.n_blocks == 0:
             return
-        s = bucket.scalars
+        s = _Scalars.of(bucket.group, bucket.step)
         copy_dtype = bucket.copies[0].dtype if bucket.copies is not None else torch.bfloat16  # unused without copies
         _adamw_kernel[(block_map.n_blocks,)](
             table, block_map.numels, block_map.first_block, block_map.block_tensor,
