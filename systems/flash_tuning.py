@@ -57,36 +57,28 @@ def make_inputs(*, batch: int, seq: int, d: int, dtype: str, device: str = "cuda
     return Inputs(q, k, v, o, lse, do, delta)
 
 
-def launch(kernel: str, x: Inputs, cfg: tuple[int, int, int, int], *, is_causal: bool = True):
-    """One launch of ``kernel`` with the tile sizes of ``cfg``; returns a zero-argument closure."""
-    import triton
+# each kernel's two tile-size meta-parameters, in the (block_m, block_n) order of CANDIDATES
+TILE_NAMES = {"fwd": ("BLOCK_M", "BLOCK_N"), "dkdv": ("BLOCK_M1", "BLOCK_N1"), "dq": ("BLOCK_M2", "BLOCK_N2")}
 
+
+def launch(kernel: str, x: Inputs, cfg: tuple[int, int, int, int], *, is_causal: bool = True):
+    """A zero-argument closure launching ``kernel`` once with the tile sizes of ``cfg``, through
+    the kernel module's own launchers (its outputs are the closure's ``o``, ``dk``/``dv`` or ``dq``)."""
     from .attention import flash_triton as ft
 
+    if kernel not in TILE_NAMES:
+        raise ValueError(f"unknown kernel {kernel!r}; choose one of {list(TILE_NAMES)}")
     bm, bn, warps, stages = cfg
-    batch, n, d = x.q.shape
-    common = ft._common(x.q, x.k)
-    run = dict(num_warps=warps, num_stages=stages, IS_CAUSAL=is_causal, **common)
-    sm_scale = d ** -0.5
-    qk_scale = sm_scale * 1.4426950408889634
+    m_name, n_name = TILE_NAMES[kernel]
+    config = {m_name: bm, n_name: bn, "num_warps": warps, "num_stages": stages}
     if kernel == "fwd":
         o, lse = torch.empty_like(x.q), torch.empty_like(x.lse)
-        return lambda: ft._flash_fwd_kernel.fn[(triton.cdiv(n, bm), batch)](
-            x.q, x.k, x.v, o, lse, *x.q.stride(), *x.k.stride(), *x.v.stride(), *o.stride(), lse.stride(0),
-            n, n, qk_scale, BLOCK_M=bm, BLOCK_N=bn, **run)
+        return lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, is_causal, config=config)
     if kernel == "dkdv":
         dk, dv = torch.empty_like(x.k), torch.empty_like(x.v)
-        return lambda: ft._flash_bwd_dkdv_kernel.fn[(triton.cdiv(n, bn), batch)](
-            x.q, x.k, x.v, x.do, x.lse, x.delta, dk, dv,
-            *x.q.stride(), *x.k.stride(), *x.v.stride(), *x.do.stride(), *dk.stride(), *dv.stride(),
-            x.lse.stride(0), n, n, qk_scale, sm_scale, BLOCK_M1=bm, BLOCK_N1=bn, **run)
-    if kernel == "dq":
-        dq = torch.empty_like(x.q)
-        return lambda: ft._flash_bwd_dq_kernel.fn[(triton.cdiv(n, bm), batch)](
-            x.q, x.k, x.v, x.do, x.lse, x.delta, dq,
-            *x.q.stride(), *x.k.stride(), *x.v.stride(), *x.do.stride(), *dq.stride(), x.lse.stride(0),
-            n, n, qk_scale, sm_scale, BLOCK_M2=bm, BLOCK_N2=bn, **run)
-    raise ValueError(f"unknown kernel {kernel!r}; choose one of {list(CANDIDATES)}")
+        return lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, x.delta, dk, dv, is_causal, config=config)
+    dq = torch.empty_like(x.q)
+    return lambda: ft.launch_dq(x.q, x.k, x.v, x.do, x.lse, x.delta, dq, is_causal, config=config)
 
 
 def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_path: str | None = None,

@@ -30,7 +30,8 @@ import triton.testing
 from ..devices import triton_interpreting
 from .flash_pytorch import backward_reference, check_inputs
 
-_LOG2E = tl.constexpr(1.4426950408889634)
+LOG2E = 1.4426950408889634  # scores are scaled by sm_scale * log2(e) so the kernels can use exp2
+_LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
 _MASKED = tl.constexpr(-1e6)  # the handout's masked score (in base-2 units here; exp2 of it is 0)
 
@@ -490,28 +491,62 @@ def _common(q3: torch.Tensor, k3: torch.Tensor) -> dict:
                 SEQ_BUCKET=seq_bucket(max(q3.shape[1], k3.shape[1])))
 
 
-def flash_forward_triton(q3, k3, v3, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, n_q, d), (B, n_k, d) x2 -> O (B, n_q, d), L (B, n_q) fp32."""
+def _launch(kernel, grid, args: tuple, meta: dict, config: dict | None) -> None:
+    """The autotuned kernel, or with ``config`` (its tile sizes, num_warps and num_stages) the jit'ed
+    kernel under it, bypassing the autotuner (what systems.flash_tuning measures candidates with)."""
+    if config is None:
+        kernel[grid](*args, **meta)
+    else:
+        kernel.fn[grid](*args, **meta, **config)
+
+
+def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None = None) -> None:
+    """Fill O (B, n_q, d) and L (B, n_q) fp32 from (B, n_q, d), (B, n_k, d) x2."""
     batch, n_q, d = q3.shape
-    n_k = k3.shape[1]
-    o = torch.empty_like(q3)
-    lse = torch.empty((batch, n_q), device=q3.device, dtype=torch.float32)
-    sm_scale = d ** -0.5
 
     def grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_M"]), batch)
 
-    _flash_fwd_kernel[grid](
-        q3, k3, v3, o, lse,
-        *q3.stride(), *k3.stride(), *v3.stride(), *o.stride(), lse.stride(0),
-        n_q, n_k, sm_scale * 1.4426950408889634, IS_CAUSAL=bool(is_causal), **_common(q3, k3))
+    args = (q3, k3, v3, o, lse, *q3.stride(), *k3.stride(), *v3.stride(), *o.stride(), lse.stride(0),
+            n_q, k3.shape[1], d ** -0.5 * LOG2E)
+    _launch(_flash_fwd_kernel, grid, args, dict(IS_CAUSAL=bool(is_causal), **_common(q3, k3)), config)
+
+
+def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config: dict | None = None) -> None:
+    """Fill dK and dV, given L and D = rowsum(O * dO)."""
+    batch, n_q, d = q3.shape
+    n_k = k3.shape[1]
+
+    def grid(meta):
+        return (triton.cdiv(n_k, meta["BLOCK_N1"]), batch)
+
+    args = (q3, k3, v3, do3, lse, delta, dk, dv, *q3.stride(), *k3.stride(), *v3.stride(), *do3.stride(),
+            *dk.stride(), *dv.stride(), lse.stride(0), n_q, n_k, d ** -0.5 * LOG2E, d ** -0.5)
+    _launch(_flash_bwd_dkdv_kernel, grid, args, dict(IS_CAUSAL=bool(is_causal), **_common(q3, k3)), config)
+
+
+def launch_dq(q3, k3, v3, do3, lse, delta, dq, is_causal: bool, *, config: dict | None = None) -> None:
+    """Fill dQ, given L and D = rowsum(O * dO)."""
+    batch, n_q, d = q3.shape
+
+    def grid(meta):
+        return (triton.cdiv(n_q, meta["BLOCK_M2"]), batch)
+
+    args = (q3, k3, v3, do3, lse, delta, dq, *q3.stride(), *k3.stride(), *v3.stride(), *do3.stride(),
+            *dq.stride(), lse.stride(0), n_q, k3.shape[1], d ** -0.5 * LOG2E, d ** -0.5)
+    _launch(_flash_bwd_dq_kernel, grid, args, dict(IS_CAUSAL=bool(is_causal), **_common(q3, k3)), config)
+
+
+def flash_forward_triton(q3, k3, v3, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, n_q, d), (B, n_k, d) x2 -> O (B, n_q, d), L (B, n_q) fp32."""
+    o = torch.empty_like(q3)
+    lse = torch.empty(q3.shape[:2], device=q3.device, dtype=torch.float32)
+    launch_forward(q3, k3, v3, o, lse, is_causal)
     return o, lse
 
 
 def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool):
     batch, n_q, d = q3.shape
-    n_k = k3.shape[1]
-    sm_scale = d ** -0.5
     common = _common(q3, k3)
     delta = torch.empty_like(lse)
     delta_rows = 64
@@ -519,23 +554,8 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool):
         o3, do3, delta, *o3.stride(), *do3.stride(), delta.stride(0), n_q,
         HEAD_DIM=common["HEAD_DIM"], BLOCK_D=common["BLOCK_D"], BLOCK_M=delta_rows)
     dq, dk, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
-    scales = (sm_scale * 1.4426950408889634, sm_scale)
-
-    def grid_kv(meta):
-        return (triton.cdiv(n_k, meta["BLOCK_N1"]), batch)
-
-    _flash_bwd_dkdv_kernel[grid_kv](
-        q3, k3, v3, do3, lse, delta, dk, dv,
-        *q3.stride(), *k3.stride(), *v3.stride(), *do3.stride(), *dk.stride(), *dv.stride(), lse.stride(0),
-        n_q, n_k, *scales, IS_CAUSAL=bool(is_causal), **common)
-
-    def grid_q(meta):
-        return (triton.cdiv(n_q, meta["BLOCK_M2"]), batch)
-
-    _flash_bwd_dq_kernel[grid_q](
-        q3, k3, v3, do3, lse, delta, dq,
-        *q3.stride(), *k3.stride(), *v3.stride(), *do3.stride(), *dq.stride(), lse.stride(0),
-        n_q, n_k, *scales, IS_CAUSAL=bool(is_causal), **common)
+    launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal)
+    launch_dq(q3, k3, v3, do3, lse, delta, dq, is_causal)
     return dq, dk, dv
 
 
