@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
+import time
+from typing import Sequence
 
 import torch
 
@@ -58,3 +61,34 @@ def release_memory(device: torch.device | None = None) -> None:
     gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
+
+
+class DeviceMarks:
+    """Named time points in one stream of work: CUDA events on a GPU, read once the device has
+    been synchronised (recording them does not wait); perf_counter on a CPU, where ops run eagerly."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.points: dict[str, object] = {}
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.points[name] = ev
+        else:
+            self.points[name] = time.perf_counter()
+
+    def ms(self, a: str, b: str) -> float:
+        if self.cuda:
+            return self.points[a].elapsed_time(self.points[b])
+        return (self.points[b] - self.points[a]) * 1e3
+
+
+def median_p10_p90(values: Sequence[float]) -> tuple[float, float, float]:
+    """The median and the 10th / 90th percentiles (inclusive method; one value is all three)."""
+    median = statistics.median(values)
+    if len(values) < 2:
+        return median, median, median
+    q = statistics.quantiles(values, n=10, method="inclusive")
+    return median, q[0], q[-1]

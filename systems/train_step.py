@@ -22,6 +22,8 @@ separately (it includes compilation and autotuning). Each row is written as soon
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -32,7 +34,7 @@ from torch.profiler import record_function
 
 from .benchmark import PHASE_RANGES, STEP_RANGE
 from .config import ModelConfig, get_config
-from .devices import is_oom, release_memory, resolve_device, sync
+from .devices import DeviceMarks, is_oom, median_p10_p90, release_memory, resolve_device, sync
 from .results import ResultWriter
 
 GIB = 2**30
@@ -144,64 +146,37 @@ def build(cfg: StepConfig, *, device: torch.device):
 # ----------------------------------------------------------------------------- timing
 
 
-class _Clock:
-    """Per-phase device times of one step: CUDA events on a GPU, wall time after a sync on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def intervals_ms(self) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
-        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+PHASES = ("forward", "backward", "optimizer")
 
 
-def train_step(model, opt, loss_fn, x, y, *, device: torch.device, clock: _Clock | None = None,
+@contextlib.contextmanager
+def _phase(name: str, *, device: torch.device, marks: DeviceMarks | None, sync_phases: bool):
+    """A named profiler range; closed after a device sync when ``sync_phases`` (so a profile's CPU
+    range holds its kernels), followed by a time mark of the same name."""
+    with record_function(PHASE_RANGES[name]):
+        yield
+        if sync_phases:
+            sync(device)
+    if marks is not None:
+        marks.mark(name)
+
+
+def train_step(model, opt, loss_fn, x, y, *, device: torch.device, marks: DeviceMarks | None = None,
                sync_phases: bool = False) -> torch.Tensor:
-    """forward + loss, backward, optimizer step; phases are named ranges for the profiler.
-
-    ``sync_phases`` closes each range after a device synchronisation, so that a profile's CPU
-    ranges contain their kernels (the timed steps run without it)."""
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    """forward + loss, backward, optimizer step, each a named range (and a mark in ``marks``,
+    after a "start" mark); the timed steps run with ``sync_phases`` off."""
+    phase = functools.partial(_phase, device=device, marks=marks, sync_phases=sync_phases)
     with record_function(STEP_RANGE):
-        if clock:
-            clock.mark()
-        with record_function(PHASE_RANGES["forward"]), autocast:
+        if marks is not None:
+            marks.mark("start")
+        with phase("forward"), torch.autocast(device.type, dtype=torch.bfloat16):
             loss = loss_fn(model, x, y)
-            if sync_phases:
-                sync(device)
-        if clock:
-            clock.mark()
-        with record_function(PHASE_RANGES["backward"]):
+        with phase("backward"):
             loss.backward()
-            if sync_phases:
-                sync(device)
-        if clock:
-            clock.mark()
-        with record_function(PHASE_RANGES["optimizer"]):
+        with phase("optimizer"):
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if sync_phases:
-                sync(device)
-        if clock:
-            clock.mark()
     return loss
-
-
-def _quantiles(xs: list[float]) -> dict:
-    xs = sorted(xs)
-    pick = lambda q: xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]  # noqa: E731
-    return dict(median=statistics.median(xs), p10=pick(0.1), p90=pick(0.9))
 
 
 def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str | Path | None = None) -> dict:
@@ -232,24 +207,19 @@ def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str
         sync(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        phases = {"forward_ms": [], "backward_ms": [], "optimizer_ms": [], "step_ms": []}
-        clocks = []
+        steps = []
         for _ in range(cfg.steps):
-            clock = _Clock(device)
-            loss = train_step(model, opt, loss_fn, x, y, device=device, clock=clock)
-            clocks.append(clock)
+            marks = DeviceMarks(device)
+            loss = train_step(model, opt, loss_fn, x, y, device=device, marks=marks)
+            steps.append(marks)
             if device.type != "cuda":
                 sync(device)
-        for clock in clocks:
-            fwd, bwd, opt_ms = clock.intervals_ms()
-            for key, v in zip(("forward_ms", "backward_ms", "optimizer_ms", "step_ms"),
-                              (fwd, bwd, opt_ms, fwd + bwd + opt_ms)):
-                phases[key].append(v)
-        for key, values in phases.items():
-            q = _quantiles(values)
-            row[key] = q["median"]
-            if key == "step_ms":
-                row.update(step_ms_p10=q["p10"], step_ms_p90=q["p90"])
+        sync(device)  # the events are read once every step has finished
+        starts = ("start", *PHASES[:-1])
+        for phase, start in zip(PHASES, starts):
+            row[f"{phase}_ms"] = statistics.median([m.ms(start, phase) for m in steps])
+        row["step_ms"], row["step_ms_p10"], row["step_ms_p90"] = median_p10_p90(
+            [m.ms("start", PHASES[-1]) for m in steps])
         row["loss"] = float(loss.detach())
         row["tokens_per_s"] = tokens / (row["step_ms"] * 1e-3)
         row["achieved_tflops"] = flops / (row["step_ms"] * 1e-3) / 1e12

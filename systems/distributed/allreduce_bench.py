@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..devices import median_p10_p90
 from ..results import ResultWriter
 from .launch import DistContext, all_gather_objects, resolve_backend, spawn
 
@@ -158,13 +159,12 @@ def summarise(gathered: list[dict], *, backend: str, device: str, world_size: in
     n_iters = min(len(t) for t in per_rank)
     per_iter = [max(t[i] for t in per_rank) for i in range(n_iters)]
     gap = [max(t[i] for t in per_rank) - min(t[i] for t in per_rank) for i in range(n_iters)]
-    median_s = statistics.median(per_iter)
-    q = statistics.quantiles(per_iter, n=10, method="inclusive") if n_iters > 1 else [median_s] * 9
+    median_s, p10_s, p90_s = median_p10_p90(per_iter)
     algbw = size_bytes / median_s / 1e9
     return {
         "backend": backend, "device": device, "world_size": world_size, "size_bytes": size_bytes,
         "size_mb": size_bytes / MB, "dtype": "float32", "iters": n_iters, "warmup": WARMUP,
-        "time_ms": median_s * 1e3, "time_ms_p10": q[0] * 1e3, "time_ms_p90": q[-1] * 1e3,
+        "time_ms": median_s * 1e3, "time_ms_p10": p10_s * 1e3, "time_ms_p90": p90_s * 1e3,
         "time_ms_min": min(min(t) for t in per_rank) * 1e3, "time_ms_max": max(max(t) for t in per_rank) * 1e3,
         "rank_spread_ms": statistics.median(gap) * 1e3,
         "algbw_GBps": algbw, "busbw_GBps": algbw * bus_bandwidth_factor(world_size),

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 from ..config import get_config
 from ..model import TransformerLM
 from ..optim import AdamW, cross_entropy
-from ..devices import release_memory
+from ..devices import DeviceMarks, median_p10_p90, release_memory
 from ..results import ResultWriter
 from .ddp import DDPBucketed, make_ddp
 from .launch import (DistContext, add_benchmark_arguments, all_gather_objects, launch, resolve_backend,
@@ -91,27 +90,6 @@ class DDPBenchConfig:
             raise ValueError("torch_ddp must be the last variant (its hooks stay until it is freed)")
 
 
-class _Marks:
-    """Time points inside a step: CUDA events on GPU, perf_counter on CPU (where ops run eagerly)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.points: dict[str, object] = {}
-
-    def mark(self, name: str) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.points[name] = ev
-        else:
-            self.points[name] = time.perf_counter()
-
-    def ms(self, a: str, b: str) -> float:
-        if self.cuda:
-            return self.points[a].elapsed_time(self.points[b])
-        return (self.points[b] - self.points[a]) * 1e3
-
-
 class _Runner:
     """A wrapper around the shared model, built per variant and torn down after it."""
 
@@ -154,7 +132,7 @@ class _Runner:
         self.ddp = self.forward = None
 
 
-def _train_step(runner: _Runner, opt, tokens, targets, autocast_dtype, marks: _Marks) -> None:
+def _train_step(runner: _Runner, opt, tokens, targets, autocast_dtype, marks: DeviceMarks) -> None:
     opt.zero_grad(set_to_none=True)
     marks.mark("start")
     runner.start()
@@ -174,7 +152,7 @@ def _profile(runner, opt, tokens, targets, autocast_dtype, ctx: DistContext, ste
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
-    marks = _Marks(ctx.device)
+    marks = DeviceMarks(ctx.device)
     ctx.barrier()
     # only rank 0 records; every rank runs the same steps so the collectives still pair up
     if ctx.is_main:
@@ -227,7 +205,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
         timed: dict[str, float] = {}
         for name in cfg.variants:
             runner = _Runner(name, model, ctx)
-            marks = _Marks(ctx.device)
+            marks = DeviceMarks(ctx.device)
             for _ in range(cfg.warmup):
                 _train_step(runner, opt, tokens, targets, autocast_dtype, marks)
             ctx.barrier()
@@ -273,7 +251,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             for name in to_profile:
                 runner = _Runner(name, model, ctx)
                 for _ in range(cfg.warmup):
-                    _train_step(runner, opt, tokens, targets, autocast_dtype, _Marks(ctx.device))
+                    _train_step(runner, opt, tokens, targets, autocast_dtype, DeviceMarks(ctx.device))
                 path = Path(cfg.trace_dir) / f"ddp_{precision}_{name.replace(':', '')}_rank0.json.gz"
                 _profile(runner, opt, tokens, targets, autocast_dtype, ctx, cfg.profile_steps, path)
                 runner.close()
@@ -296,10 +274,9 @@ def summarise_steps(gathered: list[list[dict]]) -> dict:
     out = {}
     for key in gathered[0][0]:
         per_step = [max(rank[i][key] for rank in gathered) for i in range(n)]
-        out[key] = statistics.median(per_step)
+        out[key], p10, p90 = median_p10_p90(per_step)
         if key == "step_ms":
-            q = statistics.quantiles(per_step, n=10, method="inclusive") if n > 1 else [out[key]] * 9
-            out["step_ms_p10"], out["step_ms_p90"] = q[0], q[-1]
+            out["step_ms_p10"], out["step_ms_p90"] = p10, p90
     out["steps"] = n
     return out
 
