@@ -66,6 +66,10 @@ class LeaderboardConfig:
             raise ValueError(f"need global_batch >= 1, context_length >= 2 and checkpoint_group >= 0, got "
                              f"{self.global_batch}, {self.context_length}, {self.checkpoint_group}")
 
+    def model_config(self):
+        return get_config(self.model, context_length=self.context_length, attn_impl=self.attn_impl,
+                          **self.model_overrides)
+
     def check_world_size(self, world_size: int) -> None:
         if self.global_batch % world_size:
             raise ValueError(f"global batch {self.global_batch} does not split evenly over {world_size} ranks")
@@ -74,7 +78,7 @@ class LeaderboardConfig:
 def model_flops(cfg: LeaderboardConfig) -> float:
     """Forward + backward matmul FLOPs of one global step, causal attention counted once (half
     of the T x T products), recomputation by checkpointing not counted (MFU convention)."""
-    mcfg = get_config(cfg.model, context_length=cfg.context_length, **cfg.model_overrides)
+    mcfg = cfg.model_config()
     b, t = cfg.global_batch, cfg.context_length
     masked_half = 0.5 * mcfg.n_layers * 4 * b * t * t * mcfg.d_model
     return 3.0 * (mcfg.forward_flops(b, t) - masked_half)
@@ -119,7 +123,7 @@ def make_training(cfg: LeaderboardConfig, ctx: DistContext):
 
     cfg.check_world_size(ctx.world_size)
     device = ctx.device
-    mcfg = get_config(cfg.model, context_length=cfg.context_length, attn_impl=cfg.attn_impl, **cfg.model_overrides)
+    mcfg = cfg.model_config()
     torch.manual_seed(cfg.seed)
     with torch.device(device):
         model = TransformerLM(mcfg)
@@ -149,7 +153,7 @@ def make_training(cfg: LeaderboardConfig, ctx: DistContext):
 def leaderboard_worker(ctx: DistContext, cfg_dict: dict) -> dict:
     cfg = LeaderboardConfig(**cfg_dict)
     device = ctx.device
-    mcfg = get_config(cfg.model, context_length=cfg.context_length, **cfg.model_overrides)
+    mcfg = cfg.model_config()
     model, step, losses = make_training(cfg, ctx)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -197,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = LeaderboardConfig(model=args.model, context_length=args.context_length, global_batch=args.global_batch,
                                 attn_impl=args.attn_impl, checkpoint_group=args.checkpoint_group,
                                 bucket_size_mb=args.bucket_size_mb, optimizer=args.optimizer, out_path=args.out)
-        get_config(cfg.model)  # an unknown size fails here, before any rank starts
+        cfg.model_config()  # an unknown size fails here, before any rank starts
         cfg.check_world_size(args.world_size)
     except ValueError as exc:
         parser.error(str(exc))
