@@ -95,8 +95,7 @@ def hf_llama(cfg: ModelConfig, *, device: torch.device) -> torch.nn.Module:
                          num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                          num_key_value_heads=cfg.n_heads, max_position_embeddings=cfg.context_length,
                          rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False,
-                         attention_bias=False, mlp_bias=False, use_cache=False)
-    hf_cfg._attn_implementation = "sdpa"
+                         attention_bias=False, mlp_bias=False, use_cache=False, attn_implementation="sdpa")
     with torch.device(device):
         return LlamaForCausalLM(hf_cfg)
 

@@ -165,7 +165,7 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
                 b0 = base.iloc[0]
                 s += f"`{best['variant']}` costs nothing measurable over it ({best['comm_overhead_ms']:.3g} ms"
                 lo, hi = b0.get("step_ms_p10"), b0.get("step_ms_p90")
-                if lo == lo and hi == hi and lo is not None and hi is not None:
+                if pd.notna(lo) and pd.notna(hi):
                     inside = lo <= best["step_ms"] <= hi
                     s += (f"; the no-communication steps range {lo:.4g}–{hi:.4g} ms from 10th to 90th percentile, "
                           + ("and this step time lies inside that range)" if inside else
