@@ -18,11 +18,11 @@
 # compare compiled against eager: first the attention function alone, then the whole Transformer.
 
 # %% tags=["parameters"]
-profile = "smoke"        # "smoke": CPU, tiny sizes, simulated memory limit; "full": one GPU (< 5 min on an H100)
+profile = "smoke"        # "smoke": CPU, tiny sizes, simulated memory limit; "full": one GPU (< 9 min on an H100)
 out_dir = "build/smoke"  # the runner injects this
 attn_iters = None        # timed forward and backward passes per point (default: 100 full, 10 smoke)
 model_sizes = None       # whole-model comparison (default: the handout sizes full, ["debug"] smoke)
-model_budget_s = 100     # wall-clock budget for the *compiled* whole-model points (full profile)
+model_budget_s = 150     # wall-clock budget for the *compiled* whole-model points (full profile)
 compile_scope = "blocks" # "blocks" (each Transformer block compiled) or "model" (torch.compile of the model)
 smoke_limit_mib = 8      # smoke only: simulated device capacity that makes a CPU point "run out of memory"
 

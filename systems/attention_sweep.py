@@ -545,9 +545,10 @@ def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, 
     phases, so each size compiles twice (the inference graph and the training graph) instead of
     three times. Compilation dominates the cost; with ``budget_s`` a compiled point is skipped
     (``status="skipped"``) once the time spent on compiled points plus a prediction for this one
-    (the last compiled point of the same mode, scaled by layer count) would exceed the budget.
-    ``compile_scope`` is BenchmarkConfig's: ``"blocks"`` compiles one block graph shared by every
-    layer, so the compile cost stops growing with depth.
+    (the last compiled point of the same mode) would exceed the budget. With ``compile_scope="model"``
+    the prediction scales with layer count, since the whole model is traced into one graph; with
+    ``"blocks"`` (BenchmarkConfig's per-block compile, one graph shared by every layer) compile cost
+    stays flat with depth, so the last point's time is the prediction.
     ``bench_fn`` replaces ``run_benchmark`` and ``clock`` the wall clock (tests).
     """
     from tqdm.auto import tqdm
@@ -576,7 +577,7 @@ def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, 
             skip = "eager run out of memory at this size"
         elif cfg.compile and budget_s is not None and cfg.mode in last_compiled:
             layers, seconds = last_compiled[cfg.mode]
-            predicted = seconds * n_layers / layers
+            predicted = seconds * (n_layers / layers if compile_scope == "model" else 1.0)
             if compiled_spent + predicted > budget_s:
                 skip = (f"compile-time budget: {compiled_spent:.0f} s spent + ~{predicted:.0f} s predicted "
                         f"> {budget_s:.0f} s")

@@ -214,6 +214,20 @@ def test_model_compile_sweep_budget_and_table(tmp_path):
     assert np.isnan(table.loc[("medium", "train step"), "speedup"])
 
 
+def test_model_compile_sweep_budget_prediction_follows_compile_scope():
+    def compiled_status(scope):
+        ticks = iter(range(0, 10_000, 50))  # every timed call takes 50 s
+        recs = run_model_compile_sweep(["small", "medium"], modes=("forward",), device="cpu", compile_scope=scope,
+                                       budget_s=120, progress=False, bench_fn=_fake_bench([]),
+                                       clock=lambda: float(next(ticks)))
+        return [r["status"] for r in recs if r["compile"]]
+
+    # one graph for the whole model: medium (24 layers) is predicted at 2 x small's 50 s, 150 > 120
+    assert compiled_status("model") == ["ok", "skipped"]
+    # one graph per block, shared by all layers: predicted at small's 50 s, 100 <= 120
+    assert compiled_status("blocks") == ["ok", "ok"]
+
+
 def test_model_compile_sweep_eager_debug_runs_for_real():
     recs = run_model_compile_sweep(["debug"], context_length=16, batch_size=2, modes=("train_step",), device="cpu",
                                    compile=False, tf32=False, warmup_steps=1, measure_steps=1, progress=False)
