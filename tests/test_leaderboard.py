@@ -75,3 +75,15 @@ def test_cli_rejects_a_batch_that_does_not_split():
     with pytest.raises(SystemExit) as exc:
         lb.main(["--global-batch", "3", "--world-size", "2", "--model", "debug"])
     assert exc.value.code == 2
+
+
+def test_sdpa_backend_is_validated_and_restricts_sdpa():
+    with pytest.raises(ValueError, match="sdpa_backend"):
+        lb.LeaderboardConfig(sdpa_backend="fastest")
+    with lb.sdpa_backends("cudnn"):
+        # the math and memory-efficient fallbacks are off inside; flash stays as cuDNN's fallback
+        assert not torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.math_sdp_enabled()
+    with lb.sdpa_backends("auto"):
+        assert torch.backends.cuda.math_sdp_enabled()
