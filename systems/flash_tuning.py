@@ -78,7 +78,8 @@ def launch(kernel: str, x: Inputs, cfg: tuple[int, int, int, int], *, is_causal:
         dk, dv = torch.empty_like(x.k), torch.empty_like(x.v)
         return lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, x.delta, dk, dv, is_causal, config=config)
     dq = torch.empty_like(x.q)
-    return lambda: ft.launch_dq(x.q, x.k, x.v, x.do, x.lse, x.delta, dq, is_causal, config=config)
+    delta = torch.empty_like(x.delta)  # the dQ kernel writes D; the dK/dV candidates read x.delta
+    return lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, is_causal, config=config)
 
 
 def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_path: str | None = None,

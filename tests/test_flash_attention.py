@@ -174,6 +174,24 @@ def test_interp_triton_pytorch_backward_path():
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_interp_second_call_launches_the_stored_plan():
+    from systems.attention import flash_triton as ft
+
+    def run():
+        q, k, v = (torch.randn(2, 37, 24, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(3))
+        out = ft.flash_attention_triton(q, k, v, is_causal=True)
+        out.backward(torch.ones_like(out))
+        return out.detach(), q.grad, k.grad, v.grad
+
+    first = run()  # through the autotuner, which stores each kernel's choice
+    names = {key[0] for key in ft._PLANS if key[1:] == (torch.float32, 256, 24, True, "ieee")}
+    assert names == {"_flash_fwd_kernel", "_flash_bwd_dq_kernel", "_flash_bwd_dkdv_kernel"}
+    second = run()  # straight to the jit'ed kernels with the stored meta-parameters
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 def test_interp_triton_rejects_bad_inputs():
     from systems.attention import FlashAttentionTriton
 

@@ -34,6 +34,7 @@ SCRIPT = textwrap.dedent("""
     torch.testing.assert_close(dkdv["dv"], dv_ref, rtol=0, atol=0)  # dV does not use D
     dq = outputs("dq", (32, 16, 4, 1))
     torch.testing.assert_close(dq["dq"], dq_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(dq["delta"], x.delta, rtol=0, atol=1e-5)  # the dQ kernel's D, fp32 sums
     rows = t.host_overhead(shapes=((1, 32, 16),), dtype="fp16", calls=1, device="cpu")
     assert [r["path"] for r in rows] == ["public_fwd", "public_fwd_bwd", "kernel_fwd", "sdpa_flash_fwd_bwd"]
     print("OK")
