@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
@@ -160,6 +161,46 @@ def leaderboard(*, impls: tuple[str, ...] = ("triton", "sdpa_flash", "sdpa_cudnn
         if writer is not None:
             writer.write(row)
         rows.append(row)
+    return pd.DataFrame(rows)
+
+
+# The speed targets of the "beat cuDNN" work: over seq 1k-64k x d 64/128 (bf16, causal, batch 1),
+# the geometric mean of baseline time / our time, per pass, must reach these; at the leaderboard
+# shape our forward + backward must take at most LEADERBOARD_TARGET x cuDNN's time.
+SPEED_TARGETS = {"sdpa_cudnn": 1.0, "sdpa_flash": 1.3}
+RATIO_GRID = dict(dtype="bf16", seq_range=(1024, 65536), head_dims=(64, 128))
+LEADERBOARD_TARGET = 0.95
+
+
+def speed_ratios(sweep: pd.DataFrame, *, ours: str = "triton", baselines: tuple[str, ...] = tuple(SPEED_TARGETS),
+                 passes: tuple[str, ...] = ("fwd", "bwd"), dtype: str = RATIO_GRID["dtype"],
+                 seq_range: tuple[int, int] = RATIO_GRID["seq_range"],
+                 head_dims: tuple[int, ...] = RATIO_GRID["head_dims"]) -> pd.DataFrame:
+    """Per (d, seq) point of a sweep: baseline ms / our ms for each pass and baseline (> 1: ours is
+    faster). A point where either side did not run is NaN."""
+    ok = sweep[(sweep.status == "ok") & (sweep.dtype == dtype) & sweep.d.isin(head_dims)
+               & sweep.seq.between(*seq_range)]
+    wide = ok.pivot_table(index=["d", "seq"], columns="impl", values=[f"{p}_ms" for p in passes], aggfunc="first")
+    out = pd.DataFrame(index=wide.index)
+    for p in passes:
+        for base in baselines:
+            have = (f"{p}_ms", base) in wide.columns and (f"{p}_ms", ours) in wide.columns
+            out[f"{p} vs {base}"] = wide[(f"{p}_ms", base)] / wide[(f"{p}_ms", ours)] if have else np.nan
+    return out
+
+
+def geomean_ratios(ratios: pd.DataFrame, *, targets: dict[str, float] = SPEED_TARGETS) -> pd.DataFrame:
+    """One row per column of ``speed_ratios``: its geometric mean over the points that ran, the
+    target for that baseline, and whether the mean reaches it."""
+    rows = []
+    for col in ratios.columns:
+        pass_, base = col.split(" vs ")
+        vals = ratios[col].dropna()
+        gm = float(np.exp(np.log(vals).mean())) if len(vals) else float("nan")
+        target = targets.get(base)
+        rows.append({"pass": pass_, "baseline": base, "points": len(vals), "missing": int(ratios[col].isna().sum()),
+                     "geomean speed": gm, "target": target,
+                     "met": bool(gm >= target) if target is not None and len(vals) else None})
     return pd.DataFrame(rows)
 
 
