@@ -26,9 +26,13 @@ out_dir = "build/smoke"  # the runner injects this
 peak_tflops = 680.0      # bf16 dense-matmul rate MFU is relative to: measured on our H100 (shared/device/README.md)
 
 # %%
+import pandas as pd
+import torch
+
 from systems import nb, profiling
 from systems import train_step as ts
-from systems.results import ResultWriter
+from systems.distributed import leaderboard as lbd
+from systems.results import ResultWriter, read_records
 
 ctx = nb.setup(name="10_fast_train_step", profile=profile, out_dir=out_dir)
 if ctx.full:
@@ -115,3 +119,38 @@ nb.md(f"In the profiled step (each phase closed by a synchronisation, so its ran
       f"are busy {busy:.1f} ms of the step's {step_wall:.1f} ms ({busy / step_wall:.0%}); the timed steps of the "
       f"same variant took {timed:.1f} ms (median). The largest category is {top['category']} with "
       f"{top['ms_per_step']:.1f} ms ({top['share']:.0%} of kernel time) in {top['kernels_per_step']:.0f} kernels.")
+
+# %% [markdown]
+# ## The 2026 leaderboard configuration on two GPUs
+# The 8B model (vocab 151,936, d 4096, d_ff 11,008, 34 layers, 32 heads), batch 2 x context
+# 32,768, bf16 autocast over fp32 weights, summed cross-entropy, AdamW, timed with
+# `triton.testing.do_bench` (`systems.distributed.leaderboard`: one sequence per rank, bucketed
+# DDP, ZeRO-1 sharded fused AdamW, every block checkpointed, the fused LM head + loss, SDPA's
+# cuDNN attention). It needs two GPUs with enough memory each; on such a node this cell runs it,
+# elsewhere it shows the last row of `results/12_leaderboard_8b.jsonl` with the machine and
+# commit that produced it.
+
+# %%
+lb_path = ctx.results / "12_leaderboard_8b.jsonl"
+gpus = [torch.cuda.get_device_properties(i).total_memory / 2**30 for i in range(torch.cuda.device_count())]
+if ctx.full and len(gpus) >= 2 and min(gpus[:2]) >= lbd.MIN_GPU_MEMORY_GIB:
+    lbd.run_leaderboard(lbd.LeaderboardConfig(out_path=str(lb_path)), world_size=2)
+    lb_source = "measured in this run"
+else:
+    lb_source = (f"not measured in this run ({len(gpus)} GPU(s) here; it needs 2 with at least "
+                 f"{lbd.MIN_GPU_MEMORY_GIB:g} GiB each): the last committed row")
+if lb_path.exists():
+    lb_row = read_records(lb_path)[-1]
+    lb_env = lb_row.get("env", {})
+    nb.show(pd.DataFrame([{k: lb_row[k] for k in ("model", "world_size", "backend", "sdpa_backend", "checkpoint_group",
+                                                  "step_s", "tflops_per_gpu", "tokens_per_s")}]),
+            caption="8B leaderboard step")
+    met = lb_row["step_s"] <= lbd.TARGET_STEP_S
+    per_rank = ", ".join(f"{r['peak_memory_gib']:.1f}" for r in lb_row["per_rank"] if r.get("peak_memory_gib"))
+    nb.md(f"**8B on {lb_row['world_size']} x {lb_env.get('gpu')}** ({lb_source}; commit {lb_env.get('git_commit')}, "
+          f"{lb_env.get('date')}): **{lb_row['step_s']:.2f} s per step**, {lb_row['tflops_per_gpu']:.0f} TFLOP/s per "
+          f"GPU of model FLOPs (recomputation not counted), peak memory per rank {per_rank} GiB. Target <= "
+          f"{lbd.TARGET_STEP_S:g} s: **{'met' if met else 'not met'}**.")
+else:
+    nb.md(f"8B leaderboard step: {lb_source}; no row exists yet. Run `python -m systems.distributed.leaderboard` "
+          "on a node with two such GPUs.")

@@ -38,6 +38,10 @@ from .launch import DistContext, all_gather_objects, launch
 
 GIB = 2**30
 OPTIMIZERS = ("fused", "ours")
+TARGET_STEP_S = 8.0  # the workbook's target for this configuration on two H200s
+# what one rank's share needs: fp32 weights, gradients and half of AdamW's moments (~91 GiB) plus
+# checkpointed activations and the autocast weight cache; measured peak on an H200: 118.2 GiB
+MIN_GPU_MEMORY_GIB = 125.0
 # attn_impl="sdpa" runs under these SDPA backends, first supported wins; "auto" leaves torch's choice.
 # cuDNN first: on the H100 it ran the causal 16k bf16 forward+backward 1.6x faster than SDPA's flash
 # kernel (results/06_flash_attention_leaderboard.jsonl)
