@@ -161,8 +161,8 @@ if ctx.full:
 # ## Speed against SDPA's cuDNN and flash backends
 # Over the bf16 sweep at seq 1k-64k x d 64 and 128: each point's baseline time / our time per
 # pass (> 1: ours is faster), and their geometric mean against the targets of
-# `systems.attention_bench.SPEED_TARGETS`. At short sequences a call's host (Python + launch)
-# time exceeds its kernel time and do_bench's median measures the host.
+# `systems.attention_bench.SPEED_TARGETS`. do_bench times each call between CUDA events, so where a
+# call's host work (Python, launches) outlasts its kernels the ratio measures the host.
 
 # %%
 if ctx.full:

@@ -461,8 +461,7 @@ def _launch(kernel, grid, args: tuple, meta: dict, config: dict | None) -> None:
     if config is not None:
         kernel.fn[grid](*args, **meta, **config)
         return
-    key = (kernel.fn.__name__, args[0].dtype, meta["SEQ_BUCKET"], meta["HEAD_DIM"], meta["IS_CAUSAL"],
-           meta["INPUT_PRECISION"])
+    key = (kernel.fn.__name__, args[0].dtype, *(meta[k] for k in _TUNE_KEY))  # the autotuner's own key
     plan = _PLANS.get(key)
     if plan is not None:
         kernel.fn[grid](*args, **plan)
@@ -491,18 +490,21 @@ def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None =
             _common(q3, k3, is_causal), config)
 
 
-def launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal: bool, *, config: dict | None = None) -> None:
-    """Fill dQ and D = rowsum(O * dO) (the dK/dV kernel's input), given L."""
+def launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal: bool, *, config: dict | None = None,
+              meta: dict | None = None) -> None:
+    """Fill dQ and D = rowsum(O * dO) (the dK/dV kernel's input), given L. ``meta``: ``_common``'s
+    dict when the caller already has it."""
     batch, n_q, d = q3.shape
 
     def grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_M2"]), batch)
 
-    _launch(_flash_bwd_dq_kernel, grid, (q3, k3, v3, o3, do3, lse, delta, dq, n_q, k3.shape[1],
-                                         d ** -0.5 * LOG2E, d ** -0.5), _common(q3, k3, is_causal), config)
+    args = (q3, k3, v3, o3, do3, lse, delta, dq, n_q, k3.shape[1], d ** -0.5 * LOG2E, d ** -0.5)
+    _launch(_flash_bwd_dq_kernel, grid, args, meta or _common(q3, k3, is_causal), config)
 
 
-def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config: dict | None = None) -> None:
+def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config: dict | None = None,
+                meta: dict | None = None) -> None:
     """Fill dK and dV, given L and D (written by launch_dq)."""
     batch, n_q, d = q3.shape
     n_k = k3.shape[1]
@@ -510,8 +512,8 @@ def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config:
     def grid(meta):
         return (triton.cdiv(n_k, meta["BLOCK_N1"]), batch)
 
-    _launch(_flash_bwd_dkdv_kernel, grid, (q3, k3, v3, do3, lse, delta, dk, dv, n_q, n_k,
-                                           d ** -0.5 * LOG2E, d ** -0.5), _common(q3, k3, is_causal), config)
+    args = (q3, k3, v3, do3, lse, delta, dk, dv, n_q, n_k, d ** -0.5 * LOG2E, d ** -0.5)
+    _launch(_flash_bwd_dkdv_kernel, grid, args, meta or _common(q3, k3, is_causal), config)
 
 
 def flash_forward_triton(q3, k3, v3, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -529,8 +531,9 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool):
     _contiguous(q3, k3, v3, o3, do3)
     delta = torch.empty_like(lse)
     dq, dk, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
-    launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal)
-    launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal)
+    meta = _common(q3, k3, is_causal)  # one dict for both launches
+    launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta)
+    launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal, meta=meta)
     return dq, dk, dv
 
 

@@ -25,11 +25,13 @@ outside the model:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import get_config
 from ..devices import release_memory
@@ -45,7 +47,8 @@ MIN_GPU_MEMORY_GIB = 125.0
 # attn_impl="sdpa" runs under these SDPA backends, first supported wins; "auto" leaves torch's choice.
 # cuDNN first: on the H100 it ran the causal 16k bf16 forward+backward 1.6x faster than SDPA's flash
 # kernel (results/06_flash_attention_leaderboard.jsonl)
-SDPA_BACKENDS = {"auto": None, "cudnn": ("CUDNN_ATTENTION", "FLASH_ATTENTION"), "flash": ("FLASH_ATTENTION",)}
+SDPA_BACKENDS = {"auto": None, "cudnn": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION),
+                 "flash": (SDPBackend.FLASH_ATTENTION,)}
 
 
 @dataclass
@@ -88,14 +91,8 @@ class LeaderboardConfig:
 
 def sdpa_backends(name: str):
     """A context manager restricting F.scaled_dot_product_attention to SDPA_BACKENDS[name]."""
-    import contextlib
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    names = SDPA_BACKENDS[name]
-    if names is None:
-        return contextlib.nullcontext()
-    return sdpa_kernel([getattr(SDPBackend, n) for n in names], set_priority=True)
+    backends = SDPA_BACKENDS[name]
+    return contextlib.nullcontext() if backends is None else sdpa_kernel(list(backends), set_priority=True)
 
 
 def model_flops(cfg: LeaderboardConfig) -> float:
@@ -161,7 +158,7 @@ def make_training(cfg: LeaderboardConfig, ctx: DistContext):
     def step():
         ddp.on_train_batch_start()
         # the backend choice spans backward too: checkpointed blocks recompute attention there
-        with sdpa_backends(cfg.sdpa_backend if device.type == "cuda" else "auto"):
+        with sdpa_backends(cfg.sdpa_backend):
             with autocast:
                 # the targets are generated in range: no range check (it would sync the device)
                 loss = linear_cross_entropy(model.hidden_states(x), model.lm_head.weight, y, reduction="sum",
