@@ -293,3 +293,34 @@ def test_bucketed_reduce_dtype_communicates_low_precision_and_keeps_fp32_grads()
 def test_bucketed_rejects_an_integer_reduce_dtype():
     with pytest.raises(ValueError, match="reduce_dtype"):
         DDPBucketed(nn.Linear(2, 2), bucket_size_mb=1, reduce_dtype=torch.int32)
+
+
+@pytest.mark.slow
+def test_ddp_benchmark_compiled_setting_runs_after_eager(tmp_path):
+    """A compiled setting reuses the eager setting's variants on the same model with its blocks
+    compiled: rows carry (precision, compiled, setting), each setting has its own nosync baseline,
+    and the DDP hooks still see every gradient (the bucketed run would hang or raise otherwise)."""
+    from systems.distributed.ddp_bench import DDPBenchConfig, run_ddp_benchmark
+    from systems.results import read_records
+
+    cfg = DDPBenchConfig(model="debug", context_length=32, global_batch=2, precisions=("fp32",),
+                         compiled_precisions=("fp32",), variants=("nosync", "bucketed:0.05", "torch_ddp"),
+                         warmup=1, steps=2, profile=False, out_path=str(tmp_path / "ddp.jsonl"),
+                         overlap_path=str(tmp_path / "overlap.jsonl"), trace_dir=str(tmp_path / "traces"))
+    run_ddp_benchmark(cfg, world_size=2, backend="gloo", timeout_s=300)
+    rows = read_records(tmp_path / "ddp.jsonl")
+    assert [(r["setting"], r["variant"]) for r in rows] == [
+        ("fp32", "nosync"), ("fp32", "bucketed:0.05"), ("fp32", "torch_ddp"),
+        ("fp32+compile", "nosync"), ("fp32+compile", "bucketed:0.05"), ("fp32+compile", "torch_ddp")]
+    for r in rows:
+        assert r["compiled"] == (r["setting"] == "fp32+compile")
+        assert r["first_step_s"] > 0 and r["step_ms"] > 0
+    by = {(r["setting"], r["variant"]): r for r in rows}
+    assert by[("fp32+compile", "torch_ddp")]["baseline_step_ms"] == by[("fp32+compile", "nosync")]["step_ms"]
+
+
+def test_ddp_bench_config_rejects_unknown_compiled_precision():
+    from systems.distributed.ddp_bench import DDPBenchConfig
+
+    with pytest.raises(ValueError, match="precisions must be among"):
+        DDPBenchConfig(compiled_precisions=("fp8",))

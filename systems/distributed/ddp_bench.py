@@ -18,6 +18,14 @@ that also applies to torch DDP, whose waiting happens inside backward.
 Then naive, overlap and the fastest of our variants are profiled (torch.profiler, rank 0) and the
 traces analysed for overlap (systems.distributed.overlap).
 
+Each (precision, compiled) pair is one *setting*. ``compiled_precisions`` adds settings that run
+after the eager ones with every Transformer block compiled (``torch.compile`` per block, applied
+from outside the model; the DDP wrappers' hooks live on the parameters, outside the compiled
+graphs). It exists because the eager bf16 xl step is host-bound: the GPU idles between kernels
+while Python launches them, communication kernels fill those gaps, and the trace counts them as
+exposed although computation was not waiting for them. Compiled blocks launch a few fused kernels
+per block, so the step becomes GPU-bound and overlap is measured on a busy GPU.
+
     python -m systems.distributed.ddp_bench                  # 2 GPUs, NCCL, xl, < 7 min on 2xH200
     python -m systems.distributed.ddp_bench --model debug --context-length 128 --backend gloo
     torchrun --nproc-per-node 2 -m systems.distributed.ddp_bench   # same, env:// rendezvous
@@ -53,6 +61,8 @@ class DDPBenchConfig:
     context_length: int = 512
     global_batch: int = 4
     precisions: tuple[str, ...] = PRECISIONS
+    # precisions run again, after the eager settings, with every block compiled
+    compiled_precisions: tuple[str, ...] = ()
     bucket_sizes_mb: tuple[float, ...] = HANDOUT_BUCKETS_MB
     # bucketed variants that all-reduce in bf16 ("bucketed_lp:<MiB>"): half the bytes of fp32 gradients
     lp_reduce_buckets_mb: tuple[float, ...] = ()
@@ -71,7 +81,7 @@ class DDPBenchConfig:
     variants: tuple[str, ...] = field(default=())  # filled by variant_names() when empty
 
     def __post_init__(self):
-        bad = [p for p in self.precisions if p not in PRECISIONS]
+        bad = [p for p in (*self.precisions, *self.compiled_precisions) if p not in PRECISIONS]
         if bad:
             raise ValueError(f"precisions must be among {PRECISIONS}, got {bad}")
         if any(not b > 0 for b in self.bucket_sizes_mb):
@@ -88,6 +98,21 @@ class DDPBenchConfig:
             raise ValueError(f"unknown variants {unknown}")
         if "torch_ddp" in self.variants and self.variants[-1] != "torch_ddp":
             raise ValueError("torch_ddp must be the last variant (its hooks stay until it is freed)")
+
+    def settings(self) -> list[tuple[str, bool]]:
+        """(precision, compiled) in run order: eager first, since compiling cannot be undone cheaply."""
+        return [(p, False) for p in self.precisions] + [(p, True) for p in self.compiled_precisions]
+
+
+def setting_name(precision: str, compiled: bool) -> str:
+    return f"{precision}+compile" if compiled else precision
+
+
+def compile_blocks(model: TransformerLM) -> None:
+    """torch.compile each block in place; one compiled graph serves all blocks (same code, same
+    shapes; parameters are graph inputs), so compile time does not grow with depth."""
+    for block in model.layers:
+        block.compile()
 
 
 class _Runner:
@@ -199,15 +224,24 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
               "global_batch": cfg.global_batch, "local_batch": local_batch, "tf32": cfg.tf32,
               "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
 
-    for precision in cfg.precisions:
+    compiled_yet = False
+    for precision, compiled in cfg.settings():
+        setting = setting_name(precision, compiled)
+        if compiled and not compiled_yet:
+            compile_blocks(model)
+            compiled_yet = True
         autocast_dtype = torch.bfloat16 if precision == "bf16" else None
         baseline_ms = None
         timed: dict[str, float] = {}
         for name in cfg.variants:
             runner = _Runner(name, model, ctx)
             marks = DeviceMarks(ctx.device)
-            for _ in range(cfg.warmup):
+            t0 = time.perf_counter()
+            for i in range(cfg.warmup):
                 _train_step(runner, opt, tokens, targets, autocast_dtype, marks)
+                if i == 0:
+                    ctx.sync()  # the first step alone: it holds any compilation
+                    first_step_s = time.perf_counter() - t0
             ctx.barrier()
             samples = []
             for _ in range(cfg.steps):
@@ -230,7 +264,8 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             timed[name] = row["step_ms"]
             kind, _, arg = name.partition(":")
             overhead = None if baseline_ms is None else row["step_ms"] - baseline_ms
-            row = {**common, "precision": precision, "variant": name, "kind": kind,
+            row = {**common, "precision": precision, "compiled": compiled, "setting": setting,
+                   "variant": name, "kind": kind, "first_step_s": first_step_s,
                    "bucket_size_mb": float(arg) if arg else None,
                    "n_buckets": n_buckets,
                    **row, "baseline_step_ms": baseline_ms, "comm_overhead_ms": overhead,
@@ -239,7 +274,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
                    "status": "ok"}
             if ctx.is_main:
                 rows.append(writer.write(row))
-                print(f"[{precision}] {name:>16}: {row['step_ms']:8.2f} ms/step "
+                print(f"[{setting}] {name:>16}: {row['step_ms']:8.2f} ms/step "
                       f"(sync wait {row['sync_wait_ms']:.2f} ms)", flush=True)
 
         if cfg.profile:
@@ -252,7 +287,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
                 runner = _Runner(name, model, ctx)
                 for _ in range(cfg.warmup):
                     _train_step(runner, opt, tokens, targets, autocast_dtype, DeviceMarks(ctx.device))
-                path = Path(cfg.trace_dir) / f"ddp_{precision}_{name.replace(':', '')}_rank0.json.gz"
+                path = Path(cfg.trace_dir) / f"ddp_{setting.replace('+', '_')}_{name.replace(':', '')}_rank0.json.gz"
                 _profile(runner, opt, tokens, targets, autocast_dtype, ctx, cfg.profile_steps, path)
                 runner.close()
                 del runner
@@ -261,9 +296,10 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
                 if ctx.is_main:
                     stats = overlap_stats(trace_intervals(path))
                     overlap_rows.append(overlap_writer.write({
-                        **common, "precision": precision, "variant": name, "best_of_ours": name == best,
+                        **common, "precision": precision, "compiled": compiled, "setting": setting,
+                        "variant": name, "best_of_ours": name == best,
                         "trace": str(path), **stats, "step_ms": timed.get(name), "status": "ok"}))
-                    print(f"[{precision}] profiled {name}: overlap {stats['overlap_pct'] or 0:.1f}% "
+                    print(f"[{setting}] profiled {name}: overlap {stats['overlap_pct'] or 0:.1f}% "
                           f"exposed comm {stats['exposed_comm_ms']:.2f} ms/step", flush=True)
     return {"rows": rows, "overlap": overlap_rows} if ctx.is_main else {}
 
@@ -296,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-sizes-mb", nargs="+", type=float, default=list(d.bucket_sizes_mb))
     parser.add_argument("--lp-reduce-buckets-mb", nargs="*", type=float, default=[],
                         help="also run bucketed DDP all-reducing in bf16 with these bucket sizes")
+    parser.add_argument("--compiled-precisions", nargs="*", default=[], choices=PRECISIONS,
+                        help="run these precisions again with every Transformer block compiled")
     parser.add_argument("--no-torch-ddp", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=d.profile_steps)
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in the fp32 runs")
@@ -303,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     config = DDPBenchConfig(
         model=args.model, context_length=args.context_length, global_batch=args.global_batch,
-        precisions=tuple(args.precisions), bucket_sizes_mb=tuple(args.bucket_sizes_mb),
+        precisions=tuple(args.precisions), compiled_precisions=tuple(args.compiled_precisions),
+        bucket_sizes_mb=tuple(args.bucket_sizes_mb),
         lp_reduce_buckets_mb=tuple(args.lp_reduce_buckets_mb),
         include_torch_ddp=not args.no_torch_ddp, warmup=args.warmup, steps=args.steps,
         profile=not args.no_profile, profile_steps=args.profile_steps, attn_impl=args.attn_impl,

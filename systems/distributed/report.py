@@ -105,27 +105,40 @@ def allreduce_commentary(df: pd.DataFrame) -> str:
 # DDP variants
 # ----------------------------------------------------------------------------------------------
 
+def with_setting(df: pd.DataFrame) -> pd.DataFrame:
+    """A "setting" column (precision, "+compile" when the blocks were compiled); rows written
+    before compiled settings existed are eager."""
+    df = df.copy()
+    if "setting" not in df.columns:
+        df["setting"] = df["precision"]
+    df["setting"] = df["setting"].fillna(df["precision"])
+    return df
+
+
 def ddp_table(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
-    for precision, g in df.groupby("precision", sort=False):
+    for setting, g in with_setting(df).groupby("setting", sort=False):
         torch_ms = g.loc[g["variant"] == "torch_ddp", "step_ms"]
         ref = float(torch_ms.iloc[0]) if len(torch_ms) else float("nan")
         for r in g.itertuples():
-            rows.append({"precision": precision, "variant": r.variant, "n_buckets": r.n_buckets,
+            rows.append({"setting": setting, "variant": r.variant, "n_buckets": r.n_buckets,
                          "step_ms": r.step_ms, "p10_ms": r.step_ms_p10, "p90_ms": r.step_ms_p90,
                          "fwd_bwd_ms": r.fwd_bwd_ms, "sync_wait_ms": r.sync_wait_ms, "optimizer_ms": r.optimizer_ms,
                          "comm_overhead_ms": r.comm_overhead_ms,
                          "comm_share_pct": None if r.comm_share is None or r.comm_share != r.comm_share
                          else 100 * r.comm_share,
-                         "vs_torch_ddp": r.step_ms / ref})
+                         "vs_torch_ddp": r.step_ms / ref,
+                         # the first warm-up step, compilation included where there is any
+                         "first_step_s": getattr(r, "first_step_s", float("nan"))})
     return pd.DataFrame(rows)
 
 
 def plot_ddp(df: pd.DataFrame, *, title: str = ""):
-    precisions = list(dict.fromkeys(df["precision"]))
-    fig, axes = plt.subplots(1, len(precisions), figsize=(6 * len(precisions), 4.2), squeeze=False)
-    for ax, precision in zip(axes[0], precisions):
-        g = df[df["precision"] == precision]
+    df = with_setting(df)
+    settings = list(dict.fromkeys(df["setting"]))
+    fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.2), squeeze=False)
+    for ax, setting in zip(axes[0], settings):
+        g = df[df["setting"] == setting]
         base = g["baseline_step_ms"].fillna(g["step_ms"]).to_numpy()
         over = np.clip(g["step_ms"].to_numpy() - base, 0, None)
         x = np.arange(len(g))
@@ -134,7 +147,7 @@ def plot_ddp(df: pd.DataFrame, *, title: str = ""):
                label="communication overhead")
         ax.set_xticks(x, g["variant"], rotation=45, ha="right")
         ax.set_ylabel("time per step (ms, median)")
-        ax.set_title(f"{precision}")
+        ax.set_title(setting)
         ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
@@ -144,13 +157,14 @@ def plot_ddp(df: pd.DataFrame, *, title: str = ""):
 
 def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str:
     lines = []
-    for precision, g in df.groupby("precision", sort=False):
+    overlap = with_setting(overlap) if overlap is not None and len(overlap) else None
+    for setting, g in with_setting(df).groupby("setting", sort=False):
         ours = g[~g["variant"].isin(["nosync", "torch_ddp"])]
         best = ours.loc[ours["step_ms"].idxmin()]
         naive = g[g["variant"] == "naive"]
         torch_row = g[g["variant"] == "torch_ddp"]
         base = g[g["variant"] == "nosync"]
-        s = f"- **{precision}**: the best of our variants is `{best['variant']}` at {best['step_ms']:.4g} ms/step"
+        s = f"- **{setting}**: the best of our variants is `{best['variant']}` at {best['step_ms']:.4g} ms/step"
         if len(torch_row):
             t = torch_row.iloc[0]
             ratio = best["step_ms"] / t["step_ms"]
@@ -179,7 +193,7 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
                   f"{100 * n['comm_share']:.1f}% of it communication overhead")
         lines.append(s + ".")
         if overlap is not None and len(overlap):
-            o = overlap[overlap["precision"] == precision]
+            o = overlap[overlap["setting"] == setting]
             for r in o.itertuples():
                 if r.overlap_pct is None or r.overlap_pct != r.overlap_pct:
                     continue
@@ -190,13 +204,13 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
 
 
 def plot_overlap(overlap: pd.DataFrame, *, title: str = ""):
-    """Per precision, one lane pair per profiled variant: computation vs communication over a step."""
-    rows = list(overlap.itertuples())
+    """Per setting, one lane pair per profiled variant: computation vs communication over a step."""
+    rows = list(with_setting(overlap).itertuples())
     fig, axes = plt.subplots(len(rows), 1, figsize=(12, 1.9 * len(rows)), squeeze=False)
     for ax, r in zip(axes[:, 0], rows):
         iv = trace_intervals(r.trace)
         pct = "n/a" if r.overlap_pct is None or r.overlap_pct != r.overlap_pct else f"{r.overlap_pct:.0f}%"
-        plot_streams(ax, iv, title=f"{r.precision} · {r.variant}: {pct} of communication overlapped, "
+        plot_streams(ax, iv, title=f"{r.setting} · {r.variant}: {pct} of communication overlapped, "
                                    f"exposed {r.exposed_comm_ms:.3g} ms/step")
     if title:
         fig.suptitle(title)
@@ -211,10 +225,11 @@ def plot_overlap(overlap: pd.DataFrame, *, title: str = ""):
 def bucket_model_frame(df: pd.DataFrame, fit: dict, *, overhead_fn, optimal_bytes_fn) -> tuple[pd.DataFrame, dict]:
     """Measured bucketed overheads beside the model's prediction at the same bucket count."""
     rows = []
+    df = with_setting(df)
     for r in df[df["kind"] == "bucketed"].itertuples():
         predicted = overhead_fn(total_bytes=r.grad_bytes, bandwidth_bytes_per_s=fit["bandwidth_bytes_per_s"],
                                 per_call_overhead_s=fit["per_call_overhead_s"], n_buckets=r.n_buckets)
-        rows.append({"precision": r.precision, "bucket_size_mb": r.bucket_size_mb, "n_buckets": r.n_buckets,
+        rows.append({"setting": r.setting, "bucket_size_mb": r.bucket_size_mb, "n_buckets": r.n_buckets,
                      "measured_sync_wait_ms": r.sync_wait_ms, "measured_overhead_ms": r.comm_overhead_ms,
                      "model_overhead_ms": predicted * 1e3, "grad_bytes": r.grad_bytes})
     frame = pd.DataFrame(rows)
@@ -238,11 +253,11 @@ def plot_bucket_model(frame: pd.DataFrame, fit: dict, opt: dict, *, overhead_fn,
     ax.plot(size_mb, model, color="black", label="model s/(n_b w) + n_b o")
     ax.axvline(opt["optimal_bucket_bytes"] / 2**20, color="gray", ls="--",
                label=f"model optimum {opt['optimal_bucket_bytes'] / 2**20:.3g} MiB")
-    for precision, g in frame.groupby("precision", sort=False):
+    for setting, g in frame.groupby("setting", sort=False):
         g = g.sort_values("bucket_size_mb")
         eff = grad_bytes / g["n_buckets"] / 2**20  # the mean bucket actually built
-        ax.plot(eff, g["measured_sync_wait_ms"], marker="o", ls=":", label=f"{precision}: wait after backward")
-        ax.plot(eff, g["measured_overhead_ms"], marker="s", ls=":", label=f"{precision}: step - nosync step")
+        ax.plot(eff, g["measured_sync_wait_ms"], marker="o", ls=":", label=f"{setting}: wait after backward")
+        ax.plot(eff, g["measured_overhead_ms"], marker="s", ls=":", label=f"{setting}: step - nosync step")
     ax.set_xscale("log")
     ax.set_xlabel("mean bucket size (MiB) = gradient bytes / number of buckets")
     ax.set_ylabel("DDP overhead (ms)")
