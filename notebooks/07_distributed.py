@@ -85,18 +85,24 @@ nb.md("**Commentary.**\n\n" + report.allreduce_commentary(allreduce) + "\n\n"
 # bytes of fp32 gradients (as FSDP2's `reduce_dtype` does), and each averaged gradient is rounded to
 # bf16 on the way; torch DDP and the other variants all-reduce in fp32.
 #
+# `bucketed_tail:<MiB>/<last MiB>` caps the last bucket separately. That bucket holds the first
+# parameters (the embedding), whose gradients backward produces last, so nothing is left to
+# overlap its all-reduce with; its size is the communication left after backward.
+#
 # A *setting* is a precision, eager or with compiled blocks. The full profile runs fp32 and bf16
 # eager (the handout's benchmark), then bf16 again with every Transformer block compiled
-# (`bf16+compile`, `torch.compile` per block applied from outside the model, same variants). The
-# eager bf16 xl step is host-bound: the GPU waits on Python's kernel launches, so its step time
-# moves with the host and communication kernels that run in those idle gaps count as exposed in
-# the trace although no computation waits for them. With compiled blocks the same step is
+# (`bf16+compile`: `torch.compile(mode="reduce-overhead")` per block, applied from outside the
+# model, so each block's forward and backward replay as CUDA graphs; same variants). The eager
+# bf16 xl step is host-bound: the GPU waits on Python's kernel launches, so its step time moves
+# with the host, and communication kernels that run in those idle gaps count as exposed in the
+# trace although no computation waits for them. With CUDA-graphed blocks the same step is
 # GPU-bound, which is where overlap can be judged.
 
 # %%
 if ctx.full:
     ddp_config = DDPBenchConfig(model="xl", context_length=512, global_batch=4, lp_reduce_buckets_mb=(1000.0,),
-                                compiled_precisions=("bf16",))
+                                tail_buckets_mb=((1000.0, 1.0),), compiled_precisions=("bf16",),
+                                compile_mode="reduce-overhead")
 else:
     ddp_config = DDPBenchConfig(model="debug", context_length=64, global_batch=4, bucket_sizes_mb=(0.05, 0.2, 1.0),
                                 lp_reduce_buckets_mb=(1.0,), warmup=1, steps=3, profile_steps=1)

@@ -54,6 +54,7 @@ VARIANTS = [
     ("bucketed", {"bucket_size_mb": 1e-9}),
     ("bucketed", {"bucket_size_mb": 0.0005}),
     ("bucketed", {"bucket_size_mb": 100}),
+    ("bucketed", {"bucket_size_mb": 100, "last_bucket_mb": 1e-9}),
 ]
 
 
@@ -153,6 +154,8 @@ def test_bucket_counts(distributed_states):
     assert info["n_buckets"] == 5
     state, info = distributed_states[0][("frozen", 5)]
     assert info["n_buckets"] == 1
+    state, info = distributed_states[0][("frozen", 6)]  # the first parameter alone in the last bucket
+    assert info["n_buckets"] == 2
 
 
 def test_assign_buckets_reverse_order_and_cap():
@@ -163,6 +166,20 @@ def test_assign_buckets_reverse_order_and_cap():
     assert assign_buckets(sizes, 200) == [[4], [3], [2, 1], [0]]
     assert assign_buckets(sizes, 1) == [[4], [3], [2], [1], [0]]
     assert assign_buckets([], 100) == []
+
+
+def test_assign_buckets_separate_cap_for_the_last_bucket():
+    """The last bucket (first parameters, reduced after backward) gets its own cap, at least one
+    parameter; the rest are packed with the main cap as before."""
+    sizes = [400, 100, 100, 300, 50]
+    assert assign_buckets(sizes, 10_000, last_bucket_bytes=1) == [[4, 3, 2, 1], [0]]
+    assert assign_buckets(sizes, 10_000, last_bucket_bytes=500) == [[4, 3, 2], [1, 0]]
+    assert assign_buckets(sizes, 400, last_bucket_bytes=600) == [[4, 3], [2, 1, 0]]
+    assert assign_buckets(sizes, 400, last_bucket_bytes=10_000) == [[4, 3, 2, 1, 0]]
+    # the last bucket does not mix keys (dtype, device) either
+    assert assign_buckets([1, 1, 1], 10, keys=["a", "b", "b"], last_bucket_bytes=10) == [[2, 1], [0]]
+    with pytest.raises(ValueError, match="last bucket size must be positive"):
+        assign_buckets(sizes, 400, last_bucket_bytes=0)
 
 
 def test_assign_buckets_splits_on_key_change():

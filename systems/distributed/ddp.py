@@ -128,22 +128,37 @@ class DDPIndividualParameters(_DDPBase):
 
 
 def assign_buckets(sizes_bytes: Sequence[int], bucket_size_bytes: float,
-                   keys: Sequence | None = None) -> list[list[int]]:
+                   keys: Sequence | None = None, *, last_bucket_bytes: float | None = None) -> list[list[int]]:
     """Group parameter indices into buckets for the bucketed all-reduce.
 
     Parameters are taken in reverse order (backward produces the last layers' gradients first);
     a bucket is closed when adding the next parameter would exceed ``bucket_size_bytes`` or
     when the next parameter's key (dtype, device) differs. A parameter larger than the cap gets a
     bucket of its own. Returns lists of indices into ``sizes_bytes``, each in reverse order.
+
+    ``last_bucket_bytes`` caps the last bucket (the first parameters, whose gradients backward
+    produces last) separately, at one parameter at least. That bucket's all-reduce cannot
+    overlap any backward computation, so its size sets the communication left after backward;
+    the other buckets keep the large cap and its few calls.
     """
     if bucket_size_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_size_bytes} bytes")
     if keys is not None and len(keys) != len(sizes_bytes):
         raise ValueError(f"keys has {len(keys)} entries for {len(sizes_bytes)} sizes")
+    if last_bucket_bytes is not None and last_bucket_bytes <= 0:
+        raise ValueError(f"last bucket size must be positive, got {last_bucket_bytes} bytes")
+    n_tail = 0  # the leading parameters that form the separately capped last bucket
+    if last_bucket_bytes is not None and len(sizes_bytes):
+        tail_bytes = sizes_bytes[0]
+        n_tail = 1
+        while (n_tail < len(sizes_bytes) and tail_bytes + sizes_bytes[n_tail] <= last_bucket_bytes
+               and (keys is None or keys[n_tail] == keys[0])):
+            tail_bytes += sizes_bytes[n_tail]
+            n_tail += 1
     buckets: list[list[int]] = []
     current: list[int] = []
     current_bytes = 0
-    for i in reversed(range(len(sizes_bytes))):
+    for i in reversed(range(n_tail, len(sizes_bytes))):
         size = sizes_bytes[i]
         if size < 0:
             raise ValueError(f"size of parameter {i} is negative ({size})")
@@ -155,6 +170,8 @@ def assign_buckets(sizes_bytes: Sequence[int], bucket_size_bytes: float,
         current_bytes += size
     if current:
         buckets.append(current)
+    if n_tail:
+        buckets.append(list(reversed(range(n_tail))))
     return buckets
 
 
@@ -187,22 +204,29 @@ class DDPBucketed(_DDPBase):
     the bucket buffer, so with ``optimizer.zero_grad(set_to_none=False)`` backward accumulates
     straight into the buckets and no copy is made.
 
+    ``last_bucket_mb`` caps the bucket of the first parameters (reduced last, after backward has
+    finished) separately: the communication left after backward shrinks with it.
+
     ``reduce_dtype`` (e.g. torch.bfloat16) communicates the gradients in that dtype, halving the
     bytes sent from fp32 (FSDP2's ``reduce_dtype``); the averaged result is copied back into
     each parameter's own-dtype ``.grad``, so the sum over ranks is rounded to that dtype.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float,
-                 process_group: dist.ProcessGroup | None = None, *, reduce_dtype: torch.dtype | None = None):
+                 process_group: dist.ProcessGroup | None = None, *, reduce_dtype: torch.dtype | None = None,
+                 last_bucket_mb: float | None = None):
         if not bucket_size_mb > 0:  # before the constructor's broadcast: fail without communicating
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
+        if last_bucket_mb is not None and not last_bucket_mb > 0:
+            raise ValueError(f"last_bucket_mb must be positive, got {last_bucket_mb!r}")
         if reduce_dtype is not None and not reduce_dtype.is_floating_point:
             raise ValueError(f"reduce_dtype must be a floating-point dtype, got {reduce_dtype}")
         super().__init__(module, process_group)
         self.bucket_size_mb = bucket_size_mb
         params = self.grad_params
         groups = assign_buckets([p.numel() * p.element_size() for p in params], bucket_size_mb * MiB,
-                                keys=[(p.dtype, p.device) for p in params])
+                                keys=[(p.dtype, p.device) for p in params],
+                                last_bucket_bytes=None if last_bucket_mb is None else last_bucket_mb * MiB)
         self.buckets = [_Bucket([params[i] for i in group], reduce_dtype) for group in groups]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         for p in params:

@@ -5,6 +5,8 @@ same model on its share of the global batch with our AdamW. Variants, timed in t
 
 - ``nosync``: no gradient communication at all, the computation-only baseline;
 - ``naive``, ``flat``, ``overlap`` (per-parameter async), ``bucketed:<MiB>``;
+- ``bucketed_tail:<MiB>/<last MiB>`` (only when asked for): bucketed, with the last bucket (the
+  first parameters, reduced after backward ends) capped separately;
 - ``bucketed_lp:<MiB>`` (only when asked for): bucketed, all-reducing the gradients in bf16;
 - ``torch_ddp``: torch.nn.parallel.DistributedDataParallel with its defaults, last (it keeps
   hooks on the parameters until it is deleted).
@@ -40,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..config import get_config
 from ..model import TransformerLM
@@ -63,9 +66,15 @@ class DDPBenchConfig:
     precisions: tuple[str, ...] = PRECISIONS
     # precisions run again, after the eager settings, with every block compiled
     compiled_precisions: tuple[str, ...] = ()
+    compile_mode: str | None = None  # torch.compile's mode for the compiled settings
+    # NCCL's internal streams at high priority: the GPU's block scheduler then runs pending
+    # communication blocks ahead of queued compute blocks instead of after them
+    nccl_high_priority: bool = False
     bucket_sizes_mb: tuple[float, ...] = HANDOUT_BUCKETS_MB
     # bucketed variants that all-reduce in bf16 ("bucketed_lp:<MiB>"): half the bytes of fp32 gradients
     lp_reduce_buckets_mb: tuple[float, ...] = ()
+    # bucketed variants whose last bucket has its own, smaller cap ("bucketed_tail:<MiB>/<last MiB>")
+    tail_buckets_mb: tuple[tuple[float, float], ...] = ()
     include_torch_ddp: bool = True
     warmup: int = 3
     steps: int = 10
@@ -90,10 +99,11 @@ class DDPBenchConfig:
             raise ValueError(f"need warmup >= 1 and steps >= 1, got {self.warmup} and {self.steps}")
         if not self.variants:
             names = ["nosync", "naive", "flat", "overlap", *[f"bucketed:{b:g}" for b in self.bucket_sizes_mb],
+                     *[f"bucketed_tail:{b:g}/{t:g}" for b, t in self.tail_buckets_mb],
                      *[f"bucketed_lp:{b:g}" for b in self.lp_reduce_buckets_mb]]
             self.variants = tuple(names + (["torch_ddp"] if self.include_torch_ddp else []))
         unknown = [v for v in self.variants if v.split(":")[0] not in
-                   ("nosync", "naive", "flat", "overlap", "bucketed", "bucketed_lp", "torch_ddp")]
+                   ("nosync", "naive", "flat", "overlap", "bucketed", "bucketed_tail", "bucketed_lp", "torch_ddp")]
         if unknown:
             raise ValueError(f"unknown variants {unknown}")
         if "torch_ddp" in self.variants and self.variants[-1] != "torch_ddp":
@@ -104,21 +114,39 @@ class DDPBenchConfig:
         return [(p, False) for p in self.precisions] + [(p, True) for p in self.compiled_precisions]
 
 
+def parse_tail_variant(arg: str) -> tuple[float, float]:
+    """"1000/1" -> (1000.0, 1.0): the bucket cap and the last bucket's cap, in MiB."""
+    cap, sep, last = arg.partition("/")
+    if not sep:
+        raise ValueError(f"bucketed_tail needs <MiB>/<last MiB>, got {arg!r}")
+    return float(cap), float(last)
+
+
 def setting_name(precision: str, compiled: bool) -> str:
     return f"{precision}+compile" if compiled else precision
 
 
-def compile_blocks(model: TransformerLM) -> None:
+def compile_blocks(model: TransformerLM, *, mode: str | None = None) -> None:
     """torch.compile each block in place; one compiled graph serves all blocks (same code, same
     shapes; parameters are graph inputs), so compile time does not grow with depth."""
     for block in model.layers:
-        block.compile()
+        block.compile(mode=mode)
+
+
+def benchmark_group(ctx: DistContext, *, high_priority: bool):
+    """The process group the DDP variants (ours and torch's) communicate on: the default one, or
+    a copy of it whose NCCL streams run at high priority."""
+    if not high_priority or ctx.backend != "nccl":
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return dist.new_group(backend="nccl", pg_options=options)
 
 
 class _Runner:
     """A wrapper around the shared model, built per variant and torn down after it."""
 
-    def __init__(self, name: str, model: torch.nn.Module, ctx: DistContext):
+    def __init__(self, name: str, model: torch.nn.Module, ctx: DistContext, group=None):
         self.name, self.model = name, model
         kind, _, arg = name.partition(":")
         self.ddp = None
@@ -129,15 +157,21 @@ class _Runner:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-            self.ddp = DistributedDataParallel(model, device_ids=ids)
+            self.ddp = DistributedDataParallel(model, device_ids=ids, process_group=group)
             self.forward = self.ddp
+        elif kind == "bucketed_tail":
+            cap, last = parse_tail_variant(arg)
+            self.ddp = DDPBucketed(model, bucket_size_mb=cap, process_group=group, last_bucket_mb=last)
+            self.forward = self.ddp
+            self.n_buckets = self.ddp.n_buckets
         elif kind == "bucketed_lp":
-            self.ddp = DDPBucketed(model, bucket_size_mb=float(arg), reduce_dtype=torch.bfloat16)
+            self.ddp = DDPBucketed(model, bucket_size_mb=float(arg), process_group=group,
+                                   reduce_dtype=torch.bfloat16)
             self.forward = self.ddp
             self.n_buckets = self.ddp.n_buckets
         else:
             kwargs = {"bucket_size_mb": float(arg)} if kind == "bucketed" else {}
-            self.ddp = make_ddp(kind, model, **kwargs)
+            self.ddp = make_ddp(kind, model, process_group=group, **kwargs)
             self.forward = self.ddp
             if isinstance(self.ddp, DDPBucketed):
                 self.n_buckets = self.ddp.n_buckets
@@ -222,19 +256,21 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
     common = {"backend": ctx.backend, "world_size": ctx.world_size, "model": cfg.model,
               "n_params": model_cfg.n_params, "grad_bytes": grad_bytes, "context_length": cfg.context_length,
               "global_batch": cfg.global_batch, "local_batch": local_batch, "tf32": cfg.tf32,
+              "compile_mode": cfg.compile_mode, "nccl_high_priority": cfg.nccl_high_priority,
               "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
 
+    group = benchmark_group(ctx, high_priority=cfg.nccl_high_priority)
     compiled_yet = False
     for precision, compiled in cfg.settings():
         setting = setting_name(precision, compiled)
         if compiled and not compiled_yet:
-            compile_blocks(model)
+            compile_blocks(model, mode=cfg.compile_mode)
             compiled_yet = True
         autocast_dtype = torch.bfloat16 if precision == "bf16" else None
         baseline_ms = None
         timed: dict[str, float] = {}
         for name in cfg.variants:
-            runner = _Runner(name, model, ctx)
+            runner = _Runner(name, model, ctx, group)
             marks = DeviceMarks(ctx.device)
             t0 = time.perf_counter()
             for i in range(cfg.warmup):
@@ -266,7 +302,9 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             overhead = None if baseline_ms is None else row["step_ms"] - baseline_ms
             row = {**common, "precision": precision, "compiled": compiled, "setting": setting,
                    "variant": name, "kind": kind, "first_step_s": first_step_s,
-                   "bucket_size_mb": float(arg) if arg else None,
+                   "bucket_size_mb": (parse_tail_variant(arg)[0] if kind == "bucketed_tail"
+                                      else float(arg) if arg else None),
+                   "last_bucket_mb": parse_tail_variant(arg)[1] if kind == "bucketed_tail" else None,
                    "n_buckets": n_buckets,
                    **row, "baseline_step_ms": baseline_ms, "comm_overhead_ms": overhead,
                    "comm_share": None if overhead is None else overhead / row["step_ms"],
@@ -284,7 +322,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             if best and best not in to_profile:
                 to_profile.append(best)
             for name in to_profile:
-                runner = _Runner(name, model, ctx)
+                runner = _Runner(name, model, ctx, group)
                 for _ in range(cfg.warmup):
                     _train_step(runner, opt, tokens, targets, autocast_dtype, DeviceMarks(ctx.device))
                 path = Path(cfg.trace_dir) / f"ddp_{setting.replace('+', '_')}_{name.replace(':', '')}_rank0.json.gz"
@@ -330,10 +368,16 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_benchmark_arguments(parser, d, precisions=PRECISIONS)
     parser.add_argument("--bucket-sizes-mb", nargs="+", type=float, default=list(d.bucket_sizes_mb))
+    parser.add_argument("--tail-buckets-mb", nargs="*", default=[],
+                        help="also run bucketed DDP with a separately capped last bucket: <MiB>/<last MiB> ...")
     parser.add_argument("--lp-reduce-buckets-mb", nargs="*", type=float, default=[],
                         help="also run bucketed DDP all-reducing in bf16 with these bucket sizes")
     parser.add_argument("--compiled-precisions", nargs="*", default=[], choices=PRECISIONS,
                         help="run these precisions again with every Transformer block compiled")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled settings")
+    parser.add_argument("--nccl-high-priority", action="store_true",
+                        help="communicate on NCCL streams of high priority")
+    parser.add_argument("--variants", nargs="+", default=None, help="a subset of the variants, in run order")
     parser.add_argument("--no-torch-ddp", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=d.profile_steps)
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in the fp32 runs")
@@ -344,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         precisions=tuple(args.precisions), compiled_precisions=tuple(args.compiled_precisions),
         bucket_sizes_mb=tuple(args.bucket_sizes_mb),
         lp_reduce_buckets_mb=tuple(args.lp_reduce_buckets_mb),
+        tail_buckets_mb=tuple(parse_tail_variant(a) for a in args.tail_buckets_mb),
+        compile_mode=args.compile_mode, nccl_high_priority=args.nccl_high_priority,
+        variants=tuple(args.variants or ()),
         include_torch_ddp=not args.no_torch_ddp, warmup=args.warmup, steps=args.steps,
         profile=not args.no_profile, profile_steps=args.profile_steps, attn_impl=args.attn_impl,
         tf32=args.tf32, out_path=str(out / "07_distributed_ddp.jsonl"),
