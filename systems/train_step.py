@@ -10,13 +10,22 @@ cross-entropy, backward, AdamW. Variants are data (``VARIANTS``), each a combina
   same code, same shapes), which fuses RMSNorm, RoPE, SwiGLU's gate and the residual adds;
 - ``fused_loss``: ``systems.kernels.fused_linear_ce`` instead of full logits + cross-entropy;
 - ``optimizer``: ``torch_fused`` (torch.optim.AdamW(fused=True)), ``ours`` (systems.optim.AdamW)
-  or ``fused`` (systems.kernels.fused_adamw.FusedAdamW, one Triton pass over p, g, m, v).
+  or ``fused`` (systems.kernels.fused_adamw.FusedAdamW, one Triton pass over p, g, m, v);
+- ``optimizer_in_backward``: that optimizer, one per block (and per module outside the blocks),
+  stepped inside the backward on a side CUDA stream as soon as the group's gradients exist
+  (``systems.optimizer_in_backward``), so the memory-bound update overlaps the compute-bound backward;
+  ``measure`` then runs the steps on a high-priority stream (``priority_stream``), so the
+  backward's kernels get the SMs first and the updates fill what they leave idle.
 
 Timing: CUDA events around each phase of every step (no synchronisation inside a step), then
 medians and 10th/90th percentiles over the timed steps; the first step's wall time is reported
 separately (it includes compilation and autotuning). Each row is written as soon as it exists.
+With ``optimizer_in_backward`` the updates run during the backward, so the "backward" phase holds
+the backward plus whatever the overlapped updates slow it down by, and the "optimizer" phase is
+only the tail: the updates of the last groups to get their gradients (the first block, the
+embeddings) and the wait for the side stream. The step time is the number to compare.
 
-    python -m systems.train_step --model 2.7B --variants hf_llama ours_eager ours_fast
+    python -m systems.train_step --model 2.7B --variants hf_llama ours_eager ours_fast ours_overlap
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ class Variant:
     compile_blocks: bool = False
     fused_loss: bool = False
     optimizer: str = "ours"  # "ours", "fused" or "torch_fused"
+    optimizer_in_backward: bool = False  # per-block optimizer steps overlapped with the backward
 
 
 VARIANTS: dict[str, Variant] = {
@@ -54,6 +64,8 @@ VARIANTS: dict[str, Variant] = {
     "ours_compiled": Variant(impl="ours", compile_blocks=True),
     "ours_fused": Variant(impl="ours", fused_loss=True, optimizer="fused"),
     "ours_fast": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused"),
+    "ours_overlap": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
+                            optimizer_in_backward=True),
 }
 
 
@@ -124,22 +136,32 @@ def build(cfg: StepConfig, *, device: torch.device):
         else:
             def loss_fn(m, x, y):
                 return cross_entropy(m(x), y)
+    blocks = model.model.layers if variant.impl == "hf" else model.layers
     if variant.compile_blocks:
-        blocks = model.model.layers if variant.impl == "hf" else model.layers
         for block in blocks:
             block.compile()
-    params = [p for p in model.parameters() if p.requires_grad]
-    if variant.optimizer == "torch_fused":
-        opt = torch.optim.AdamW(params, lr=cfg.lr, fused=True)
-    elif variant.optimizer == "fused":
+    make_optimizer = functools.partial(_optimizer, variant.optimizer, lr=cfg.lr)
+    if variant.optimizer_in_backward:
+        from .optimizer_in_backward import OptimizerInBackward, block_groups
+
+        opt = OptimizerInBackward(block_groups(model, blocks=blocks), make_optimizer=make_optimizer)
+    else:
+        opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    return model, opt, loss_fn
+
+
+def _optimizer(kind: str, params: list[torch.nn.Parameter], *, lr: float) -> torch.optim.Optimizer:
+    if kind == "torch_fused":
+        return torch.optim.AdamW(params, lr=lr, fused=True)
+    if kind == "fused":
         from .kernels.fused_adamw import FusedAdamW
 
-        opt = FusedAdamW(params, lr=cfg.lr)
-    else:
+        return FusedAdamW(params, lr=lr)
+    if kind == "ours":
         from .optim import AdamW
 
-        opt = AdamW(params, lr=cfg.lr)
-    return model, opt, loss_fn
+        return AdamW(params, lr=lr)
+    raise ValueError(f"unknown optimizer {kind!r}; choose one of ours, fused, torch_fused")
 
 
 # ----------------------------------------------------------------------------- timing
@@ -192,42 +214,43 @@ def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str
                      **asdict(VARIANTS[cfg.variant]))
     model = opt = None
     try:
-        torch.manual_seed(cfg.seed)
-        model, opt, loss_fn = build(cfg, device=device)
-        gen = torch.Generator(device=device).manual_seed(cfg.seed)
-        x = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, cfg.context_length), device=device, generator=gen)
-        y = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, cfg.context_length), device=device, generator=gen)
-        t0 = time.perf_counter()
-        loss = train_step(model, opt, loss_fn, x, y, device=device)
-        sync(device)
-        row["first_step_s"] = time.perf_counter() - t0
-        for _ in range(cfg.warmup - 1):
-            train_step(model, opt, loss_fn, x, y, device=device)
-        sync(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        steps = []
-        for _ in range(cfg.steps):
-            marks = DeviceMarks(device)
-            loss = train_step(model, opt, loss_fn, x, y, device=device, marks=marks)
-            steps.append(marks)
-            if device.type != "cuda":
-                sync(device)
-        sync(device)  # the events are read once every step has finished
-        starts = ("start", *PHASES[:-1])
-        for phase, start in zip(PHASES, starts):
-            row[f"{phase}_ms"] = statistics.median([m.ms(start, phase) for m in steps])
-        row["step_ms"], row["step_ms_p10"], row["step_ms_p90"] = median_p10_p90(
-            [m.ms("start", PHASES[-1]) for m in steps])
-        row["loss"] = float(loss.detach())
-        row["tokens_per_s"] = tokens / (row["step_ms"] * 1e-3)
-        row["achieved_tflops"] = flops / (row["step_ms"] * 1e-3) / 1e12
-        if peak_flops:
-            row["mfu"] = flops / (row["step_ms"] * 1e-3) / peak_flops
-        if device.type == "cuda":
-            row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
-        if trace_path is not None:
-            row["trace"] = str(profile_one_step(model, opt, loss_fn, x, y, device=device, trace_path=trace_path))
+        with _step_stream(VARIANTS[cfg.variant], device=device):
+            torch.manual_seed(cfg.seed)
+            model, opt, loss_fn = build(cfg, device=device)
+            gen = torch.Generator(device=device).manual_seed(cfg.seed)
+            x = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, cfg.context_length), device=device, generator=gen)
+            y = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, cfg.context_length), device=device, generator=gen)
+            t0 = time.perf_counter()
+            loss = train_step(model, opt, loss_fn, x, y, device=device)
+            sync(device)
+            row["first_step_s"] = time.perf_counter() - t0
+            for _ in range(cfg.warmup - 1):
+                train_step(model, opt, loss_fn, x, y, device=device)
+            sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            steps = []
+            for _ in range(cfg.steps):
+                marks = DeviceMarks(device)
+                loss = train_step(model, opt, loss_fn, x, y, device=device, marks=marks)
+                steps.append(marks)
+                if device.type != "cuda":
+                    sync(device)
+            sync(device)  # the events are read once every step has finished
+            starts = ("start", *PHASES[:-1])
+            for phase, start in zip(PHASES, starts):
+                row[f"{phase}_ms"] = statistics.median([m.ms(start, phase) for m in steps])
+            row["step_ms"], row["step_ms_p10"], row["step_ms_p90"] = median_p10_p90(
+                [m.ms("start", PHASES[-1]) for m in steps])
+            row["loss"] = float(loss.detach())
+            row["tokens_per_s"] = tokens / (row["step_ms"] * 1e-3)
+            row["achieved_tflops"] = flops / (row["step_ms"] * 1e-3) / 1e12
+            if peak_flops:
+                row["mfu"] = flops / (row["step_ms"] * 1e-3) / peak_flops
+            if device.type == "cuda":
+                row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
+            if trace_path is not None:
+                row["trace"] = str(profile_one_step(model, opt, loss_fn, x, y, device=device, trace_path=trace_path))
     except Exception as exc:  # noqa: BLE001 - an OOM point is a row; anything else propagates
         if not is_oom(exc):
             raise
@@ -236,6 +259,16 @@ def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str
         model = opt = None
         release_memory()
     return row
+
+
+def _step_stream(variant: Variant, *, device: torch.device):
+    """The stream the steps run on: a high-priority one when the optimizer runs inside the backward
+    (the backward's kernels then get the SMs before the side stream's updates), else the current one."""
+    if not variant.optimizer_in_backward:
+        return contextlib.nullcontext()
+    from .optimizer_in_backward import priority_stream
+
+    return priority_stream(device)
 
 
 def profile_one_step(model, opt, loss_fn, x, y, *, device: torch.device, trace_path: str | Path) -> Path:

@@ -1,7 +1,8 @@
 """FlashAttention-2: the PyTorch version and the Triton kernels against a direct float64 reference.
 
-CPU: FlashAttentionPytorch; the Triton kernels under TRITON_INTERPRET=1 in a subprocess (the
-variable must be set before triton is imported, and must not leak into other tests); errors.
+CPU: FlashAttentionPytorch; the Triton kernels (both backwards, split and atomic) under
+TRITON_INTERPRET=1 in a subprocess (the variable must be set before triton is imported, and must
+not leak into other tests); the atomic kernel compiled for an H100; errors.
 GPU (marked gpu, skipped without CUDA): bf16/fp16/fp32 at larger shapes, against SDPA too.
 """
 
@@ -141,7 +142,7 @@ def test_triton_rejects_cpu_tensors():
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="spawns the interpreter run itself")
 def test_triton_kernels_in_interpreter_subprocess():
     """Runs this file's test_interp_* cases with TRITON_INTERPRET=1 set before triton is imported."""
-    run_interpreter_cases(__file__, min_passed=len(INTERP_CASES))
+    run_interpreter_cases(__file__, min_passed=len(INTERP_CASES) * len(INTERP_BACKWARDS))
 
 
 # small sizes with 16-row tiles: several tiles, diagonal tiles, ragged ends, d padding (24)
@@ -154,15 +155,50 @@ INTERP_CASES = [
 ]
 
 
+INTERP_BACKWARDS = ("triton_split", "triton_atomic")
+
+
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("backward", INTERP_BACKWARDS)
 @pytest.mark.parametrize("shape_q,n_k,dtype,causal", INTERP_CASES)
-def test_interp_triton_matches_reference(shape_q, n_k, dtype, causal):
+def test_interp_triton_matches_reference(shape_q, n_k, dtype, causal, backward):
     from systems.attention import FlashAttentionTriton
 
     # the interpreter's dots are numpy: fp32 is exact to rounding; fp16 inputs and P/dS cast to
-    # fp16 before the dots give ~1e-3 relative error
+    # fp16 before the dots give ~1e-3 relative error. The atomic backward's dQ sums the same
+    # products in fp32 in another order (one add per key tile), which is within the same bounds.
     tol = 1e-5 if dtype == torch.float32 else 5e-3
-    run_and_compare(FlashAttentionTriton.apply, shape_q, n_k, dtype, causal, "cpu", tol=tol)
+    run_and_compare(lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c, backward),
+                    shape_q, n_k, dtype, causal, "cpu", tol=tol)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred-add", "immediate-add"])
+@pytest.mark.parametrize("shape_q,n_k,causal,tiles", [
+    ((2, 45, 24), 77, True, (32, 16)),  # query tiles taller than key tiles: a key tile's diagonal in one
+    ((2, 50, 16), 37, False, (32, 16)),  # a ragged last key tile (37 = 2 x 16 + 5) meets every query
+    ((1, 64, 16), 64, True, (16, 64)),  # one key tile spans four query tiles of its diagonal
+])
+def test_interp_atomic_backward_other_tiles(shape_q, n_k, causal, tiles, defer):
+    """The atomic backward launched with explicit tiles, unlike the one config the public path runs
+    under the interpreter, with its dQ add deferred by one query tile or not, against the split
+    backward's dQ, dK, dV."""
+    from systems.attention import flash_triton as ft
+
+    gen = torch.Generator().manual_seed(n_k)
+    shape_k = (*shape_q[:-2], n_k, shape_q[-1])
+    q, k, v, do = (torch.randn(s, generator=gen) for s in (shape_q, shape_k, shape_k, shape_q))
+    o, lse = ft.flash_forward_triton(q, k, v, causal)
+    want = ft.flash_backward_triton(q, k, v, o, lse, do, causal, variant="split")
+    delta = torch.empty_like(lse)
+    dq_acc = torch.empty_like(q)  # fp32 inputs: the accumulator is dQ itself
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    config = dict(BLOCK_M3=tiles[0], BLOCK_N3=tiles[1], DEFER_DQ_ADD=defer, num_warps=4, num_stages=1)
+    ft.launch_backward_atomic(q, k, v, o, do, lse, delta, dq_acc, dq_acc, dk, dv, causal, config=config)
+    torch.testing.assert_close(delta, (o * do).sum(-1), rtol=0, atol=1e-5)  # the prep kernel's D
+    # fp32 throughout: the two backwards sum the same products in different orders
+    for got, ref in zip((dq_acc, dk, dv), want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -174,18 +210,22 @@ def test_interp_triton_pytorch_backward_path():
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
-def test_interp_second_call_launches_the_stored_plan():
+@pytest.mark.parametrize("backward,kernels", [
+    ("triton_split", {"_flash_bwd_dq_kernel", "_flash_bwd_dkdv_kernel"}),
+    ("triton_atomic", {"_flash_bwd_atomic_kernel"}),  # the prep kernel has no autotuner
+])
+def test_interp_second_call_launches_the_stored_plan(backward, kernels):
     from systems.attention import flash_triton as ft
 
     def run():
         q, k, v = (torch.randn(2, 37, 24, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(3))
-        out = ft.flash_attention_triton(q, k, v, is_causal=True)
+        out = ft.flash_attention_triton(q, k, v, is_causal=True, backward=backward)
         out.backward(torch.ones_like(out))
         return out.detach(), q.grad, k.grad, v.grad
 
     first = run()  # through the autotuner, which stores each kernel's choice
     names = {key[0] for key in ft._PLANS if key[1:] == (torch.float32, 256, 24, True, "ieee")}
-    assert names == {"_flash_fwd_kernel", "_flash_bwd_dq_kernel", "_flash_bwd_dkdv_kernel"}
+    assert {"_flash_fwd_kernel", *kernels} <= names
     second = run()  # straight to the jit'ed kernels with the stored meta-parameters
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -203,6 +243,34 @@ def test_interp_triton_rejects_bad_inputs():
         FlashAttentionTriton.apply(y, y, y, False)
     with pytest.raises(ValueError, match="backward"):
         FlashAttentionTriton.apply(x, x, x, False, "cuda-graphs")
+    from systems.attention.flash_triton import flash_backward_triton
+
+    lse = torch.zeros(1, 16)
+    with pytest.raises(ValueError, match="variant"):
+        flash_backward_triton(x, x, x, x, lse, x, False, variant="triton")  # a backward= name, not a variant
+
+
+@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
+@pytest.mark.parametrize("defer", [True, False])
+def test_atomic_kernel_compiles_for_h100(defer):
+    """The atomic kernel at the leaderboard shape's tiles compiled for sm_90: its dQ adds are
+    relaxed (no acq_rel fences) 16-byte fp32 adds (Triton 3.9 writes red, 3.6 atom with the
+    result unused), the dots run on wgmma, and nothing spills to local memory."""
+    from systems.attention.flash_triton import _flash_bwd_atomic_kernel
+    from systems.testing import compile_ptx_for_h100
+
+    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "dO": "*bf16", "L": "*fp32", "Delta": "*fp32",
+                "dK": "*bf16", "dV": "*bf16", "DQ_ACC": "*fp32"}
+    scalars = {"n_q": "i32", "n_k": "i32", "qk_scale": "fp32", "sm_scale": "fp32", "SEQ_BUCKET": "i32"}
+    constexprs = dict(HEAD_DIM=64, BLOCK_D=64, IS_CAUSAL=True, INPUT_PRECISION="ieee", BLOCK_M3=64, BLOCK_N3=128,
+                      DEFER_DQ_ADD=defer)
+    signature = {**pointers, **scalars, **{name: "constexpr" for name in constexprs}}
+    ptx = compile_ptx_for_h100(_flash_bwd_atomic_kernel.fn, signature=signature, constexprs=constexprs,
+                               aligned_args=tuple(range(len(pointers))) + (9, 10), num_warps=8)
+    adds = [line for line in ptx.splitlines() if ".add" in line and ("red.global" in line or "atom.global" in line)]
+    assert adds and all("relaxed" in a and ".v4.f32" in a for a in adds), adds[:4]
+    assert "wgmma.mma_async" in ptx
+    assert "st.local" not in ptx
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -231,6 +299,21 @@ def test_gpu_triton_matches_reference(shape_q, n_k, causal, dtype):
     from systems.attention import FlashAttentionTriton
 
     run_and_compare(FlashAttentionTriton.apply, shape_q, n_k, dtype, causal, "cuda", tol=GPU_TOL[dtype])
+
+
+# the atomic backward on the same shapes in bf16, and in fp32 on the one whose d is padded
+ATOMIC_GPU_PARAMS = [(*case, torch.bfloat16) for case in GPU_CASES] + [(*GPU_CASES[2], torch.float32)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape_q,n_k,causal,dtype", ATOMIC_GPU_PARAMS)
+def test_gpu_triton_atomic_backward_matches_reference(shape_q, n_k, causal, dtype):
+    from systems.attention.flash_triton import flash_attention_triton
+
+    # the same bounds as the split backward: dQ's fp32 sum only runs in another order
+    run_and_compare(lambda q, k, v, c: flash_attention_triton(q, k, v, c, backward="triton_atomic"),
+                    shape_q, n_k, dtype, causal, "cuda", tol=GPU_TOL[dtype])
 
 
 @pytest.mark.gpu

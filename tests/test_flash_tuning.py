@@ -35,6 +35,23 @@ SCRIPT = textwrap.dedent("""
     dq = outputs("dq", (32, 16, 4, 1))
     torch.testing.assert_close(dq["dq"], dq_ref, rtol=0, atol=1e-6)
     torch.testing.assert_close(dq["delta"], x.delta, rtol=0, atol=1e-5)  # the dQ kernel's D, fp32 sums
+    # the whole atomic backward with the interpreter's tiles reproduces the public atomic path
+    # exactly (the interpreter runs the programs, and so the atomic adds, in one fixed order)
+    dq_at, dk_at, dv_at = flash_backward_triton(x.q, x.k, x.v, x.o, x.lse, x.do, True, variant="atomic")
+    atomic = outputs("atomic", (16, 32, 4, 1))
+    for name, want in (("dq", dq_at), ("dk", dk_at), ("dv", dv_at)):
+        torch.testing.assert_close(atomic[name], want, rtol=0, atol=0)
+    torch.testing.assert_close(atomic["dq"], dq_ref, rtol=0, atol=2e-3)  # fp16 dQ: rounding of other sums
+
+    # --compare-backward's pieces that run without a GPU: the check (fp32, which the interpreter's
+    # numpy dots compute exactly to rounding) and the table
+    checks = t.check_backwards(cases=[((2, 40, 16), 40, True)], dtype="fp32", device="cpu", tol=1e-5)
+    assert [r["impl"] for r in checks] == ["triton_split", "triton_atomic"], checks
+    assert all(r["status"] == "ok" for r in checks), checks
+    fake = [dict(kind="time", status="ok", batch=1, heads=1, seq=4096, d=64, impl=impl, fwd_ms=ms, bwd_ms=2 * ms,
+                 e2e_ms=3 * ms) for impl, ms in (("sdpa_cudnn", 1.0), ("triton_atomic", 0.5))]
+    table = t.compare_table(fake)
+    assert "0.50x" in table and "triton_atomic  bwd: 2.000" in table, table
     rows = t.host_overhead(shapes=((1, 32, 16),), dtype="fp16", calls=1, device="cpu")
     assert [r["path"] for r in rows] == ["public_fwd", "public_fwd_bwd", "kernel_fwd", "sdpa_flash_fwd_bwd"]
     print("OK")

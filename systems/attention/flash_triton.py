@@ -1,4 +1,4 @@
-"""FlashAttention-2 in Triton: one forward kernel, a dK/dV kernel and a dQ kernel (no atomics).
+"""FlashAttention-2 in Triton: one forward kernel and two backwards (split, or one kernel with atomic dQ).
 
 Layout of this module: helpers, autotune configs and pruning, kernels, the autograd.Function,
 then the public function ``flash_attention_triton``.
@@ -10,8 +10,11 @@ Design notes (what makes it fast):
   unmasked loop (off-diagonal tiles, no mask arithmetic, no bounds checks) and a short
   masked loop over the tiles that touch the diagonal or the ragged end of the sequence.
 - causal query tiles are launched longest-first so the last wave is made of short programs.
-- the backward never uses atomics: the dK/dV kernel walks query tiles for one key tile,
-  the dQ kernel walks key tiles for one query tile (both recompute P from L).
+- two backwards, chosen by ``backward=`` (table ``BACKWARDS``): "split" runs a dQ kernel
+  that walks key tiles for one query tile, then a dK/dV kernel that walks query tiles for one key
+  tile (no atomics, but both recompute S and dP: seven matmuls); "atomic" runs one kernel over
+  key tiles that also adds each query tile's dS K into an fp32 dQ buffer with atomics (five
+  matmuls), between a small kernel that writes D and zeroes that buffer and a cast of it.
 - tile sizes and warps are autotuned per (sequence-length bucket, head dim, causal, dtype).
 
 Causal convention (the same as ``naive_attention`` and ``flash_pytorch``): query i sees keys
@@ -37,7 +40,12 @@ _MASKED = tl.constexpr(-1e6)  # the handout's masked score (in base-2 units here
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
-BACKWARD_IMPLS = ("triton", "pytorch")
+# backward= of the public function -> the backward that runs: the Triton "split" pair (dQ kernel,
+# then dK/dV kernel), the Triton "atomic" kernel, or flash_pytorch's compiled reference. "triton"
+# names the default Triton backward; docs/flash_attention_notes.md (entry 4) has the measurement
+# that chose it. Both Triton ones stay selectable so they can be timed side by side.
+BACKWARDS = {"triton": "split", "triton_split": "split", "triton_atomic": "atomic", "pytorch": "pytorch"}
+BACKWARD_IMPLS = tuple(BACKWARDS)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -105,6 +113,25 @@ def _store_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: 
         tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
 
 
+@triton.jit
+def _atomic_add_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     CHECK_ROWS: tl.constexpr):
+    """Add a (rows, BLOCK_D) fp32 tile into global memory with atomics, masked as _load_rows.
+
+    relaxed: the adds only have to be atomic, not ordered against other memory operations (the
+    buffer is read by the next launch), and acq_rel would fence around every one of them."""
+    if CHECK_ROWS:
+        if HEAD_DIM == BLOCK_D:
+            tl.atomic_add(ptrs, x, mask=rows[:, None] < n_rows, sem="relaxed")
+        else:
+            tl.atomic_add(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+    else:
+        if HEAD_DIM == BLOCK_D:
+            tl.atomic_add(ptrs, x, sem="relaxed")
+        else:
+            tl.atomic_add(ptrs, x, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
+
+
 # ----------------------------------------------------------------------------- autotune configs
 
 
@@ -132,6 +159,7 @@ if triton_interpreting():
         "fwd": {"half": [_cfg(BLOCK_M=16, BLOCK_N=16, warps=4, stages=1)], "fp32": []},
         "dkdv": {"half": [_cfg(BLOCK_M1=16, BLOCK_N1=32, warps=4, stages=1)], "fp32": []},
         "dq": {"half": [_cfg(BLOCK_M2=32, BLOCK_N2=16, warps=4, stages=1)], "fp32": []},
+        "atomic": {"half": [_cfg(BLOCK_M3=16, BLOCK_N3=32, DEFER_DQ_ADD=True, warps=4, stages=1)], "fp32": []},
     }
 elif not autotuning():
     # one config every dtype and head dim fits (fp32 included)
@@ -139,6 +167,7 @@ elif not autotuning():
         "fwd": {"half": [_cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=2)], "fp32": []},
         "dkdv": {"half": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2)], "fp32": []},
         "dq": {"half": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2)], "fp32": []},
+        "atomic": {"half": [_cfg(BLOCK_M3=32, BLOCK_N3=64, DEFER_DQ_ADD=True, warps=4, stages=2)], "fp32": []},
     }
 else:
     _CONFIGS = {
@@ -163,9 +192,26 @@ else:
             "fp32": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2),
                      _cfg(BLOCK_M2=32, BLOCK_N2=32, warps=4, stages=2)],
         },
+        # The atomic backward's key tile (BLOCK_N3) sets its atomic traffic: every key tile adds
+        # n_q x d fp32 into dQ, so a head moves about n_q * n_k / 2 / BLOCK_N3 * d * 4 bytes of
+        # atomics when causal. Hence no 16-bit config below 64 keys. On an H100 at the
+        # leaderboard shape (notes entry 4) 64x128/8 warps and 64x64/4 warps led; 32-row query
+        # tiles (whose dQ dot runs on mma.sync: wgmma needs 64 rows) ran 1.2-1.3x slower and
+        # 128-row ones 1.3-2x; deferring the dQ add by one query tile took 3% and 7% off the
+        # two leaders, so every config here defers it.
+        "atomic": {
+            "half": [_cfg(BLOCK_M3=64, BLOCK_N3=128, DEFER_DQ_ADD=True, warps=8, stages=3),
+                     _cfg(BLOCK_M3=64, BLOCK_N3=64, DEFER_DQ_ADD=True, warps=4, stages=3),
+                     _cfg(BLOCK_M3=64, BLOCK_N3=128, DEFER_DQ_ADD=True, warps=8, stages=4)],
+            "fp32": [_cfg(BLOCK_M3=32, BLOCK_N3=64, DEFER_DQ_ADD=True, warps=4, stages=2),
+                     _cfg(BLOCK_M3=32, BLOCK_N3=32, DEFER_DQ_ADD=True, warps=4, stages=2)],
+        },
     }
 
 _SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KB per block, the rest is Triton's scratch
+# fp32 registers per thread the atomic kernel's dK and dV accumulators may take: a thread has at
+# most 255, and the S^T, P^T, dP^T tiles and the dot operands need the rest (beyond this it spills)
+_ACC_REGS_PER_THREAD = 128
 
 
 def _prune(kernel, configs, named_args, resident_keys, streamed_keys, **kwargs):
@@ -206,6 +252,18 @@ def _prune_dq(configs, named_args, **kwargs):
     return _prune("dq", configs, named_args, ["BLOCK_M2", "BLOCK_M2"], ["BLOCK_N2", "BLOCK_N2"], **kwargs)
 
 
+def _prune_atomic(configs, named_args, **kwargs):
+    # resident: K, V; streamed: Q and dO. Then the register rule: the dK and dV accumulators
+    # (2 x BLOCK_N3 x BLOCK_D fp32, spread over the block's threads) must leave room for the rest
+    kept = _prune("atomic", configs, named_args, ["BLOCK_N3", "BLOCK_N3"], ["BLOCK_M3", "BLOCK_M3"], **kwargs)
+    block_d = {**named_args, **kwargs}["BLOCK_D"]
+
+    def acc_regs(c):
+        return 2 * c.kwargs["BLOCK_N3"] * block_d / (32 * c.num_warps)
+
+    return [c for c in kept if acc_regs(c) <= _ACC_REGS_PER_THREAD] or [min(kept, key=acc_regs)]
+
+
 _TUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "IS_CAUSAL", "INPUT_PRECISION"]
 
 
@@ -214,12 +272,15 @@ def _tune_bench(fn, quantiles=None, **_):
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
-def _autotune(configs, prune):
+def _autotune(configs, prune, restore_value=None):
+    """restore_value: outputs the kernel accumulates into (atomics), which the autotuner copies
+    before each benchmark run and puts back after it, so the real run adds to what it was given."""
     try:
-        return triton.autotune(configs=configs, key=_TUNE_KEY, do_bench=_tune_bench,
+        return triton.autotune(configs=configs, key=_TUNE_KEY, do_bench=_tune_bench, restore_value=restore_value,
                                prune_configs_by={"early_config_prune": prune})
     except TypeError:  # a Triton without the do_bench hook: its default timing
-        return triton.autotune(configs=configs, key=_TUNE_KEY, prune_configs_by={"early_config_prune": prune})
+        return triton.autotune(configs=configs, key=_TUNE_KEY, restore_value=restore_value,
+                               prune_configs_by={"early_config_prune": prune})
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -441,6 +502,138 @@ def _flash_bwd_dq_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_sc
     _store_rows(dQ + q_tile, dq.to(dQ.dtype.element_ty), offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
 
 
+@triton.jit
+def _flash_bwd_prep_kernel(O, dO, Delta, DQ_ACC, n_q, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_P: tl.constexpr):
+    """Grid (row tiles, batch). The atomic backward's prologue: D = rowsum(O * dO) for the atomic
+    kernel, and zeros in the fp32 dQ buffer it adds into (one launch for both, no memset)."""
+    bh = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    tile = bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    o = _load_rows(O + tile, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(dO + tile, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    tl.store(Delta + bh * n_q + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < n_q)
+    _store_rows(DQ_ACC + tile, tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32), rows, n_q, offs_d, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _atomic_query_loop(dk, dv, dq_prev, rows_prev, k, v, Q_bh, dO_bh, L_bh, D_bh, DQ_bh, offs_n, offs_d, n_q, n_k,
+                       offset, qk_scale, lo, hi, BLOCK_M3: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_D: tl.constexpr, MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                       CHECK_ROWS: tl.constexpr, DEFER_DQ_ADD: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """_dkdv_query_loop's five matmuls over query tiles [lo, hi), plus dQ += dS K added into DQ_bh
+    (fp32, unscaled) with atomics: each query tile's dQ gets one add per key tile that sees it.
+
+    MASK: the causal mask (when IS_CAUSAL) and the key bound. Keys past n_k load as zeros, so
+    their rows of dS K vanish, but their P = exp2(0 - L) can overflow to inf when L is very
+    negative and inf * 0 is nan; the masked loop runs wherever such keys meet real queries.
+    Query rows past n_q load as zeros (their dS is 0) and their atomics are masked off.
+
+    DEFER_DQ_ADD: a tile's dQ part (dq_prev, rows_prev) is added at the next iteration, once that
+    iteration's S^T dot is issued, instead of right after its own dot, which the adds would have
+    to wait for. On an H100 this took 3-7% off (notes entry 4). The caller adds the last one."""
+    offs_mb = tl.arange(0, BLOCK_M3)
+    for start_m in range(lo, hi, BLOCK_M3):
+        rows = start_m + offs_mb
+        q_tile = rows[:, None] * HEAD_DIM + offs_d[None, :]
+        q = _load_rows(Q_bh + q_tile, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+        do = _load_rows(dO_bh + q_tile, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+        if CHECK_ROWS:
+            lse = tl.load(L_bh + rows, mask=rows < n_q, other=0.0)
+            delta = tl.load(D_bh + rows, mask=rows < n_q, other=0.0)
+        else:
+            lse = tl.load(L_bh + rows)
+            delta = tl.load(D_bh + rows)
+        s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
+        if DEFER_DQ_ADD:  # before s_t's first use, so the adds are issued while its dot runs
+            _atomic_add_rows(DQ_bh + rows_prev[:, None] * HEAD_DIM + offs_d[None, :], dq_prev, rows_prev, n_q,
+                             offs_d, HEAD_DIM, BLOCK_D, True)
+        s_t = s_t * qk_scale  # S^T in base 2
+        if MASK:
+            keep = offs_n[:, None] < n_k
+            if IS_CAUSAL:
+                keep = keep & (offs_n[:, None] <= rows[None, :] + offset)
+            s_t = tl.where(keep, s_t, _MASKED)
+        p_t = tl.math.exp2(s_t - lse[None, :] * _LOG2E)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)  # dV += P^T dO
+        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # dP^T = V dO^T
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)  # dS^T, rounded once for both dots
+        dk = tl.dot(ds_t, q, dk, input_precision=INPUT_PRECISION)  # dK += dS^T Q
+        dq = tl.dot(tl.trans(ds_t), k, input_precision=INPUT_PRECISION)  # this key tile's part of dS K
+        if DEFER_DQ_ADD:
+            dq_prev = dq
+            rows_prev = rows
+        else:
+            _atomic_add_rows(DQ_bh + q_tile, dq, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+    return dk, dv, dq_prev, rows_prev
+
+
+@_autotune(_CONFIGS["atomic"]["half"] + _CONFIGS["atomic"]["fp32"], _prune_atomic, restore_value=["DQ_ACC"])
+@triton.jit
+def _flash_bwd_atomic_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
+                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                             INPUT_PRECISION: tl.constexpr, BLOCK_M3: tl.constexpr, BLOCK_N3: tl.constexpr,
+                             DEFER_DQ_ADD: tl.constexpr):
+    """Grid (key tiles, batch). One program owns dK and dV of one key tile, as the dK/dV kernel,
+    and adds its share of dQ into DQ_ACC (zeroed, with D written, by the prep kernel). Key tile 0
+    sees the most query tiles when causal, so the natural order is already longest-first."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    n0 = tile * BLOCK_N3
+    offs_n = n0 + tl.arange(0, BLOCK_N3)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_tile = bh * n_k * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    k = _load_rows(K + kv_tile, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(V + kv_tile, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N3, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N3, BLOCK_D], dtype=tl.float32)
+    # the deferred add's carry starts as a tile of rows past n_q: its add is masked off entirely
+    dq_prev = tl.zeros([BLOCK_M3, BLOCK_D], dtype=tl.float32)
+    rows_prev = n_q + tl.arange(0, BLOCK_M3)
+    Q_bh = Q + bh * n_q * HEAD_DIM
+    dO_bh = dO + bh * n_q * HEAD_DIM
+    DQ_bh = DQ_ACC + bh * n_q * HEAD_DIM
+    L_bh = L + bh * n_q
+    D_bh = Delta + bh * n_q
+
+    offset = n_k - n_q
+    n_q_full = (n_q // BLOCK_M3) * BLOCK_M3
+    if IS_CAUSAL:
+        # the query tiles that see part of this key tile, masked (padding keys are never seen by
+        # a real query past them, so the unmasked loops below need no key bound)
+        lo_diag = (tl.maximum(n0 - offset, 0) // BLOCK_M3) * BLOCK_M3
+        last_partial = tl.maximum(n0 + BLOCK_N3 - 1 - offset, 0)
+        lo = ((last_partial + BLOCK_M3 - 1) // BLOCK_M3) * BLOCK_M3
+        dk, dv, dq_prev, rows_prev = _atomic_query_loop(
+            dk, dv, dq_prev, rows_prev, k, v, Q_bh, dO_bh, L_bh, D_bh, DQ_bh, offs_n, offs_d, n_q, n_k, offset,
+            qk_scale, lo_diag, tl.minimum(lo, n_q),
+            BLOCK_M3, HEAD_DIM, BLOCK_D, True, True, True, DEFER_DQ_ADD, INPUT_PRECISION)
+    else:
+        # a ragged last key tile meets every query: all of them through the masked loop
+        lo = tl.where(n0 + BLOCK_N3 > n_k, n_q, 0)
+        dk, dv, dq_prev, rows_prev = _atomic_query_loop(
+            dk, dv, dq_prev, rows_prev, k, v, Q_bh, dO_bh, L_bh, D_bh, DQ_bh, offs_n, offs_d, n_q, n_k, offset,
+            qk_scale, 0, lo,
+            BLOCK_M3, HEAD_DIM, BLOCK_D, True, False, True, DEFER_DQ_ADD, INPUT_PRECISION)
+    # the query tiles that see all of this key tile: unmasked, unchecked; then a ragged tail
+    dk, dv, dq_prev, rows_prev = _atomic_query_loop(
+        dk, dv, dq_prev, rows_prev, k, v, Q_bh, dO_bh, L_bh, D_bh, DQ_bh, offs_n, offs_d, n_q, n_k, offset,
+        qk_scale, lo, n_q_full,
+        BLOCK_M3, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, False, DEFER_DQ_ADD, INPUT_PRECISION)
+    dk, dv, dq_prev, rows_prev = _atomic_query_loop(
+        dk, dv, dq_prev, rows_prev, k, v, Q_bh, dO_bh, L_bh, D_bh, DQ_bh, offs_n, offs_d, n_q, n_k, offset,
+        qk_scale, tl.maximum(lo, n_q_full), n_q,
+        BLOCK_M3, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, True, DEFER_DQ_ADD, INPUT_PRECISION)
+    if DEFER_DQ_ADD:  # the last query tile's add
+        _atomic_add_rows(DQ_bh + rows_prev[:, None] * HEAD_DIM + offs_d[None, :], dq_prev, rows_prev, n_q,
+                         offs_d, HEAD_DIM, BLOCK_D, True)
+
+    dk = dk * sm_scale  # dQ's sm_scale is applied by the cast that follows this kernel
+    _store_rows(dK + kv_tile, dk.to(dK.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
+    _store_rows(dV + kv_tile, dv.to(dV.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
+
+
 # ----------------------------------------------------------------------------- launchers
 
 # (kernel, dtype, autotune key) -> the meta-parameters and launch options the autotuner chose.
@@ -516,6 +709,39 @@ def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config:
     _launch(_flash_bwd_dkdv_kernel, grid, args, meta or _common(q3, k3, is_causal), config)
 
 
+_PREP_ROWS = 64  # rows per program of the prep kernel: it is memory-bound, any tile that fills the GPU does
+
+
+def launch_bwd_prep(o3, do3, delta, dq_acc) -> None:
+    """Fill D = rowsum(O * dO) (B, n_q) and zero dq_acc (B, n_q, d) fp32: the atomic kernel's inputs."""
+    batch, n_q, d = o3.shape
+    _flash_bwd_prep_kernel[(triton.cdiv(n_q, _PREP_ROWS), batch)](
+        o3, do3, delta, dq_acc, n_q, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_P=_PREP_ROWS,
+        num_warps=4)
+
+
+def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, *, config: dict | None = None,
+                  meta: dict | None = None) -> None:
+    """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D."""
+    batch, n_q, d = q3.shape
+    n_k = k3.shape[1]
+
+    def grid(meta):
+        return (triton.cdiv(n_k, meta["BLOCK_N3"]), batch)
+
+    args = (q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, n_q, n_k, d ** -0.5 * LOG2E, d ** -0.5)
+    _launch(_flash_bwd_atomic_kernel, grid, args, meta or _common(q3, k3, is_causal), config)
+
+
+def launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal: bool, *,
+                           config: dict | None = None, meta: dict | None = None) -> None:
+    """The whole atomic backward: the prep kernel, the atomic kernel, then dQ = sm_scale * dq_acc
+    written in dq's dtype (``dq`` may be ``dq_acc`` itself, for fp32 inputs)."""
+    launch_bwd_prep(o3, do3, delta, dq_acc)
+    launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal, config=config, meta=meta)
+    torch.mul(dq_acc, q3.shape[-1] ** -0.5, out=dq)  # one elementwise kernel: scale and cast together
+
+
 def flash_forward_triton(q3, k3, v3, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, n_q, d), (B, n_k, d) x2 contiguous -> O (B, n_q, d), L (B, n_q) fp32."""
     _contiguous(q3, k3, v3)
@@ -525,13 +751,21 @@ def flash_forward_triton(q3, k3, v3, is_causal: bool) -> tuple[torch.Tensor, tor
     return o, lse
 
 
-def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool):
-    """dQ, dK, dV from contiguous (B, seq, d) tensors and L (B, n_q): the dQ kernel (which also
-    writes D) then the dK/dV kernel."""
+def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant: str = BACKWARDS["triton"]):
+    """dQ, dK, dV from contiguous (B, seq, d) tensors and L (B, n_q). variant "split": the dQ kernel
+    (which also writes D) then the dK/dV kernel; "atomic": launch_backward_atomic."""
+    if variant not in ("split", "atomic"):
+        raise ValueError(f"variant must be 'split' or 'atomic', got {variant!r}")
     _contiguous(q3, k3, v3, o3, do3)
     delta = torch.empty_like(lse)
-    dq, dk, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
-    meta = _common(q3, k3, is_causal)  # one dict for both launches
+    dk, dv = torch.empty_like(k3), torch.empty_like(v3)
+    meta = _common(q3, k3, is_causal)  # one dict for every launch
+    if variant == "atomic":
+        dq_acc = torch.empty(q3.shape, device=q3.device, dtype=torch.float32)
+        dq = dq_acc if q3.dtype == torch.float32 else torch.empty_like(q3)
+        launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal, meta=meta)
+        return dq, dk, dv
+    dq = torch.empty_like(q3)
     launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta)
     launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal, meta=meta)
     return dq, dk, dv
@@ -543,8 +777,9 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool):
 class FlashAttentionTriton(torch.autograd.Function):
     """``FlashAttentionTriton.apply(q, k, v, is_causal=False, backward="triton")`` on (..., seq, d).
 
-    Saves Q, K, V, O flattened to (batch, seq, d) and L of shape (..., n_queries). ``backward="pytorch"`` runs the
-    torch.compile'd reference backward of ``flash_pytorch`` on the same saved tensors.
+    Saves Q, K, V, O flattened to (batch, seq, d) and L of shape (..., n_queries). ``backward`` is a
+    key of ``BACKWARDS``: "triton" (the default Triton backward), "triton_split", "triton_atomic", or
+    "pytorch" (the torch.compile'd reference backward of ``flash_pytorch`` on the same saved tensors).
     """
 
     @staticmethod
@@ -566,10 +801,11 @@ class FlashAttentionTriton(torch.autograd.Function):
         q3, k3, v3, o3, lse = ctx.saved_tensors
         lse = lse.view(q3.shape[:2])
         do3 = _flat(do.to(q3.dtype))
-        if ctx.backward_impl == "pytorch":
+        impl = BACKWARDS[ctx.backward_impl]
+        if impl == "pytorch":
             dq, dk, dv = backward_reference(q3, k3, v3, o3, lse, do3, ctx.is_causal)
         else:
-            dq, dk, dv = flash_backward_triton(q3, k3, v3, o3, lse, do3, ctx.is_causal)
+            dq, dk, dv = flash_backward_triton(q3, k3, v3, o3, lse, do3, ctx.is_causal, variant=impl)
         return dq.view(ctx.q_shape), dk.view(ctx.k_shape), dv.view(ctx.k_shape), None, None
 
 

@@ -1,0 +1,253 @@
+"""The optimizer step inside the backward pass: each group of parameters is updated as soon as the
+backward has produced all of its gradients, on a side CUDA stream, while the backward goes on.
+
+Why: AdamW reads and writes every parameter, gradient and moment once per step, so it is
+memory-bound, while the backward's matmuls are compute-bound. Run one after the other (as
+``loss.backward(); opt.step()``) their times add up; run side by side part of the update can
+hide under the backward. The last groups to get their gradients (the first block and the
+embeddings) still finish after the backward: that tail is what ``step()`` waits for. How much
+hides is measured, not promised (notebook 10): on an H100 a fraction of the update for the 2.7B
+model, whose step is GPU-bound; where a step is bound by the host's kernel launches (the xl
+model) the hooks' Python work lands on the critical path of the backward and the step is slower.
+
+How it works (applied from outside the model, which is not changed):
+
+- The parameters are split into groups (``block_groups``: one per transformer block, plus one
+  per module that owns parameters outside the blocks: embeddings, final norm, LM head), and
+  each group gets its own optimizer (``make_optimizer(params)``, e.g. FusedAdamW: one launch
+  updates a whole block).
+- A ``register_post_accumulate_grad_hook`` on every parameter counts the arrivals; when the
+  last parameter of a group has its gradient the group's ``optimizer.step()`` is launched.
+  On CUDA it runs on a side stream that first waits for everything queued so far on the
+  backward's stream (which produced the gradients); ``record_stream`` tells the caching
+  allocator that the side stream reads those gradients, so setting ``grad`` to None right
+  after the launch (``free_grads``) cannot hand their memory to a later backward kernel
+  before the update has read it. On a CPU the update runs there and then (same semantics).
+- The forward and backward should run on a stream of higher priority than the side stream
+  (``priority_stream``). Stream priority is the only say one has over which kernel's CTAs the
+  GPU dispatches first: at equal priority an update launched ahead of the next backward kernel
+  holds every SM until its tens of thousands of CTAs have been dispatched, and the two streams
+  take turns instead of overlapping (measured on an H100, 2.7B model: the backward grew by the
+  whole update, no gain). With the backward's stream first, the update fills the SMs that the
+  backward leaves idle. (Capping the update's grid to a few persistent programs instead was
+  slower still: a few dozen CTAs cannot pull enough memory bandwidth.)
+- ``step()`` launches what is left (groups some of whose parameters got no gradient: the
+  ones that did are updated, as a plain optimizer would), then makes the current stream wait
+  for the side stream, so the next forward reads updated weights. ``zero_grad()`` clears the
+  gradients that are left (none with ``free_grads``).
+
+When is it correct? The update of a parameter must not run while anything later in the backward
+still needs its value. Autograd runs a parameter's AccumulateGrad node (and then the hook) only
+once every backward node that feeds it a gradient has run, and the nodes that use a parameter's
+value in the backward (a matmul's grad-input uses the weight) are those same nodes. A
+parameter used several times (shared or tied weights) is one leaf with one AccumulateGrad node,
+into which autograd sums every use's gradient before running it: the hook fires once, after the
+last use (the tests check both). So for our models (one backward per step, no reentrant activation checkpointing) a
+group's update never races its own backward. What breaks this is a hook firing twice before
+``step()``: several backward passes per step (gradient accumulation), ``retain_graph``
+backward twice, or reentrant checkpointing (which runs nested backward passes) - the first
+firing would already have updated the weights. That is refused with a RuntimeError naming the
+parameter; so is a parameter listed in two groups (ValueError).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+
+@dataclass
+class _Group:
+    """One group's parameters, its optimizer, and which of its parameters have their gradient in this step."""
+
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    arrived: set[int] = field(default_factory=set)  # id()s of the parameters whose hook fired
+    launched: bool = False
+
+
+def block_groups(model: nn.Module, *, blocks: Iterable[nn.Module]) -> list[list[nn.Parameter]]:
+    """One group per block (in the order given), then one per module that directly owns
+    parameters outside the blocks. Only parameters that require grad; each once (a parameter
+    shared by several blocks goes with the first: its gradient is complete only after the
+    last use in the backward, which is the first block's, so that group waits for it anyway)."""
+    seen: set[int] = set()
+    groups: list[list[nn.Parameter]] = []
+    for block in blocks:
+        group = []
+        for p in block.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                group.append(p)
+        groups.append(group)
+    # named_parameters yields a shared parameter once, under the first name that reaches it
+    owners: dict[str, list[nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            owners.setdefault(name.rpartition(".")[0], []).append(p)
+    return [g for g in groups + list(owners.values()) if g]
+
+
+# A lower number is a higher priority; the side stream has the default, 0, the lowest there is,
+# so one level above it is enough to put the backward's kernels first.
+COMPUTE_PRIORITY = -1
+
+
+@contextlib.contextmanager
+def priority_stream(device: torch.device) -> Iterator[torch.cuda.Stream | None]:
+    """Run the enclosed work (forward, backward, ``step()``) on a new CUDA stream of higher
+    priority than the updates' side stream; ordered after the current stream's work on entry and
+    before it on exit. A no-op on a CPU (yields None)."""
+    if device.type != "cuda":
+        yield None
+        return
+    outer = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device=device, priority=COMPUTE_PRIORITY)
+    stream.wait_stream(outer)
+    try:
+        with torch.cuda.stream(stream):
+            yield stream
+    finally:
+        outer.wait_stream(stream)
+
+
+class OptimizerInBackward:
+    """Runs ``make_optimizer(group)``'s step for every group as soon as its gradients exist.
+
+    ``groups``: disjoint lists of parameters (``block_groups`` makes them for a transformer).
+    ``make_optimizer``: builds one group's optimizer from its parameter list.
+    ``free_grads``: set each updated parameter's ``grad`` to None at once (saves the memory of
+    the gradients of every group already updated while the backward goes on).
+
+    Used as an optimizer in a training loop, inside ``priority_stream``: ``loss.backward()``
+    (the updates happen here), ``opt.step()`` (the leftovers, then the wait), ``opt.zero_grad()``.
+    """
+
+    def __init__(self, groups: Sequence[Sequence[nn.Parameter]], *,
+                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], free_grads: bool = True):
+        self._owner: dict[int, _Group] = {}  # id(parameter) -> its group
+        self._groups: list[_Group] = []
+        for index, params in enumerate(groups):
+            params = list(params)
+            if not params:
+                raise ValueError(f"group {index} is empty; every group needs at least one parameter")
+            devices = {p.device for p in params}
+            if len(devices) != 1:
+                raise ValueError(f"group {index} spans devices {sorted(map(str, devices))}; a group's update is one "
+                                 "launch on one device")
+            for p in params:
+                if not p.requires_grad:
+                    raise ValueError(f"group {index} has a parameter of shape {tuple(p.shape)} that does not "
+                                     "require grad; its hook would never fire")
+                if id(p) in self._owner:
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} is in two groups; each parameter "
+                                     "must be in exactly one (its gradient is complete only once)")
+            group = _Group(params=params, optimizer=make_optimizer(params), device=devices.pop())
+            for p in params:
+                self._owner[id(p)] = group
+            self._groups.append(group)
+        self.free_grads = free_grads
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # the hooks hold nothing but a weak reference to the wrapper: parameter -> hook -> wrapper
+        # -> parameter would be a cycle that keeps a dropped model alive until a full gc pass
+        this = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            wrapper = this()
+            if wrapper is not None:
+                wrapper._on_grad(p)
+
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for g in self._groups for p in g.params]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The groups' optimizers, in the groups' order (their learning rates, states)."""
+        return [g.optimizer for g in self._groups]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Every group optimizer's param groups: setting ``lr`` here reaches the optimizers."""
+        return [pg for g in self._groups for pg in g.optimizer.param_groups]
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        group = self._owner[id(p)]
+        if id(p) in group.arrived or group.launched:
+            raise RuntimeError(
+                f"the gradient of a parameter of shape {tuple(p.shape)} was accumulated twice before step(): "
+                "OptimizerInBackward updates a group as soon as its gradients arrive, so it supports exactly one "
+                "backward per step (no gradient accumulation, no reentrant activation checkpointing)")
+        group.arrived.add(id(p))
+        if len(group.arrived) == len(group.params):
+            self._launch(group)
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+    @torch.no_grad()
+    def _launch(self, group: _Group) -> None:
+        group.launched = True
+        grads = [p.grad for p in group.params if p.grad is not None]
+        if group.device.type == "cuda":
+            side = self._stream(group.device)
+            # the gradients (and everything before them) were queued on the backward's current stream
+            side.wait_stream(torch.cuda.current_stream(group.device))
+            with torch.cuda.stream(side):
+                group.optimizer.step()
+            for g in grads:
+                g.record_stream(side)  # its memory is not reused until the side stream's update has read it
+        else:
+            group.optimizer.step()
+        if self.free_grads:
+            for p in group.params:
+                p.grad = None
+
+    def step(self) -> None:
+        """Update the groups that did not complete in the backward (only their parameters with a
+        gradient), then make the current stream wait for every update."""
+        for group in self._groups:
+            if not group.launched and group.arrived:
+                self._launch(group)
+        self._wait()
+        self._new_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # zeroing in place (set_to_none=False) writes gradients an update may still be reading
+        self._wait()
+        for group in self._groups:
+            group.optimizer.zero_grad(set_to_none=set_to_none)
+        self._new_step()
+
+    def _wait(self) -> None:
+        for device, stream in self._streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
+
+    def _new_step(self) -> None:
+        for group in self._groups:
+            group.arrived.clear()
+            group.launched = False
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [g.optimizer.state_dict() for g in self._groups]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        states = state_dict["optimizers"]
+        if len(states) != len(self._groups):
+            raise ValueError(f"the state dict has {len(states)} group optimizers, this wrapper {len(self._groups)}")
+        for group, state in zip(self._groups, states):
+            group.optimizer.load_state_dict(state)
+
+    def remove(self) -> None:
+        """Remove the hooks: the parameters' gradients then just accumulate, as without the wrapper."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,264 @@
+"""OptimizerInBackward against the same optimizer stepped after the backward.
+
+CPU: the updates run inside the hooks, synchronously; FusedAdamW takes its torch._foreach_*
+fallback there (bit-identical to systems.optim.AdamW), so N steps must give exactly the
+parameters of N plain steps. The Triton kernel path runs under TRITON_INTERPRET=1 in a
+subprocess (as tests/test_fused_adamw.py does). GPU (marked gpu): the side stream.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from systems.config import get_config
+from systems.kernels.fused_adamw import FusedAdamW
+from systems.model import TransformerLM
+from systems.optim import AdamW, cross_entropy
+from systems.optimizer_in_backward import OptimizerInBackward, block_groups, priority_stream
+from systems.testing import have_triton, interpreting, run_interpreter_cases
+
+INTERPRETING = interpreting()
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# the kernel against AdamW's fp32 torch ops: an ulp or so per moment, ~1e-7 relative per update
+# (the tolerance tests/test_fused_adamw.py explains)
+KERNEL_TOL = dict(atol=1e-6, rtol=1e-5)
+
+
+def twin_models(*, device="cpu", **overrides):
+    """Two debug TransformerLMs with the same initial weights."""
+    cfg = get_config("debug", context_length=32, **overrides)
+    torch.manual_seed(0)
+    a = TransformerLM(cfg).to(device)
+    b = TransformerLM(cfg).to(device)
+    b.load_state_dict(a.state_dict())
+    return cfg, a, b
+
+
+def train(model, opt, batches, *, device="cpu", autocast=False):
+    for x, y in batches:
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=autocast):
+            loss = cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def random_batches(cfg, *, steps, device="cpu", batch=2, seq=32):
+    gen = torch.Generator(device=device).manual_seed(1)
+    return [tuple(torch.randint(0, cfg.vocab_size, (batch, seq), device=device, generator=gen) for _ in range(2))
+            for _ in range(steps)]
+
+
+def in_backward(model, optimizer_cls, **kw):
+    return OptimizerInBackward(block_groups(model, blocks=model.layers),
+                               make_optimizer=lambda ps: optimizer_cls(ps, **HYPER), **kw)
+
+
+def assert_same_training(ref, ours, ref_opt, ours_opt, **tol):
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b, a, msg=name, **tol)
+    ref_state = ref_opt.state
+    ours_state = {p: s for o in ours_opt.optimizers for p, s in o.state.items()}
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        assert ours_state[b]["step"] == ref_state[a]["step"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours_state[b][key], ref_state[a][key], **tol)
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.skipif(INTERPRETING, reason="the foreach fallback runs for CPU tensors outside the interpreter")
+@pytest.mark.parametrize("optimizer_cls", [FusedAdamW, AdamW])
+def test_matches_the_plain_optimizer_exactly(optimizer_cls):
+    # fp32 on a CPU: each group is updated after its last use in the backward, so every gradient
+    # is the plain run's; the update is elementwise and the same ops as AdamW's: bit-identical
+    cfg, ref, ours = twin_models()
+    batches = random_batches(cfg, steps=4)
+    ref_opt = AdamW(ref.parameters(), **HYPER)
+    ours_opt = in_backward(ours, optimizer_cls)
+    train(ref, ref_opt, batches)
+    train(ours, ours_opt, batches)
+    assert_same_training(ref, ours, ref_opt, ours_opt, atol=0, rtol=0)
+
+
+def test_matches_under_bf16_autocast():
+    # the benchmark's setting: bf16 matmuls over fp32 weights; the same ops on both sides, so exact too
+    cfg, ref, ours = twin_models()
+    batches = random_batches(cfg, steps=3)
+    ref_opt = FusedAdamW(ref.parameters(), **HYPER)
+    ours_opt = in_backward(ours, FusedAdamW)
+    train(ref, ref_opt, batches, autocast=True)
+    train(ours, ours_opt, batches, autocast=True)
+    assert_same_training(ref, ours, ref_opt, ours_opt, atol=0, rtol=0)
+
+
+def test_updates_happen_inside_the_backward():
+    cfg, model, _ = twin_models()
+    opt = in_backward(model, FusedAdamW)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = random_batches(cfg, steps=1)[0]
+    cross_entropy(model(x), y).backward()
+    # before step(): every parameter already moved and its gradient was freed
+    for p, p0 in zip(model.parameters(), before):
+        assert not torch.equal(p, p0)
+        assert p.grad is None
+    opt.step()
+    assert all(o.state[p]["step"] == 1 for o in opt.optimizers for p in o.param_groups[0]["params"])
+
+
+def test_block_groups_cover_every_parameter_once():
+    cfg, model, _ = twin_models()
+    groups = block_groups(model, blocks=model.layers)
+    # one per block, then the embeddings, the final norm and the LM head
+    assert len(groups) == cfg.n_layers + 3
+    ids = [id(p) for g in groups for p in g]
+    assert len(ids) == len(set(ids)) == len(list(model.parameters()))
+    assert groups[0] == list(model.layers[0].parameters())
+    assert groups[-1] == [model.lm_head.weight]
+
+
+class _TiedLM(nn.Module):
+    """Embedding tied to the head, and one weight shared by both blocks."""
+
+    def __init__(self, vocab=32, d=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        shared = nn.Linear(d, d)
+        self.blocks = nn.ModuleList([nn.Sequential(shared, nn.Tanh()), nn.Sequential(shared, nn.Linear(d, d))])
+        self.extra = nn.Parameter(torch.zeros(d))  # used only when ``use_extra``
+        self.use_extra = True
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        if self.use_extra:
+            h = h + self.extra
+        return h @ self.embed.weight.T
+
+
+def test_tied_and_shared_weights_are_updated_once_after_their_last_use():
+    # autograd sums every use of a shared leaf before its AccumulateGrad runs: one hook, after
+    # the last use; a skipped parameter (``extra`` in step 1) is skipped as a plain optimizer does
+    torch.manual_seed(0)
+    ref, ours = _TiedLM(), _TiedLM()
+    ours.load_state_dict(ref.state_dict())
+    groups = block_groups(ours, blocks=ours.blocks)
+    assert len(groups[0]) == 2 and len(groups[1]) == 2  # the shared Linear goes with the first block
+    assert groups[2:] == [[ours.extra], [ours.embed.weight]]  # the root's own parameter, then the embedding's
+    # ``extra`` shares the embedding's group: in step 1 that group is partial, updated by step()
+    groups = groups[:2] + [[ours.embed.weight, ours.extra]]
+    ref_opt = AdamW(ref.parameters(), **HYPER)
+    ours_opt = OptimizerInBackward(groups, make_optimizer=lambda ps: AdamW(ps, **HYPER))
+    gen = torch.Generator().manual_seed(2)
+    for step in range(3):
+        ref.use_extra = ours.use_extra = step != 1
+        x, y = (torch.randint(0, 32, (4, 8), generator=gen) for _ in range(2))
+        for model, opt in ((ref, ref_opt), (ours, ours_opt)):
+            cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_training(ref, ours, ref_opt, ours_opt, atol=0, rtol=0)
+    assert ours_opt.optimizers[-1].state[ours.extra]["step"] == 2
+    assert ours_opt.optimizers[-1].state[ours.embed.weight]["step"] == 3
+
+
+def test_two_backward_passes_before_step_are_refused():
+    cfg, model, _ = twin_models()
+    opt = in_backward(model, AdamW, free_grads=False)
+    x, y = random_batches(cfg, steps=1)[0]
+    cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="accumulated twice"):
+        cross_entropy(model(x), y).backward()
+    # zero_grad starts a new step: one backward is fine again
+    opt.zero_grad()
+    cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def test_bad_groups_are_clear_errors():
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
+    make = lambda ps: AdamW(ps)  # noqa: E731
+    with pytest.raises(ValueError, match="two groups"):
+        OptimizerInBackward([[a], [a, b]], make_optimizer=make)
+    with pytest.raises(ValueError, match="empty"):
+        OptimizerInBackward([[a], []], make_optimizer=make)
+    with pytest.raises(ValueError, match="does not require grad"):
+        OptimizerInBackward([[a, nn.Parameter(torch.zeros(2), requires_grad=False)]], make_optimizer=make)
+
+
+def test_state_dict_round_trip_and_remove():
+    cfg, ref, ours = twin_models()
+    batches = random_batches(cfg, steps=4)
+    ref_opt, ours_opt = in_backward(ref, AdamW), in_backward(ours, AdamW)
+    train(ref, ref_opt, batches)
+    train(ours, ours_opt, batches[:2])
+    # a fresh wrapper on the same model continues from the saved state
+    state = ours_opt.state_dict()
+    ours_opt.remove()
+    resumed = in_backward(ours, AdamW)
+    resumed.load_state_dict(state)
+    train(ours, resumed, batches[2:])
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="group optimizers"):
+        resumed.load_state_dict({"optimizers": state["optimizers"][:1]})
+    # without hooks the backward only accumulates gradients
+    resumed.remove()
+    before = [p.detach().clone() for p in ours.parameters()]
+    x, y = batches[0]
+    cross_entropy(ours(x), y).backward()
+    assert all(torch.equal(p, p0) and p.grad is not None for p, p0 in zip(ours.parameters(), before))
+
+
+def test_priority_stream_is_a_no_op_on_a_cpu():
+    with priority_stream(torch.device("cpu")) as stream:
+        assert stream is None
+
+
+# ----------------------------------------------------------------------------- Triton kernel, CPU
+
+
+@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="spawns the interpreter run itself")
+def test_triton_kernel_in_interpreter_subprocess():
+    """Runs this file's test_interp_* case with TRITON_INTERPRET=1 set before triton is imported."""
+    run_interpreter_cases(__file__, min_passed=1)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_interp_fused_kernel_per_group_matches_adamw():
+    # FusedAdamW's kernel, one launch per group, against AdamW's torch ops after the backward
+    cfg, ref, ours = twin_models()
+    batches = random_batches(cfg, steps=2)
+    ref_opt = AdamW(ref.parameters(), **HYPER)
+    ours_opt = in_backward(ours, FusedAdamW)
+    train(ref, ref_opt, batches)
+    train(ours, ours_opt, batches)
+    assert_same_training(ref, ours, ref_opt, ours_opt, **KERNEL_TOL)
+    assert all(o._tables for o in ours_opt.optimizers)  # every group went through the kernel
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_side_stream_matches_the_plain_step():
+    # a model large enough that the side stream's updates overlap later backward kernels; the
+    # same kernels on the same values as the plain FusedAdamW step, so the only differences
+    # would come from a race (an update reading a gradient whose memory was reused, or a
+    # forward reading weights before their update ended), which would be far above this tolerance
+    cfg, ref, ours = twin_models(device="cuda", d_model=512, d_ff=1536, n_layers=8, n_heads=8)
+    batches = random_batches(cfg, steps=4, device="cuda", batch=8, seq=32)
+    ref_opt = FusedAdamW(ref.parameters(), **HYPER)
+    ours_opt = in_backward(ours, FusedAdamW)
+    train(ref, ref_opt, batches, device="cuda", autocast=True)
+    with priority_stream(torch.device("cuda")) as stream:  # as train_step.measure runs it
+        assert torch.cuda.current_stream() == stream and stream.priority < torch.cuda.Stream().priority
+        train(ours, ours_opt, batches, device="cuda", autocast=True)
+    torch.cuda.synchronize()
+    assert_same_training(ref, ours, ref_opt, ours_opt, **KERNEL_TOL)
