@@ -45,7 +45,7 @@ if ctx.full:
             "xl": ["hf_llama", "ours_eager", "ours_fast", "ours_overlap"]}
     TARGET_MS = {"2.7B": 105.0, "xl": 75.0}
     STEP = dict(batch_size=4, context_length=512, warmup=3, steps=10)
-    TRACE = ("2.7B", "ours_overlap")  # the fastest 2.7B variant on our H100 (its timeline shows the two streams)
+    TRACE = ("2.7B", "ours_overlap")  # its timeline shows whether the side-stream updates overlap the backward
 else:
     # CPU: the debug model; compiled variants are left out (inductor's CPU compile dominates a
     # smoke run and needs a C++ toolchain)
