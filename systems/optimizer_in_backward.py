@@ -6,9 +6,9 @@ memory-bound, while the backward's matmuls are compute-bound. Run one after the 
 ``loss.backward(); opt.step()``) their times add up; run side by side part of the update can
 hide under the backward. The last groups to get their gradients (the first block and the
 embeddings) still finish after the backward: that tail is what ``step()`` waits for. How much
-hides is measured, not promised (notebook 10): on an H100 a fraction of the update for the 2.7B
-model, whose step is GPU-bound; where a step is bound by the host's kernel launches (the xl
-model) the hooks' Python work lands on the critical path of the backward and the step is slower.
+hides is measured, not promised (notebook 10, variant ``ours_overlap``). Where a step is bound by
+the host's kernel launches, the hooks' Python work lands on the critical path of the backward
+and can make the step slower.
 
 How it works (applied from outside the model, which is not changed):
 
