@@ -341,3 +341,29 @@ def test_ddp_bench_config_rejects_unknown_compiled_precision():
 
     with pytest.raises(ValueError, match="precisions must be among"):
         DDPBenchConfig(compiled_precisions=("fp8",))
+
+
+def test_ddp_commentary_tells_slowed_computation_from_exposed_communication():
+    """Step minus no-communication step is the cost of communicating; the trace says whether that
+    cost is communication left exposed or computation slowed by communication running beside it."""
+    import pandas as pd
+
+    from systems.distributed.report import ddp_commentary
+
+    def rows(setting, best_ms):
+        common = dict(setting=setting, precision="bf16", n_buckets=None, step_ms_p10=None, step_ms_p90=None)
+        return [dict(common, variant="nosync", step_ms=100.0, comm_overhead_ms=0.0, comm_share=0.0),
+                dict(common, variant="bucketed:1000", step_ms=best_ms, comm_overhead_ms=best_ms - 100.0,
+                     comm_share=(best_ms - 100.0) / best_ms),
+                dict(common, variant="torch_ddp", step_ms=130.0, comm_overhead_ms=30.0, comm_share=30 / 130)]
+
+    ddp = pd.DataFrame(rows("a", 120.0) + rows("b", 120.0))
+    overlap = pd.DataFrame([dict(setting="a", precision="bf16", variant="bucketed:1000", exposed_comm_ms=1.0, overlap_pct=95.0,
+                                 comm_ms=20.0, exposed_comm_pct_of_step=0.8),
+                            dict(setting="b", precision="bf16", variant="bucketed:1000", exposed_comm_ms=15.0, overlap_pct=25.0,
+                                 comm_ms=20.0, exposed_comm_pct_of_step=12.5)])
+    text = ddp_commentary(ddp, overlap)
+    line_a, line_b = [ln for ln in text.splitlines() if ln.startswith("- **")]
+    assert "20 ms slower" in line_a and "computation slowed by the communication" in line_a
+    assert "communication left exposed" in line_b
+    assert "0.923x torch DDP" in line_a

@@ -173,8 +173,18 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
         if len(base):
             s += f"; without any communication a step takes {base.iloc[0]['step_ms']:.4g} ms, so "
             if best["comm_overhead_ms"] > 0:
-                s += (f"`{best['variant']}` spends {best['comm_overhead_ms']:.3g} ms "
-                      f"({100 * best['comm_share']:.1f}% of its step) on communication it does not hide")
+                s += (f"`{best['variant']}` is {best['comm_overhead_ms']:.3g} ms slower "
+                      f"({100 * best['comm_share']:.1f}% of its step)")
+                traced = overlap[(overlap["setting"] == setting) & (overlap["variant"] == best["variant"])] \
+                    if overlap is not None else overlap
+                if traced is not None and len(traced):
+                    exposed = float(traced.iloc[0]["exposed_comm_ms"])
+                    # overlapped communication still costs: NCCL kernels take SMs and memory
+                    # bandwidth from the computation running beside them
+                    s += (f"; its trace shows {exposed:.3g} ms/step of communication with no computation beside it, "
+                          + ("so most of the difference is computation slowed by the communication running beside it"
+                             if exposed < best["comm_overhead_ms"] / 2 else
+                             "so most of the difference is communication left exposed"))
             else:
                 b0 = base.iloc[0]
                 s += f"`{best['variant']}` costs nothing measurable over it ({best['comm_overhead_ms']:.3g} ms"
