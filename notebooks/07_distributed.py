@@ -133,7 +133,6 @@ nb.md("**Commentary.**\n\n" + report.ddp_commentary(ddp, overlap))
 # operators. Exposed communication = time some communication runs while nothing else does.
 
 # %%
-overlap = report.with_setting(overlap)
 nb.show(overlap[["setting", "variant", "trace_kind", "step_window_ms", "comm_ms", "compute_ms",
                  "overlapped_ms", "exposed_comm_ms", "overlap_pct", "exposed_comm_pct_of_step"]],
         caption="Per profiled step, from the traces")

@@ -50,10 +50,12 @@ def _sdpa_with(backend_name: str) -> Callable:
 
 
 def get_impl(name: str) -> Callable:
-    if name == "triton":
+    """IMPLS, plus our kernels with a named backward ("triton_split", "triton_atomic": the
+    ``backward=`` values of flash_attention_triton) for timing the two side by side."""
+    if name in ("triton", "triton_split", "triton_atomic"):
         from .attention.flash_triton import flash_attention_triton
 
-        return lambda q, k, v, is_causal: flash_attention_triton(q, k, v, is_causal=is_causal)
+        return lambda q, k, v, is_causal: flash_attention_triton(q, k, v, is_causal=is_causal, backward=name)
     if name == "naive":
         return naive_attention
     if name == "sdpa_flash":

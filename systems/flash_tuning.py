@@ -201,16 +201,6 @@ COMPARE_PATHS = ("triton_split", "triton_atomic", "sdpa_cudnn", "sdpa_flash")
 PASS_NAMES = ("fwd", "bwd", "e2e")
 
 
-def attention_path(name: str):
-    """(q, k, v, is_causal) -> O for a name of COMPARE_PATHS: ours with that backward, or an SDPA backend."""
-    from .attention.flash_triton import flash_attention_triton
-    from .attention_bench import get_impl
-
-    if name in ("triton_split", "triton_atomic"):
-        return lambda q, k, v, is_causal: flash_attention_triton(q, k, v, is_causal, backward=name)
-    return get_impl(name)
-
-
 def check_backwards(*, cases=CHECK_CASES, dtype: str = "bf16", device: str = "cuda", tol: float = 3e-2) -> list[dict]:
     """Max error of O, dQ, dK, dV through each Triton backward against float64 autograd of the
     direct formula, divided by max(1, max |reference|) as tests/test_flash_attention.py does.
@@ -218,6 +208,8 @@ def check_backwards(*, cases=CHECK_CASES, dtype: str = "bf16", device: str = "cu
     tol: the tests' bf16 bound (8 mantissa bits, ~4e-3 per rounding; P and dS are rounded to the
     input dtype before the tensor-core dots). Each row's status is "ok" or "error" (over tol)."""
     import math
+
+    from .attention_bench import get_impl
 
     rows = []
     for shape_q, n_k, causal in cases:
@@ -234,7 +226,7 @@ def check_backwards(*, cases=CHECK_CASES, dtype: str = "bf16", device: str = "cu
         want = (ref_o, *torch.autograd.grad(ref_o, (q64, k64, v64), do.double()))
         for path in ("triton_split", "triton_atomic"):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = attention_path(path)(*leaves, causal)
+            out = get_impl(path)(*leaves, causal)
             got = (out, *torch.autograd.grad(out, leaves, do))
             errors = {f"err_{name}": ((g.double() - w).abs().max() / w.abs().max().clamp(min=1)).item()
                       for name, g, w in zip(("o", "dq", "dk", "dv"), got, want)}
@@ -260,45 +252,22 @@ def _bench(fn, *, warmup_ms: float, rep_ms: float, grad_to_none=None) -> dict:
 def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: float = 25, rep_ms: float = 100,
                    emit=print) -> list[dict]:
     """Per shape (causal): fwd, bwd and fwd+bwd ms of each COMPARE_PATHS entry through its public
-    function, as attention_bench.time_attention measures them (the backward of a retained graph;
-    do_bench medians), then the two Triton backwards as bare kernel launches (no autograd, no
-    allocation: the GPU time the launches themselves take)."""
+    function (attention_bench.time_attention: the backward of a retained graph; do_bench
+    medians), then the two Triton backwards as bare kernel launches (no autograd, no allocation:
+    the GPU time the launches themselves take)."""
     from .attention import flash_triton as ft
-    from .attention_bench import attention_flops
+    from .attention_bench import attention_flops, time_attention
 
     rows = []
     for batch, heads, seq, d in shapes:
         point = dict(batch=batch, heads=heads, seq=seq, d=d, dtype=dtype)
-        flops = {p: attention_flops(batch=batch * heads, n_q=seq, n_k=seq, d=d, is_causal=True, pass_=p)
-                 for p in PASS_NAMES}
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=DTYPES[dtype], generator=gen)
-                   .requires_grad_() for _ in range(3))
-        do = torch.randn(batch, heads, seq, d, device="cuda", dtype=DTYPES[dtype], generator=gen)
+        bwd_flops = attention_flops(batch=batch * heads, n_q=seq, n_k=seq, d=d, is_causal=True, pass_="bwd")
         bench = dict(warmup_ms=warmup_ms, rep_ms=rep_ms)
         for path in COMPARE_PATHS:
-            fn = attention_path(path)
-            row = dict(kind="time", **point, impl=path, status="ok")
-            out = None
-            try:
-                row.update({f"fwd_{stat}": val for stat, val in _bench(lambda: fn(q, k, v, True), **bench).items()})
-                out = fn(q, k, v, True)
-                row.update({f"bwd_{stat}": val for stat, val in _bench(lambda: out.backward(do, retain_graph=True),
-                                                                   grad_to_none=[q, k, v], **bench).items()})
-                out = None
-                row.update({f"e2e_{stat}": val for stat, val in _bench(lambda: fn(q, k, v, True).backward(do),
-                                                                   grad_to_none=[q, k, v], **bench).items()})
-            except Exception as exc:  # noqa: BLE001 - OOM or an unsupported backend: a row, go on
-                row.update(status="error", error=f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}")
-            out = None
-            for p in PASS_NAMES:
-                if row.get(f"{p}_ms"):
-                    row[f"{p}_tflops"] = flops[p] / (row[f"{p}_ms"] * 1e-3) / 1e12
+            row = dict(kind="time", **time_attention(path, batch=batch, heads=heads, seq=seq, d=d, dtype=dtype,
+                                                     **bench))
             rows.append(row)
             emit(row)
-            q.grad = k.grad = v.grad = None
-        q = k = v = do = None  # drop the references (the closures hold them too) before freeing
-        release_memory()
 
         x = make_inputs(batch=batch * heads, seq=seq, d=d, dtype=dtype)
         dq, dk, dv = torch.empty_like(x.q), torch.empty_like(x.k), torch.empty_like(x.v)
@@ -324,7 +293,7 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
             row = dict(kind="time", **point, impl=name, status="ok")
             row.update({f"bwd_{stat}": val for stat, val in _bench(fn, **bench).items()})
             if not name.startswith("part_"):
-                row["bwd_tflops"] = flops["bwd"] / (row["bwd_ms"] * 1e-3) / 1e12
+                row["bwd_tflops"] = bwd_flops / (row["bwd_ms"] * 1e-3) / 1e12
             rows.append(row)
             emit(row)
         x = dq = dk = dv = delta = dq_acc = None

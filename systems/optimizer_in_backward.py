@@ -68,8 +68,12 @@ class _Group:
     params: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
     device: torch.device
-    arrived: set[int] = field(default_factory=set)  # id()s of the parameters whose hook fired
-    launched: bool = False
+    # id()s of the parameters whose hook fired this step; all of them: the group is updated
+    arrived: set[int] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.arrived) == len(self.params)
 
 
 def block_groups(model: nn.Module, *, blocks: Iterable[nn.Module]) -> list[list[nn.Parameter]]:
@@ -178,13 +182,13 @@ class OptimizerInBackward:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         group = self._owner[id(p)]
-        if id(p) in group.arrived or group.launched:
+        if id(p) in group.arrived:
             raise RuntimeError(
                 f"the gradient of a parameter of shape {tuple(p.shape)} was accumulated twice before step(): "
                 "OptimizerInBackward updates a group as soon as its gradients arrive, so it supports exactly one "
                 "backward per step (no gradient accumulation, no reentrant activation checkpointing)")
         group.arrived.add(id(p))
-        if len(group.arrived) == len(group.params):
+        if group.complete:
             self._launch(group)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -195,7 +199,6 @@ class OptimizerInBackward:
 
     @torch.no_grad()
     def _launch(self, group: _Group) -> None:
-        group.launched = True
         grads = [p.grad for p in group.params if p.grad is not None]
         if group.device.type == "cuda":
             side = self._stream(group.device)
@@ -215,7 +218,7 @@ class OptimizerInBackward:
         """Update the groups that did not complete in the backward (only their parameters with a
         gradient), then make the current stream wait for every update."""
         for group in self._groups:
-            if not group.launched and group.arrived:
+            if group.arrived and not group.complete:  # complete groups were updated in the backward
                 self._launch(group)
         self._wait()
         self._new_step()
@@ -234,7 +237,6 @@ class OptimizerInBackward:
     def _new_step(self) -> None:
         for group in self._groups:
             group.arrived.clear()
-            group.launched = False
 
     def state_dict(self) -> dict:
         return {"optimizers": [g.optimizer.state_dict() for g in self._groups]}

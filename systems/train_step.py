@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
-from .benchmark import PHASE_RANGES, STEP_RANGE
+from .benchmark import PHASE_RANGES, STEP_RANGE, compile_blocks
 from .config import ModelConfig, get_config
 from .devices import DeviceMarks, is_oom, median_p10_p90, release_memory, resolve_device, sync
 from .results import ResultWriter
@@ -138,8 +138,7 @@ def build(cfg: StepConfig, *, device: torch.device):
                 return cross_entropy(m(x), y)
     blocks = model.model.layers if variant.impl == "hf" else model.layers
     if variant.compile_blocks:
-        for block in blocks:
-            block.compile()
+        compile_blocks(blocks)
     make_optimizer = functools.partial(_optimizer, variant.optimizer, lr=cfg.lr)
     if variant.optimizer_in_backward:
         from .optimizer_in_backward import OptimizerInBackward, block_groups

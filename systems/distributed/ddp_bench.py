@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from ..benchmark import compile_blocks
 from ..config import get_config
 from ..model import TransformerLM
 from ..optim import AdamW, cross_entropy
@@ -55,6 +55,7 @@ from .launch import (DistContext, add_benchmark_arguments, all_gather_objects, l
 from .overlap import STEP_MARK, overlap_stats, trace_intervals
 
 PRECISIONS = ("fp32", "bf16")
+VARIANT_KINDS = ("nosync", "naive", "flat", "overlap", "bucketed", "bucketed_tail", "bucketed_lp", "torch_ddp")
 HANDOUT_BUCKETS_MB = (1.0, 10.0, 100.0, 1000.0)
 
 
@@ -67,9 +68,6 @@ class DDPBenchConfig:
     # precisions run again, after the eager settings, with every block compiled
     compiled_precisions: tuple[str, ...] = ()
     compile_mode: str | None = None  # torch.compile's mode for the compiled settings
-    # NCCL's internal streams at high priority: the GPU's block scheduler then runs pending
-    # communication blocks ahead of queued compute blocks instead of after them
-    nccl_high_priority: bool = False
     bucket_sizes_mb: tuple[float, ...] = HANDOUT_BUCKETS_MB
     # bucketed variants that all-reduce in bf16 ("bucketed_lp:<MiB>"): half the bytes of fp32 gradients
     lp_reduce_buckets_mb: tuple[float, ...] = ()
@@ -102,8 +100,7 @@ class DDPBenchConfig:
                      *[f"bucketed_tail:{b:g}/{t:g}" for b, t in self.tail_buckets_mb],
                      *[f"bucketed_lp:{b:g}" for b in self.lp_reduce_buckets_mb]]
             self.variants = tuple(names + (["torch_ddp"] if self.include_torch_ddp else []))
-        unknown = [v for v in self.variants if v.split(":")[0] not in
-                   ("nosync", "naive", "flat", "overlap", "bucketed", "bucketed_tail", "bucketed_lp", "torch_ddp")]
+        unknown = [v for v in self.variants if v.split(":")[0] not in VARIANT_KINDS]
         if unknown:
             raise ValueError(f"unknown variants {unknown}")
         if "torch_ddp" in self.variants and self.variants[-1] != "torch_ddp":
@@ -122,31 +119,24 @@ def parse_tail_variant(arg: str) -> tuple[float, float]:
     return float(cap), float(last)
 
 
+def bucketed_options(kind: str, arg: str) -> dict:
+    """DDPBucketed's keyword arguments for a bucketed variant's kind and argument."""
+    if kind == "bucketed_tail":
+        cap, last = parse_tail_variant(arg)
+        return {"bucket_size_mb": cap, "last_bucket_mb": last}
+    if kind == "bucketed_lp":
+        return {"bucket_size_mb": float(arg), "reduce_dtype": torch.bfloat16}
+    return {"bucket_size_mb": float(arg)}
+
+
 def setting_name(precision: str, compiled: bool) -> str:
     return f"{precision}+compile" if compiled else precision
-
-
-def compile_blocks(model: TransformerLM, *, mode: str | None = None) -> None:
-    """torch.compile each block in place; one compiled graph serves all blocks (same code, same
-    shapes; parameters are graph inputs), so compile time does not grow with depth."""
-    for block in model.layers:
-        block.compile(mode=mode)
-
-
-def benchmark_group(ctx: DistContext, *, high_priority: bool):
-    """The process group the DDP variants (ours and torch's) communicate on: the default one, or
-    a copy of it whose NCCL streams run at high priority."""
-    if not high_priority or ctx.backend != "nccl":
-        return None
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = True
-    return dist.new_group(backend="nccl", pg_options=options)
 
 
 class _Runner:
     """A wrapper around the shared model, built per variant and torn down after it."""
 
-    def __init__(self, name: str, model: torch.nn.Module, ctx: DistContext, group=None):
+    def __init__(self, name: str, model: torch.nn.Module, ctx: DistContext):
         self.name, self.model = name, model
         kind, _, arg = name.partition(":")
         self.ddp = None
@@ -157,24 +147,15 @@ class _Runner:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-            self.ddp = DistributedDataParallel(model, device_ids=ids, process_group=group)
+            self.ddp = DistributedDataParallel(model, device_ids=ids)
             self.forward = self.ddp
-        elif kind == "bucketed_tail":
-            cap, last = parse_tail_variant(arg)
-            self.ddp = DDPBucketed(model, bucket_size_mb=cap, process_group=group, last_bucket_mb=last)
-            self.forward = self.ddp
-            self.n_buckets = self.ddp.n_buckets
-        elif kind == "bucketed_lp":
-            self.ddp = DDPBucketed(model, bucket_size_mb=float(arg), process_group=group,
-                                   reduce_dtype=torch.bfloat16)
+        elif kind.startswith("bucketed"):
+            self.ddp = DDPBucketed(model, **bucketed_options(kind, arg))
             self.forward = self.ddp
             self.n_buckets = self.ddp.n_buckets
         else:
-            kwargs = {"bucket_size_mb": float(arg)} if kind == "bucketed" else {}
-            self.ddp = make_ddp(kind, model, process_group=group, **kwargs)
+            self.ddp = make_ddp(kind, model)
             self.forward = self.ddp
-            if isinstance(self.ddp, DDPBucketed):
-                self.n_buckets = self.ddp.n_buckets
         self.ours = kind not in ("nosync", "torch_ddp")
 
     def start(self) -> None:
@@ -256,21 +237,20 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
     common = {"backend": ctx.backend, "world_size": ctx.world_size, "model": cfg.model,
               "n_params": model_cfg.n_params, "grad_bytes": grad_bytes, "context_length": cfg.context_length,
               "global_batch": cfg.global_batch, "local_batch": local_batch, "tf32": cfg.tf32,
-              "compile_mode": cfg.compile_mode, "nccl_high_priority": cfg.nccl_high_priority,
+              "compile_mode": cfg.compile_mode,
               "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
 
-    group = benchmark_group(ctx, high_priority=cfg.nccl_high_priority)
     compiled_yet = False
     for precision, compiled in cfg.settings():
         setting = setting_name(precision, compiled)
         if compiled and not compiled_yet:
-            compile_blocks(model, mode=cfg.compile_mode)
+            compile_blocks(model.layers, mode=cfg.compile_mode)
             compiled_yet = True
         autocast_dtype = torch.bfloat16 if precision == "bf16" else None
         baseline_ms = None
         timed: dict[str, float] = {}
         for name in cfg.variants:
-            runner = _Runner(name, model, ctx, group)
+            runner = _Runner(name, model, ctx)
             marks = DeviceMarks(ctx.device)
             t0 = time.perf_counter()
             for i in range(cfg.warmup):
@@ -299,12 +279,11 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
                 baseline_ms = row["step_ms"]
             timed[name] = row["step_ms"]
             kind, _, arg = name.partition(":")
+            options = bucketed_options(kind, arg) if kind.startswith("bucketed") else {}
             overhead = None if baseline_ms is None else row["step_ms"] - baseline_ms
             row = {**common, "precision": precision, "compiled": compiled, "setting": setting,
                    "variant": name, "kind": kind, "first_step_s": first_step_s,
-                   "bucket_size_mb": (parse_tail_variant(arg)[0] if kind == "bucketed_tail"
-                                      else float(arg) if arg else None),
-                   "last_bucket_mb": parse_tail_variant(arg)[1] if kind == "bucketed_tail" else None,
+                   "bucket_size_mb": options.get("bucket_size_mb"), "last_bucket_mb": options.get("last_bucket_mb"),
                    "n_buckets": n_buckets,
                    **row, "baseline_step_ms": baseline_ms, "comm_overhead_ms": overhead,
                    "comm_share": None if overhead is None else overhead / row["step_ms"],
@@ -322,7 +301,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             if best and best not in to_profile:
                 to_profile.append(best)
             for name in to_profile:
-                runner = _Runner(name, model, ctx, group)
+                runner = _Runner(name, model, ctx)
                 for _ in range(cfg.warmup):
                     _train_step(runner, opt, tokens, targets, autocast_dtype, DeviceMarks(ctx.device))
                 path = Path(cfg.trace_dir) / f"ddp_{setting.replace('+', '_')}_{name.replace(':', '')}_rank0.json.gz"
@@ -375,8 +354,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compiled-precisions", nargs="*", default=[], choices=PRECISIONS,
                         help="run these precisions again with every Transformer block compiled")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled settings")
-    parser.add_argument("--nccl-high-priority", action="store_true",
-                        help="communicate on NCCL streams of high priority")
     parser.add_argument("--variants", nargs="+", default=None, help="a subset of the variants, in run order")
     parser.add_argument("--no-torch-ddp", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=d.profile_steps)
@@ -389,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         bucket_sizes_mb=tuple(args.bucket_sizes_mb),
         lp_reduce_buckets_mb=tuple(args.lp_reduce_buckets_mb),
         tail_buckets_mb=tuple(parse_tail_variant(a) for a in args.tail_buckets_mb),
-        compile_mode=args.compile_mode, nccl_high_priority=args.nccl_high_priority,
+        compile_mode=args.compile_mode,
         variants=tuple(args.variants or ()),
         include_torch_ddp=not args.no_torch_ddp, warmup=args.warmup, steps=args.steps,
         profile=not args.no_profile, profile_steps=args.profile_steps, attn_impl=args.attn_impl,

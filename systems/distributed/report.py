@@ -105,19 +105,9 @@ def allreduce_commentary(df: pd.DataFrame) -> str:
 # DDP variants
 # ----------------------------------------------------------------------------------------------
 
-def with_setting(df: pd.DataFrame) -> pd.DataFrame:
-    """A "setting" column (precision, "+compile" when the blocks were compiled); rows written
-    before compiled settings existed are eager."""
-    df = df.copy()
-    if "setting" not in df.columns:
-        df["setting"] = df["precision"]
-    df["setting"] = df["setting"].fillna(df["precision"])
-    return df
-
-
 def ddp_table(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
-    for setting, g in with_setting(df).groupby("setting", sort=False):
+    for setting, g in df.groupby("setting", sort=False):
         torch_ms = g.loc[g["variant"] == "torch_ddp", "step_ms"]
         ref = float(torch_ms.iloc[0]) if len(torch_ms) else float("nan")
         for r in g.itertuples():
@@ -134,7 +124,6 @@ def ddp_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def plot_ddp(df: pd.DataFrame, *, title: str = ""):
-    df = with_setting(df)
     settings = list(dict.fromkeys(df["setting"]))
     fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.2), squeeze=False)
     for ax, setting in zip(axes[0], settings):
@@ -157,8 +146,8 @@ def plot_ddp(df: pd.DataFrame, *, title: str = ""):
 
 def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str:
     lines = []
-    overlap = with_setting(overlap) if overlap is not None and len(overlap) else None
-    for setting, g in with_setting(df).groupby("setting", sort=False):
+    overlap = overlap if overlap is not None and len(overlap) else None
+    for setting, g in df.groupby("setting", sort=False):
         ours = g[~g["variant"].isin(["nosync", "torch_ddp"])]
         best = ours.loc[ours["step_ms"].idxmin()]
         naive = g[g["variant"] == "naive"]
@@ -175,9 +164,9 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
             if best["comm_overhead_ms"] > 0:
                 s += (f"`{best['variant']}` is {best['comm_overhead_ms']:.3g} ms slower "
                       f"({100 * best['comm_share']:.1f}% of its step)")
-                traced = overlap[(overlap["setting"] == setting) & (overlap["variant"] == best["variant"])] \
-                    if overlap is not None else overlap
-                if traced is not None and len(traced):
+                traced = ([] if overlap is None else
+                          overlap[(overlap["setting"] == setting) & (overlap["variant"] == best["variant"])])
+                if len(traced):
                     exposed = float(traced.iloc[0]["exposed_comm_ms"])
                     # overlapped communication still costs: NCCL kernels take SMs and memory
                     # bandwidth from the computation running beside them
@@ -202,7 +191,7 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
             s += (f". Naive DDP (one blocking all-reduce per parameter after backward) takes {n['step_ms']:.4g} ms, "
                   f"{100 * n['comm_share']:.1f}% of it communication overhead")
         lines.append(s + ".")
-        if overlap is not None and len(overlap):
+        if overlap is not None:
             o = overlap[overlap["setting"] == setting]
             for r in o.itertuples():
                 if r.overlap_pct is None or r.overlap_pct != r.overlap_pct:
@@ -215,7 +204,7 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
 
 def plot_overlap(overlap: pd.DataFrame, *, title: str = ""):
     """Per setting, one lane pair per profiled variant: computation vs communication over a step."""
-    rows = list(with_setting(overlap).itertuples())
+    rows = list(overlap.itertuples())
     fig, axes = plt.subplots(len(rows), 1, figsize=(12, 1.9 * len(rows)), squeeze=False)
     for ax, r in zip(axes[:, 0], rows):
         iv = trace_intervals(r.trace)
@@ -235,7 +224,6 @@ def plot_overlap(overlap: pd.DataFrame, *, title: str = ""):
 def bucket_model_frame(df: pd.DataFrame, fit: dict, *, overhead_fn, optimal_bytes_fn) -> tuple[pd.DataFrame, dict]:
     """Measured bucketed overheads beside the model's prediction at the same bucket count."""
     rows = []
-    df = with_setting(df)
     for r in df[df["kind"] == "bucketed"].itertuples():
         predicted = overhead_fn(total_bytes=r.grad_bytes, bandwidth_bytes_per_s=fit["bandwidth_bytes_per_s"],
                                 per_call_overhead_s=fit["per_call_overhead_s"], n_buckets=r.n_buckets)
