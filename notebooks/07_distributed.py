@@ -140,17 +140,8 @@ fig = report.plot_overlap(overlap, title=f"One profiled step per variant ({ctx.g
 nb.save_figure(fig, ctx, "overlap")
 
 # %%
-lines = []
-for setting, g in table.groupby("setting", sort=False):
-    ours = g[~g["variant"].isin(["nosync", "torch_ddp"])]
-    best = ours.loc[ours["step_ms"].idxmin()]
-    traced = overlap[(overlap["setting"] == setting) & (overlap["variant"] == best["variant"])]
-    exposed = traced["exposed_comm_pct_of_step"].iloc[0] if len(traced) else float("nan")
-    lines.append(f"- {setting}: best `{best['variant']}` runs at {best['vs_torch_ddp']:.3f}x torch DDP's step "
-                 f"time (target <= 1) with {exposed:.1f}% of the step exposed communication in its trace "
-                 f"(target <= 3%).")
 nb.md("**Against the targets** (2xH200 acceptance: best step time <= torch DDP's, exposed "
-      "communication <= 3% of the step):\n\n" + "\n".join(lines))
+      "communication <= 3% of the step):\n\n" + report.ddp_targets(table, overlap))
 
 # %% [markdown]
 # ## The bucketed-DDP overhead model

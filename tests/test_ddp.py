@@ -367,3 +367,11 @@ def test_ddp_commentary_tells_slowed_computation_from_exposed_communication():
     assert "20 ms slower" in line_a and "computation slowed by the communication" in line_a
     assert "communication left exposed" in line_b
     assert "0.923x torch DDP" in line_a
+
+    from systems.distributed.report import ddp_table, ddp_targets
+
+    targets = ddp_targets(ddp_table(ddp.assign(step_ms_p10=120.0, step_ms_p90=120.0, fwd_bwd_ms=0.0,
+                                               sync_wait_ms=0.0, optimizer_ms=0.0)), overlap).splitlines()
+    assert targets == [f"- {s}: best `bucketed:1000` runs at 0.923x torch DDP's step time (target <= 1) with "
+                       f"{pct}% of the step exposed communication in its trace (target <= 3%)."
+                       for s, pct in (("a", "0.8"), ("b", "12.5"))]

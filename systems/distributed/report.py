@@ -123,6 +123,34 @@ def ddp_table(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def best_of_ours(g: pd.DataFrame) -> pd.Series:
+    """The fastest of our wrappers in one setting's rows (not the nosync baseline, not torch DDP)."""
+    ours = g[~g["variant"].isin(["nosync", "torch_ddp"])]
+    return ours.loc[ours["step_ms"].idxmin()]
+
+
+def trace_row(overlap: pd.DataFrame | None, *, setting: str, variant: str) -> pd.Series | None:
+    """The overlap analysis of one (setting, variant)'s profiled trace, None when it was not profiled."""
+    if overlap is None or not len(overlap):
+        return None
+    rows = overlap[(overlap["setting"] == setting) & (overlap["variant"] == variant)]
+    return rows.iloc[0] if len(rows) else None
+
+
+def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None) -> str:
+    """Per setting (of ddp_table's output): the best variant's step time over torch DDP's and its
+    trace's exposed-communication share, each beside its target."""
+    lines = []
+    for setting, g in table.groupby("setting", sort=False):
+        best = best_of_ours(g)
+        traced = trace_row(overlap, setting=setting, variant=best["variant"])
+        exposed = traced["exposed_comm_pct_of_step"] if traced is not None else float("nan")
+        lines.append(f"- {setting}: best `{best['variant']}` runs at {best['vs_torch_ddp']:.3f}x torch DDP's step "
+                     f"time (target <= 1) with {exposed:.1f}% of the step exposed communication in its trace "
+                     f"(target <= 3%).")
+    return "\n".join(lines)
+
+
 def plot_ddp(df: pd.DataFrame, *, title: str = ""):
     settings = list(dict.fromkeys(df["setting"]))
     fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.2), squeeze=False)
@@ -148,8 +176,7 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
     lines = []
     overlap = overlap if overlap is not None and len(overlap) else None
     for setting, g in df.groupby("setting", sort=False):
-        ours = g[~g["variant"].isin(["nosync", "torch_ddp"])]
-        best = ours.loc[ours["step_ms"].idxmin()]
+        best = best_of_ours(g)
         naive = g[g["variant"] == "naive"]
         torch_row = g[g["variant"] == "torch_ddp"]
         base = g[g["variant"] == "nosync"]
@@ -164,10 +191,9 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
             if best["comm_overhead_ms"] > 0:
                 s += (f"`{best['variant']}` is {best['comm_overhead_ms']:.3g} ms slower "
                       f"({100 * best['comm_share']:.1f}% of its step)")
-                traced = ([] if overlap is None else
-                          overlap[(overlap["setting"] == setting) & (overlap["variant"] == best["variant"])])
-                if len(traced):
-                    exposed = float(traced.iloc[0]["exposed_comm_ms"])
+                traced = trace_row(overlap, setting=setting, variant=best["variant"])
+                if traced is not None:
+                    exposed = float(traced["exposed_comm_ms"])
                     # overlapped communication still costs: NCCL kernels take SMs and memory
                     # bandwidth from the computation running beside them
                     s += (f"; its trace shows {exposed:.3g} ms/step of communication with no computation beside it, "
