@@ -18,11 +18,20 @@
 # torch's fused AdamW) is the baseline in the same run; our model runs eager, with its blocks
 # compiled, with the fused kernels of `systems/kernels/` (an LM head + cross-entropy that never
 # materialises the logits; an AdamW that updates p, m and v in one Triton pass), with all of
-# them (`ours_fast`), and with all of them plus the optimizer inside the backward (`ours_overlap`:
-# each block's AdamW update runs as soon as its gradients exist, on a side CUDA stream of lower
-# priority than the backward's, so the memory-bound update can overlap the compute-bound
-# backward; its "optimizer" phase is only the tail the backward could not hide). The variants are
-# data in `systems.train_step.VARIANTS`.
+# them (`ours_fast`), then with three more levers on top:
+# - **bf16 weights with fp32 masters in the optimizer** (`ours_master`): the model holds its
+#   matmul weights in bf16 and `MasterWeightAdamW` the fp32 masters and moments, writing the
+#   rounded master back into the model in the same pass. Autocast then casts no weight in the
+#   forward and the gradients stay bf16 in the backward; the matmuls see the same bf16 values, so
+#   the arithmetic is autocast's (bit-identical on a CPU, `tests/test_train_step.py`).
+# - **CUDA graphs** (`ours_graphs`): the blocks compiled with `mode="reduce-overhead"`, so each
+#   block's forward and backward replay as CUDA graphs, for sizes whose step waits on the host.
+# - **the optimizer inside the backward** (`*_overlap`): each block's AdamW update runs as soon as
+#   its gradients exist, on a side CUDA stream of lower priority than the backward's, so the
+#   memory-bound update can overlap the compute-bound backward; the "optimizer" phase is then
+#   only the tail the backward could not hide.
+#
+# The variants are data in `systems.train_step.VARIANTS`, the lever comparisons in `LEVERS`.
 
 # %% tags=["parameters"]
 profile = "smoke"        # "smoke" (CPU, debug model, < 60 s) or "full" (GPU, < 6 min on one H100)
@@ -41,15 +50,16 @@ from systems.results import ResultWriter, read_records
 ctx = nb.setup(name="10_fast_train_step", profile=profile, out_dir=out_dir)
 if ctx.full:
     # targets (issue: fast full training step): 2.7B <= 105 ms, xl <= 75 ms per step on one H100
-    PLAN = {"2.7B": ["hf_llama", "ours_eager", "ours_compiled", "ours_fused", "ours_fast", "ours_overlap"],
-            "xl": ["hf_llama", "ours_eager", "ours_fast", "ours_overlap"]}
+    PLAN = {"2.7B": ["hf_llama", "ours_eager", "ours_compiled", "ours_fused", "ours_fast", "ours_master",
+                     "ours_master_overlap"],
+            "xl": ["hf_llama", "ours_eager", "ours_fast", "ours_master", "ours_graphs", "ours_graphs_overlap"]}
     TARGET_MS = {"2.7B": 105.0, "xl": 75.0}
     STEP = dict(batch_size=4, context_length=512, warmup=3, steps=10)
-    TRACE = ("2.7B", "ours_overlap")  # its timeline shows whether the side-stream updates overlap the backward
+    TRACE = ("2.7B", "ours_master_overlap")  # its timeline shows whether the side-stream updates overlap the backward
 else:
     # CPU: the debug model; compiled variants are left out (inductor's CPU compile dominates a
     # smoke run and needs a C++ toolchain)
-    PLAN = {"debug": ["hf_llama", "ours_eager", "ours_fused"]}
+    PLAN = {"debug": ["hf_llama", "ours_eager", "ours_fused", "ours_fused_master"]}
     TARGET_MS = {}
     STEP = dict(batch_size=2, context_length=64, warmup=1, steps=3)
     TRACE = ("debug", "ours_fused")
@@ -97,16 +107,23 @@ for model in PLAN:
                            for ph in ("forward_ms", "backward_ms", "optimizer_ms"))
         lines.append(f"  - from `ours_eager` to `{best}`: {deltas}; first step (compilation, autotuning) "
                      f"{b['first_step_s']:.1f} s against {e['first_step_s']:.1f} s.")
-    if {"ours_fast", "ours_overlap"} <= set(part.index):
-        f, o = part.loc["ours_fast"], part.loc["ours_overlap"]
-        hidden = f["backward_ms"] + f["optimizer_ms"] - o["backward_ms"] - o["optimizer_ms"]
-        lines.append(f"  - the optimizer inside the backward: `ours_fast` {f['step_ms']:.1f} ms (backward "
-                     f"{f['backward_ms']:.1f} + optimizer {f['optimizer_ms']:.1f}), `ours_overlap` "
-                     f"{o['step_ms']:.1f} ms (backward with the overlapped updates {o['backward_ms']:.1f} + tail "
-                     f"{o['optimizer_ms']:.1f}): "
-                     + (f"{hidden:.1f} ms of the {f['optimizer_ms']:.1f} ms update hidden under the backward."
-                        if hidden > 0 else f"nothing hidden, backward + optimizer {-hidden:.1f} ms slower."))
 nb.md("**Step time against the targets.**\n\n" + "\n".join(lines))
+
+# %% [markdown]
+# ## What each lever buys
+# Each line compares two variants of the same run that differ by one lever (`LEVERS`): the step
+# time saved, and how each phase's median changed (negative: faster). With the optimizer inside
+# the backward the update's time moves from the optimizer phase into the backward's; what it
+# saves overall is the overlap.
+
+# %%
+levers = ts.lever_table(table)
+nb.show(levers, caption=f"Levers, each against the variant without it, same run ({ctx.gpu})")
+if not levers.empty:
+    by = levers.loc[levers.groupby("model")["saved_ms"].idxmax()]
+    nb.md("**Largest single lever per model:** " + "; ".join(
+        f"{r.model}: {r.lever} (`{r['from']}` -> `{r.to}`), {r.saved_ms:.1f} ms saved "
+        f"({r.step_ms_from:.1f} -> {r.step_ms_to:.1f} ms)" for _, r in by.iterrows()) + ".")
 
 # %% [markdown]
 # ## One step of the fastest configuration, profiled

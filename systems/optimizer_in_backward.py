@@ -180,6 +180,12 @@ class OptimizerInBackward:
         """Every group optimizer's param groups: setting ``lr`` here reaches the optimizers."""
         return [pg for g in self._groups for pg in g.optimizer.param_groups]
 
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """What the group optimizer of ``param`` updates for it: its fp32 master where that
+        optimizer keeps one (``MasterWeightAdamW``), else the parameter itself."""
+        optimizer = self._owner[id(param)].optimizer
+        return optimizer.master_of(param) if hasattr(optimizer, "master_of") else param
+
     def _on_grad(self, p: torch.Tensor) -> None:
         group = self._owner[id(p)]
         if id(p) in group.arrived:

@@ -11,6 +11,11 @@ cross-entropy, backward, AdamW. Variants are data (``VARIANTS``), each a combina
 - ``fused_loss``: ``systems.kernels.fused_linear_ce`` instead of full logits + cross-entropy;
 - ``optimizer``: ``torch_fused`` (torch.optim.AdamW(fused=True)), ``ours`` (systems.optim.AdamW)
   or ``fused`` (systems.kernels.fused_adamw.FusedAdamW, one Triton pass over p, g, m, v);
+- ``master_weights``: the model holds its matmul weights in bf16 and the optimizer
+  (``systems.kernels.fused_adamw.MasterWeightAdamW``) the fp32 masters, so autocast casts no
+  weight in the forward and no gradient in the backward; the arithmetic stays autocast's;
+- ``compile_mode``: torch.compile's mode for the blocks; ``"reduce-overhead"`` replays each
+  block's forward and backward as CUDA graphs, for sizes whose step waits on kernel launches;
 - ``optimizer_in_backward``: that optimizer, one per block (and per module outside the blocks),
   stepped inside the backward on a side CUDA stream as soon as the group's gradients exist
   (``systems.optimizer_in_backward``), so the memory-bound update overlaps the compute-bound backward;
@@ -25,7 +30,7 @@ the backward plus whatever the overlapped updates slow it down by, and the "opti
 only the tail: the updates of the last groups to get their gradients (the first block, the
 embeddings) and the wait for the side stream. The step time is the number to compare.
 
-    python -m systems.train_step --model 2.7B --variants hf_llama ours_eager ours_fast ours_overlap
+    python -m systems.train_step --model 2.7B --variants hf_llama ours_eager ours_fast ours_master ours_master_overlap
 """
 
 from __future__ import annotations
@@ -56,6 +61,14 @@ class Variant:
     fused_loss: bool = False
     optimizer: str = "ours"  # "ours", "fused" or "torch_fused"
     optimizer_in_backward: bool = False  # per-block optimizer steps overlapped with the backward
+    master_weights: bool = False  # bf16 matmul weights in the model, fp32 masters in the optimizer
+    compile_mode: str | None = None  # torch.compile mode of the blocks (with compile_blocks)
+
+    def __post_init__(self) -> None:
+        if self.master_weights and (self.impl != "ours" or self.optimizer != "fused"):
+            raise ValueError("master_weights needs impl='ours' and optimizer='fused' (MasterWeightAdamW)")
+        if self.compile_mode is not None and not self.compile_blocks:
+            raise ValueError("compile_mode applies to compiled blocks: set compile_blocks=True")
 
 
 VARIANTS: dict[str, Variant] = {
@@ -66,6 +79,15 @@ VARIANTS: dict[str, Variant] = {
     "ours_fast": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused"),
     "ours_overlap": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
                             optimizer_in_backward=True),
+    "ours_fused_master": Variant(impl="ours", fused_loss=True, optimizer="fused", master_weights=True),
+    "ours_master": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
+                           master_weights=True),
+    "ours_master_overlap": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
+                                   master_weights=True, optimizer_in_backward=True),
+    "ours_graphs": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
+                           master_weights=True, compile_mode="reduce-overhead"),
+    "ours_graphs_overlap": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
+                                   master_weights=True, compile_mode="reduce-overhead", optimizer_in_backward=True),
 }
 
 
@@ -137,16 +159,35 @@ def build(cfg: StepConfig, *, device: torch.device):
             def loss_fn(m, x, y):
                 return cross_entropy(m(x), y)
     blocks = model.model.layers if variant.impl == "hf" else model.layers
-    if variant.compile_blocks:
-        compile_blocks(blocks)
-    make_optimizer = functools.partial(_optimizer, variant.optimizer, lr=cfg.lr)
+    if variant.master_weights:
+        make_optimizer = functools.partial(_master_weight_optimizer, lr=cfg.lr,
+                                           low_precision={id(p) for p in matmul_weights_of(model)})
+    else:
+        make_optimizer = functools.partial(_optimizer, variant.optimizer, lr=cfg.lr)
     if variant.optimizer_in_backward:
         from .optimizer_in_backward import OptimizerInBackward, block_groups
 
         opt = OptimizerInBackward(block_groups(model, blocks=blocks), make_optimizer=make_optimizer)
     else:
         opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    if variant.compile_blocks:  # after the optimizer, which may change the parameters' dtypes
+        compile_blocks(blocks, mode=variant.compile_mode)
     return model, opt, loss_fn
+
+
+def matmul_weights_of(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The weights autocast casts to bf16 for every use: those of our Linear layers (LM head
+    included). The embedding table is indexed, not multiplied, and the norm gains scale fp32
+    activations, so those stay fp32."""
+    from .model import Linear
+
+    return [m.weight for m in model.modules() if isinstance(m, Linear) and m.weight.requires_grad]
+
+
+def _master_weight_optimizer(params: list[torch.nn.Parameter], *, lr: float, low_precision: set[int]):
+    from .kernels.fused_adamw import MasterWeightAdamW
+
+    return MasterWeightAdamW(params, lr=lr, low_precision=[p for p in params if id(p) in low_precision])
 
 
 def _optimizer(kind: str, params: list[torch.nn.Parameter], *, lr: float) -> torch.optim.Optimizer:
@@ -219,19 +260,20 @@ def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str
             gen = torch.Generator(device=device).manual_seed(cfg.seed)
             x = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, cfg.context_length), device=device, generator=gen)
             y = torch.randint(0, mcfg.vocab_size, (cfg.batch_size, cfg.context_length), device=device, generator=gen)
+            step = functools.partial(train_step, model, opt, loss_fn, x, y, device=device)
             t0 = time.perf_counter()
-            loss = train_step(model, opt, loss_fn, x, y, device=device)
+            loss = step()
             sync(device)
             row["first_step_s"] = time.perf_counter() - t0
             for _ in range(cfg.warmup - 1):
-                train_step(model, opt, loss_fn, x, y, device=device)
+                step()
             sync(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             steps = []
             for _ in range(cfg.steps):
                 marks = DeviceMarks(device)
-                loss = train_step(model, opt, loss_fn, x, y, device=device, marks=marks)
+                loss = step(marks=marks)
                 steps.append(marks)
                 if device.type != "cuda":
                     sync(device)
@@ -249,7 +291,7 @@ def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str
             if device.type == "cuda":
                 row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
             if trace_path is not None:
-                row["trace"] = str(profile_one_step(model, opt, loss_fn, x, y, device=device, trace_path=trace_path))
+                row["trace"] = str(profile_one_step(step, device=device, trace_path=trace_path))
     except Exception as exc:  # noqa: BLE001 - an OOM point is a row; anything else propagates
         if not is_oom(exc):
             raise
@@ -270,15 +312,15 @@ def _step_stream(variant: Variant, *, device: torch.device):
     return priority_stream(device)
 
 
-def profile_one_step(model, opt, loss_fn, x, y, *, device: torch.device, trace_path: str | Path) -> Path:
-    """Profile one (warm) step with torch.profiler and export its Chrome trace."""
+def profile_one_step(step, *, device: torch.device, trace_path: str | Path) -> Path:
+    """Profile one (warm) ``step(sync_phases=True)`` with torch.profiler and export its Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     trace_path = Path(trace_path)
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     with profile(activities=acts) as prof:
-        train_step(model, opt, loss_fn, x, y, device=device, sync_phases=True)
+        step(sync_phases=True)
         sync(device)
     prof.export_chrome_trace(str(trace_path))
     return trace_path
@@ -317,6 +359,41 @@ def step_table(rows, *, baseline: str = "hf_llama"):
         base = df[df["variant"] == baseline].set_index("model")["step_ms"]
         df[f"speedup_vs_{baseline}"] = df["model"].map(base) / df["step_ms"]
     return df
+
+
+# (lever, variant without it, variant with it): notebook 10 credits each lever with the
+# difference between the two, measured in the same run
+LEVERS: tuple[tuple[str, str, str], ...] = (
+    ("compiled blocks", "ours_eager", "ours_compiled"),
+    ("fused LM head + loss, fused AdamW", "ours_eager", "ours_fused"),
+    ("compiled blocks + fused kernels", "ours_eager", "ours_fast"),
+    ("bf16 weights, fp32 masters in the optimizer", "ours_fused", "ours_fused_master"),
+    ("bf16 weights, fp32 masters in the optimizer", "ours_fast", "ours_master"),
+    ("CUDA graphs (per block)", "ours_master", "ours_graphs"),
+    ("optimizer inside the backward", "ours_fast", "ours_overlap"),
+    ("optimizer inside the backward", "ours_master", "ours_master_overlap"),
+    ("optimizer inside the backward", "ours_graphs", "ours_graphs_overlap"),
+)
+
+
+def lever_table(table, *, levers=LEVERS):
+    """One line per (model, lever) whose two variants both ran: step and phase medians before and
+    after, and the milliseconds the lever saved (negative: it cost time)."""
+    import pandas as pd
+
+    ok = table[table["status"] == "ok"].set_index(["model", "variant"])
+    out = []
+    for model in dict.fromkeys(table["model"]):
+        for lever, before, after in levers:
+            if (model, before) not in ok.index or (model, after) not in ok.index:
+                continue
+            b, a = ok.loc[(model, before)], ok.loc[(model, after)]
+            line = {"model": model, "lever": lever, "from": before, "to": after,
+                    "step_ms_from": b["step_ms"], "step_ms_to": a["step_ms"], "saved_ms": b["step_ms"] - a["step_ms"]}
+            for phase in PHASES:
+                line[f"{phase}_ms_change"] = a[f"{phase}_ms"] - b[f"{phase}_ms"]
+            out.append(line)
+    return pd.DataFrame(out)
 
 
 def plot_phases(table, *, title: str):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from systems.testing import compile_ptx_for_h100, have_triton, interpreting, run_interpreter_cases
-from systems.kernels.fused_adamw import BLOCK, FusedAdamW
+from systems.kernels.fused_adamw import BLOCK, FusedAdamW, MasterWeightAdamW
 from systems.optim import AdamW
 
 INTERPRETING = interpreting()
@@ -156,6 +156,52 @@ def test_float64_params_take_the_fallback():
     torch.testing.assert_close(q, p, atol=0, rtol=0)
 
 
+def run_master_pair(*, device="cpu", steps=3, dtype=torch.bfloat16, shapes=((7, 13), (2 * BLOCK + 5,), (5,))):
+    """AdamW on fp32 parameters fed the bf16 gradients, against MasterWeightAdamW on a model
+    whose first two parameters are held in ``dtype`` (the third, e.g. a norm gain, stays fp32).
+    Returns (reference params, model params, MasterWeightAdamW)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    ref = [torch.nn.Parameter(torch.randn(s, generator=gen, device=device)) for s in shapes]
+    model = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    opt_ref = AdamW(ref, weight_decay=0.1, **HYPER)
+    opt = MasterWeightAdamW(model, weight_decay=0.1, **HYPER, low_precision=model[:2], dtype=dtype)
+    for _ in range(steps):
+        for a, b in zip(ref, model):
+            # the backward of a low-precision parameter gives a gradient of its dtype
+            b.grad = torch.randn(a.shape, generator=gen, device=device).to(b.dtype)
+            a.grad = b.grad.float()
+        opt_ref.step()
+        opt.step()
+        opt.zero_grad()
+    return ref, model, opt
+
+
+@pytest.mark.skipif(INTERPRETING, reason="the fallback runs for CPU tensors outside the interpreter")
+def test_master_weights_follow_adamw_and_round_into_the_model():
+    ref, model, opt = run_master_pair()
+    assert [p.dtype for p in model] == [torch.bfloat16, torch.bfloat16, torch.float32]
+    for a, b in zip(ref, model):
+        # the same foreach operations on the same fp32 values: the masters are bit-identical
+        torch.testing.assert_close(opt.master_of(b), a.detach(), atol=0, rtol=0)
+        # and the model holds the master rounded to its dtype (the fp32 gain is its own master)
+        torch.testing.assert_close(b.detach(), a.detach().to(b.dtype), atol=0, rtol=0)
+        assert b.grad is None  # zero_grad reached the model's parameters, not only the masters
+
+
+def test_master_weights_validate_their_input():
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="not in params"):
+        MasterWeightAdamW([p], low_precision=[q])
+    with pytest.raises(ValueError, match="must start in fp32"):
+        half = torch.nn.Parameter(torch.randn(3).to(torch.bfloat16))
+        MasterWeightAdamW([half], low_precision=[half])
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        MasterWeightAdamW([p], low_precision=[p], dtype=torch.float32)
+    with pytest.raises(ValueError, match="flat list"):
+        MasterWeightAdamW([{"params": [p]}], low_precision=[p])
+    assert p.dtype == torch.float32  # nothing was cast by the refused calls
+
+
 # ----------------------------------------------------------------------------- Triton kernel, CPU
 
 
@@ -187,7 +233,7 @@ def test_kernel_compiles_for_h100(grad, has_copy):
 
 
 INTERP_CASES = [(0.1, torch.float32, None), (0.0, torch.bfloat16, None), (0.1, torch.float32, (1, 2))]
-N_INTERP_TESTS = len(INTERP_CASES) + 2
+N_INTERP_TESTS = len(INTERP_CASES) + 3
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -225,6 +271,16 @@ def test_interp_kernel_bf16_copy_within_one_ulp():
         assert ((c32 - p32).abs() <= ulp).all()
 
 
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_interp_master_weights_through_the_kernel():
+    # fp16 model weights: the interpreter rounds fp32 -> fp16 to nearest as a GPU does (bf16 it truncates)
+    ref, model, opt = run_master_pair(dtype=torch.float16)
+    assert opt._tables  # the kernel ran: fp32 master, fp16 gradient, fp16 copy into the model
+    for a, b in zip(ref, model):
+        torch.testing.assert_close(opt.master_of(b), a.detach(), **KERNEL_TOL)
+        torch.testing.assert_close(b.detach(), opt.master_of(b).to(b.dtype), atol=0, rtol=0)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -258,3 +314,12 @@ def test_gpu_unaligned_views_and_reused_tables():
         opt.step()
     for a, b in zip(ref, ours):
         torch.testing.assert_close(b, a, **KERNEL_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_master_weights_match_adamw():
+    ref, model, opt = run_master_pair(device="cuda", steps=4, shapes=((50304, 768), (768, 3072), (768,)))
+    for a, b in zip(ref, model):
+        torch.testing.assert_close(opt.master_of(b), a.detach(), **KERNEL_TOL)
+        torch.testing.assert_close(b.detach(), opt.master_of(b).to(b.dtype), atol=0, rtol=0)

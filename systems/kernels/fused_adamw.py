@@ -247,19 +247,24 @@ class FusedAdamW(AdamW):
         copy.copy_(param)
         self._copies[param] = copy
 
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the update of ``p`` reads (``MasterWeightAdamW`` reads another tensor's)."""
+        return p.grad
+
     def _buckets(self) -> tuple[list[_Bucket], list[_Bucket]]:
         """Advance every stepped parameter's count; group them into (kernel buckets, foreach buckets)."""
         kernel, fallback = {}, {}
         for index, group in enumerate(self.param_groups):
             for p in group["params"]:
-                if p.grad is None:
+                grad = self._grad(p)
+                if grad is None:
                     continue
-                if p.grad.is_sparse:
+                if grad.is_sparse:
                     raise ValueError("FusedAdamW does not support sparse gradients")
                 state = advance_state(self.state[p], p)
                 copy = self._copies.get(p)
-                use_kernel = _kernel_applies(p, p.grad, state["exp_avg"], state["exp_avg_sq"], copy)
-                key = (index, state["step"], p.device, p.dtype, p.grad.dtype,
+                use_kernel = _kernel_applies(p, grad, state["exp_avg"], state["exp_avg_sq"], copy)
+                key = (index, state["step"], p.device, p.dtype, grad.dtype,
                        copy.dtype if copy is not None else None)
                 buckets = kernel if use_kernel else fallback
                 if key not in buckets:
@@ -267,7 +272,7 @@ class FusedAdamW(AdamW):
                                            exp_avgs=[], exp_avg_sqs=[], copies=[] if copy is not None else None)
                 b = buckets[key]
                 b.params.append(p)
-                b.grads.append(p.grad)
+                b.grads.append(grad)
                 b.exp_avgs.append(state["exp_avg"])
                 b.exp_avg_sqs.append(state["exp_avg_sq"])
                 if copy is not None:
@@ -315,3 +320,80 @@ class FusedAdamW(AdamW):
         for bucket in fallback_buckets:
             _foreach_step(bucket)
         return loss
+
+
+class MasterWeightAdamW(FusedAdamW):
+    """FusedAdamW over fp32 master copies of the parameters the model computes with in bf16.
+
+    Under autocast over fp32 weights every step casts each matmul weight to bf16 in the forward
+    (read 4 bytes, write 2 per parameter) and each bf16 weight gradient back to fp32 in the
+    backward (read 2, write 4): about 12 bytes of memory traffic per parameter and step that
+    change no value, since the rounded weight is what the matmul uses and the gradient comes
+    out of the matmul in bf16. Here the model holds those weights in bf16
+    itself, so autocast has nothing to cast and the gradients stay bf16, while this optimizer
+    keeps the fp32 master weights and moments: one kernel pass reads the master, the bf16
+    gradient and the moments, and writes the master, the moments and the master rounded to
+    bf16 back into the model's parameter. The values the model computes with are the same
+    bf16 roundings autocast would make, so training follows the autocast path's arithmetic.
+
+    ``low_precision``: the parameters of ``params`` to hold in ``dtype`` (those that autocast
+    would cast anyway: the weights of matmuls). On construction each gets an fp32 master (its
+    current value, before rounding) in this optimizer's param groups, and is cast in place
+    (``param.data``): build the optimizer before the first forward. Other parameters (norm
+    gains, the embedding table) stay fp32 and are updated as FusedAdamW does.
+    ``master_of(param)`` gives a parameter's master (for checkpoints); the state dict is
+    FusedAdamW's, keyed by the masters' positions in the param groups.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, *, low_precision: Iterable[torch.Tensor],
+                 dtype: torch.dtype = torch.bfloat16):
+        if dtype not in COPY_DTYPES:
+            raise ValueError(f"MasterWeightAdamW: dtype must be one of {COPY_DTYPES}, got {dtype}")
+        params = list(params)
+        if params and isinstance(params[0], dict):
+            raise ValueError("MasterWeightAdamW takes a flat list of parameters, not param groups")
+        chosen = {id(p): p for p in low_precision}
+        unknown = set(chosen) - {id(p) for p in params}
+        if unknown:
+            raise ValueError(f"MasterWeightAdamW: {len(unknown)} of the low_precision tensors are not in params")
+        masters: dict[torch.Tensor, torch.Tensor] = {}  # master -> the model's low-precision parameter
+        tensors = []
+        for p in params:
+            if id(p) not in chosen:
+                tensors.append(p)
+                continue
+            if p.dtype != torch.float32:
+                raise ValueError(f"MasterWeightAdamW: a low-precision parameter must start in fp32 (its value "
+                                 f"becomes the master), got {p.dtype} for shape {tuple(p.shape)}")
+            master = p.detach().clone(memory_format=torch.contiguous_format)
+            with torch.no_grad():
+                p.data = p.data.to(dtype)  # the model's parameter object stays (hooks, module references)
+            masters[master] = p
+            tensors.append(master)
+        self._sources: dict[torch.Tensor, torch.Tensor] = masters
+        self._masters = {id(p): master for master, p in masters.items()}
+        super().__init__(tensors, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         low_precision_copies=masters)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_sources", {})
+        self.__dict__.setdefault("_masters", {})
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        return self._sources.get(p, p).grad
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 master of a parameter held in low precision (the parameter itself otherwise)."""
+        return self._masters.get(id(param), param)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for p in self._sources.values():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()

@@ -240,7 +240,8 @@ def _fused_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     """hidden (n, d), weight (vocab, d), targets (n,) int64 -> loss, grad_hidden, grad_weight.
 
     The gradients are those of the loss itself (grad_output = 1); grad_hidden has hidden's
-    dtype, grad_weight weight's dtype (summed over chunks in fp32). Losses, the reduction and
+    dtype, grad_weight weight's dtype (summed over chunks in fp32; a single chunk's GEMM output
+    is the gradient as it is). Losses, the reduction and
     grad_weight's sum are fp32 (fp64 when computing in fp64).
     """
     n_tokens, d = hidden.shape
@@ -255,7 +256,11 @@ def _fused_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         scale = torch.ones((), dtype=acc_dtype, device=hidden.device)
     losses = torch.empty(n_tokens, dtype=acc_dtype, device=hidden.device)
     grad_h = torch.empty(n_tokens, d, dtype=hidden.dtype, device=hidden.device) if grad_hidden_needed else None
-    grad_w = torch.zeros(vocab, d, dtype=acc_dtype, device=weight.device) if grad_weight_needed else None
+    # one chunk needs no fp32 sum: its GEMM's output is the gradient (no zeroed buffer, no add)
+    one_chunk = 0 < n_tokens <= chunk_size
+    grad_w = None
+    if grad_weight_needed and not one_chunk:
+        grad_w = torch.zeros(vocab, d, dtype=acc_dtype, device=weight.device)
     write_grad = grad_hidden_needed or grad_weight_needed
 
     for start in range(0, n_tokens, chunk_size):
@@ -270,7 +275,9 @@ def _fused_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
                 torch.mm(logits, w, out=grad_h[start:end])
             else:
                 grad_h[start:end].copy_(logits @ w)
-        if grad_w is not None:
+        if grad_weight_needed and one_chunk:
+            grad_w = logits.T @ h_chunk
+        elif grad_w is not None:
             if compute_dtype == acc_dtype:
                 grad_w.addmm_(logits.T, h_chunk)
             else:  # the 16-bit GEMM accumulates in fp32 inside; its rounded output is summed in fp32
