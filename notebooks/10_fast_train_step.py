@@ -54,7 +54,7 @@ if ctx.full:
                      "ours_master_overlap"],
             "xl": ["hf_llama", "ours_eager", "ours_fast", "ours_master", "ours_graphs", "ours_graphs_overlap"]}
     TARGET_MS = {"2.7B": 105.0, "xl": 75.0}
-    STEP = dict(batch_size=4, context_length=512, warmup=3, steps=10)
+    STEP = dict(batch_size=4, context_length=512, warmup=5, steps=20)
     TRACE = ("2.7B", "ours_master_overlap")  # its timeline shows whether the side-stream updates overlap the backward
 else:
     # CPU: the debug model; compiled variants are left out (inductor's CPU compile dominates a

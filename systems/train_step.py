@@ -252,7 +252,11 @@ def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str
     flops = 3 * mcfg.forward_flops(cfg.batch_size, cfg.context_length)  # forward + backward (2x)
     row: dict = dict(**asdict(cfg), tokens=tokens, n_params=mcfg.n_params, step_flops=flops, status="ok",
                      **asdict(VARIANTS[cfg.variant]))
-    model = opt = None
+    model = opt = step = None
+    if VARIANTS[cfg.variant].compile_blocks:
+        # each compiled variant starts from empty compile caches (and CUDA-graph pools): its
+        # first step then shows its own compile time, and no earlier variant's graphs stay alive
+        torch._dynamo.reset()
     try:
         with _step_stream(VARIANTS[cfg.variant], device=device):
             torch.manual_seed(cfg.seed)
@@ -297,7 +301,7 @@ def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str
             raise
         row["status"] = "oom"
     finally:
-        model = opt = None
+        model = opt = step = None  # step holds both: all three go before the cache is emptied
         release_memory()
     return row
 
