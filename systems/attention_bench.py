@@ -50,12 +50,16 @@ def _sdpa_with(backend_name: str) -> Callable:
 
 
 def get_impl(name: str) -> Callable:
-    """IMPLS, plus our kernels with a named backward ("triton_split", "triton_atomic": the
-    ``backward=`` values of flash_attention_triton) for timing the two side by side."""
-    if name in ("triton", "triton_split", "triton_atomic"):
+    """IMPLS ("triton": our default, TMA kernels above flash_triton.TMA_MIN_SEQ), plus named variants
+    for timing them side by side:
+    "triton_split" and "triton_atomic" (the pointer forward with that ``backward=`` of
+    flash_attention_triton) and "triton_tma" (the TMA-descriptor forward and split backward)."""
+    if name in ("triton", "triton_split", "triton_atomic", "triton_tma"):
         from .attention.flash_triton import flash_attention_triton
 
-        return lambda q, k, v, is_causal: flash_attention_triton(q, k, v, is_causal=is_causal, backward=name)
+        forward = {"triton": "triton", "triton_tma": "triton_tma"}.get(name, "triton_pointer")
+        return lambda q, k, v, is_causal: flash_attention_triton(q, k, v, is_causal=is_causal, backward=name,
+                                                                 forward=forward)
     if name == "naive":
         return naive_attention
     if name == "sdpa_flash":

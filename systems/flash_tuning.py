@@ -9,11 +9,14 @@ kernel, candidate) as it goes.
 
     python -m systems.flash_tuning --out results/06_flash_attention_tuning.jsonl
 
-``--compare-backward`` instead checks the two Triton backwards ("split" and "atomic") against a
-float64 reference, then times both through the public function (forward, backward, forward +
-backward) and as bare kernel launches, next to SDPA cuDNN and SDPA flash in the same process:
+``--compare-backward`` instead checks the Triton variants ("split", "atomic" and the TMA-descriptor
+forward + split pair) against a float64 reference, then times them through the public function
+(forward, backward, forward + backward) and as bare kernel launches, next to SDPA cuDNN and SDPA
+flash in the same process (``--paths`` picks a subset):
 
     python -m systems.flash_tuning --compare-backward --out results/06_flash_backward_compare.jsonl
+    python -m systems.flash_tuning --compare-backward --paths triton_split,triton_tma,sdpa_cudnn \
+        --shape 1,16,16384,64 --out results/06_flash_tma_compare.jsonl
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ CANDIDATES: dict[str, list[tuple[int, int, int, int]]] = {
     "atomic": [(64, 128, 8, 3), (64, 128, 8, 3, {"DEFER_DQ_ADD": False}), (64, 64, 4, 3),
                (64, 64, 4, 3, {"DEFER_DQ_ADD": False}), (64, 128, 8, 2), (64, 128, 8, 4), (32, 128, 8, 3),
                (128, 64, 8, 3)],
+    # the TMA-descriptor kernels (same tile meaning as their pointer twins): the pointer winners and
+    # the 128x128 tiles and deeper pipelines that TMA loads leave registers for
+    "fwd_tma": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3),
+                (64, 64, 4, 4), (128, 128, 8, 4), (128, 64, 8, 5)],
+    "dkdv_tma": [(64, 128, 8, 3), (64, 128, 8, 4), (128, 128, 8, 2), (32, 128, 8, 4), (64, 64, 4, 3),
+                 (32, 64, 4, 3), (64, 128, 8, 2), (128, 128, 8, 3)],
+    "dq_tma": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 4, 4), (64, 64, 4, 3),
+               (128, 32, 8, 4), (128, 128, 8, 3), (64, 128, 4, 3)],
 }
 
 SHAPES = [(1, 1024, 64), (1, 4096, 64), (1, 16384, 64), (1, 65536, 64),
@@ -72,10 +83,11 @@ def make_inputs(*, batch: int, seq: int, d: int, dtype: str, device: str = "cuda
 # meta-parameters a candidate gets unless its fifth element says otherwise
 DEFAULT_META = {"atomic": {"DEFER_DQ_ADD": True}}
 TILE_NAMES = {"fwd": ("BLOCK_M", "BLOCK_N"), "dkdv": ("BLOCK_M1", "BLOCK_N1"), "dq": ("BLOCK_M2", "BLOCK_N2"),
-              "atomic": ("BLOCK_M3", "BLOCK_N3")}
+              "atomic": ("BLOCK_M3", "BLOCK_N3"), "fwd_tma": ("BLOCK_M", "BLOCK_N"),
+              "dkdv_tma": ("BLOCK_M1", "BLOCK_N1"), "dq_tma": ("BLOCK_M2", "BLOCK_N2")}
 # matmul work each kernel really performs, in forwards: the dK/dV and dQ kernels both recompute S
 # and dP (4 + 3 matmuls against the forward's 2); the atomic backward does the five once
-KERNEL_FLOPS = {"fwd": 1.0, "dkdv": 2.0, "dq": 1.5, "atomic": 2.5}
+KERNEL_FLOPS = {"fwd": 1.0, "dkdv": 2.0, "dq": 1.5, "atomic": 2.5, "fwd_tma": 1.0, "dkdv_tma": 2.0, "dq_tma": 1.5}
 
 
 def launch(kernel: str, x: Inputs, cfg: tuple, *, is_causal: bool = True):
@@ -91,16 +103,19 @@ def launch(kernel: str, x: Inputs, cfg: tuple, *, is_causal: bool = True):
     m_name, n_name = TILE_NAMES[kernel]
     config = {m_name: bm, n_name: bn, "num_warps": warps, "num_stages": stages, **DEFAULT_META.get(kernel, {}),
               **(cfg[4] if len(cfg) > 4 else {})}
-    if kernel == "fwd":
+    tma = kernel.endswith("_tma")
+    if tma and not ft.tma_usable(x.q, x.k, x.v, x.o, x.do):
+        raise ValueError(f"{kernel}: these inputs cannot be read through TMA descriptors (see tma_usable)")
+    if kernel in ("fwd", "fwd_tma"):
         o, lse = torch.empty_like(x.q), torch.empty_like(x.lse)
-        return lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, is_causal, config=config)
-    if kernel == "dkdv":
+        return lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, is_causal, config=config, tma=tma)
+    if kernel in ("dkdv", "dkdv_tma"):
         dk, dv = torch.empty_like(x.k), torch.empty_like(x.v)
-        return lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, x.delta, dk, dv, is_causal, config=config)
+        return lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, x.delta, dk, dv, is_causal, config=config, tma=tma)
     dq = torch.empty_like(x.q)
     delta = torch.empty_like(x.delta)  # the dQ kernel writes D; the dK/dV candidates read x.delta
-    if kernel == "dq":
-        return lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, is_causal, config=config)
+    if kernel in ("dq", "dq_tma"):
+        return lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, is_causal, config=config, tma=tma)
     dk, dv = torch.empty_like(x.k), torch.empty_like(x.v)
     dq_acc = torch.empty(x.q.shape, device=x.q.device, dtype=torch.float32)
     return lambda: ft.launch_backward_atomic(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq_acc, dq, dk, dv, is_causal,
@@ -197,13 +212,19 @@ COMPARE_SHAPES = [(1, 16, 16384, 64), (1, 1, 4096, 64), (1, 1, 16384, 64), (1, 1
 # (q shape, n_keys, causal) checked before any timing: several heads at d 64, and d 128; both
 # compile the kernels the timings use (a case with a new head dim would cost its own compiles)
 CHECK_CASES = [((2, 3, 1000, 64), 1000, True), ((2, 1024, 128), 1024, True)]
-COMPARE_PATHS = ("triton_split", "triton_atomic", "sdpa_cudnn", "sdpa_flash")
+COMPARE_PATHS = ("triton_split", "triton_atomic", "triton_tma", "sdpa_cudnn", "sdpa_flash")
+# each Triton path's bare launches, as time_backwards names them: the backward as one closure, then
+# its launches one by one ("triton_tma" also times both forwards, its change being in the forward too)
+KERNEL_ROWS = {"triton_split": ("kernels_split", ("part_dq", "part_dkdv")),
+               "triton_atomic": ("kernels_atomic", ("part_prep", "part_atomic", "part_cast")),
+               "triton_tma": ("kernels_tma", ("part_fwd", "part_fwd_tma", "part_dq_tma", "part_dkdv_tma"))}
 PASS_NAMES = ("fwd", "bwd", "e2e")
 
 
-def check_backwards(*, cases=CHECK_CASES, dtype: str = "bf16", device: str = "cuda", tol: float = 3e-2) -> list[dict]:
-    """Max error of O, dQ, dK, dV through each Triton backward against float64 autograd of the
-    direct formula, divided by max(1, max |reference|) as tests/test_flash_attention.py does.
+def check_backwards(*, cases=CHECK_CASES, dtype: str = "bf16", device: str = "cuda", tol: float = 3e-2,
+                    paths: tuple[str, ...] = ("triton_split", "triton_atomic", "triton_tma")) -> list[dict]:
+    """Max error of O, dQ, dK, dV through each Triton path of ``paths`` against float64 autograd of
+    the direct formula, divided by max(1, max |reference|) as tests/test_flash_attention.py does.
 
     tol: the tests' bf16 bound (8 mantissa bits, ~4e-3 per rounding; P and dS are rounded to the
     input dtype before the tensor-core dots). Each row's status is "ok" or "error" (over tol)."""
@@ -224,7 +245,7 @@ def check_backwards(*, cases=CHECK_CASES, dtype: str = "bf16", device: str = "cu
             s = s.masked_fill(~keep, float("-inf"))
         ref_o = torch.softmax(s, dim=-1) @ v64
         want = (ref_o, *torch.autograd.grad(ref_o, (q64, k64, v64), do.double()))
-        for path in ("triton_split", "triton_atomic"):
+        for path in paths:
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             out = get_impl(path)(*leaves, causal)
             got = (out, *torch.autograd.grad(out, leaves, do))
@@ -250,11 +271,11 @@ def _bench(fn, *, warmup_ms: float, rep_ms: float, grad_to_none=None) -> dict:
 
 
 def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: float = 25, rep_ms: float = 100,
-                   emit=print) -> list[dict]:
-    """Per shape (causal): fwd, bwd and fwd+bwd ms of each COMPARE_PATHS entry through its public
+                   emit=print, paths: tuple[str, ...] = COMPARE_PATHS) -> list[dict]:
+    """Per shape (causal): fwd, bwd and fwd+bwd ms of each of ``paths`` through its public
     function (attention_bench.time_attention: the backward of a retained graph; do_bench
-    medians), then the two Triton backwards as bare kernel launches (no autograd, no allocation:
-    the GPU time the launches themselves take)."""
+    medians), then the Triton paths' backwards as bare kernel launches (no autograd, no allocation:
+    the GPU time the launches themselves take), KERNEL_ROWS names which."""
     from .attention import flash_triton as ft
     from .attention_bench import attention_flops, time_attention
 
@@ -263,7 +284,7 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
         point = dict(batch=batch, heads=heads, seq=seq, d=d, dtype=dtype)
         bwd_flops = attention_flops(batch=batch * heads, n_q=seq, n_k=seq, d=d, is_causal=True, pass_="bwd")
         bench = dict(warmup_ms=warmup_ms, rep_ms=rep_ms)
-        for path in COMPARE_PATHS:
+        for path in paths:
             row = dict(kind="time", **time_attention(path, batch=batch, heads=heads, seq=seq, d=d, dtype=dtype,
                                                      **bench))
             rows.append(row)
@@ -281,35 +302,51 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
         def atomic():
             ft.launch_backward_atomic(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq_acc, dq, dk, dv, True)
 
+        tma = ft.tma_usable(x.q, x.k, x.v, x.o, x.do)
+        o, lse = torch.empty_like(x.o), torch.empty_like(x.lse)
+
+        def split_tma():
+            ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma)
+            ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma)
+
         # and each launch on its own (the atomic kernel re-adds into dq_acc: the sums grow, the time does not)
-        parts = {
+        closures = {
+            "kernels_split": split, "kernels_atomic": atomic, "kernels_tma": split_tma,
             "part_dq": lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True),
             "part_dkdv": lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True),
             "part_prep": lambda: ft.launch_bwd_prep(x.o, x.do, delta, dq_acc),
             "part_atomic": lambda: ft.launch_atomic(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, dq_acc, True),
             "part_cast": lambda: torch.mul(dq_acc, d ** -0.5, out=dq),
+            "part_fwd": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True),
+            "part_fwd_tma": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True, tma=tma),
+            "part_dq_tma": lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma),
+            "part_dkdv_tma": lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma),
         }
-        for name, fn in (("kernels_split", split), ("kernels_atomic", atomic), *parts.items()):
+        wanted = [KERNEL_ROWS[p][0] for p in paths if p in KERNEL_ROWS]
+        wanted += [part for p in paths if p in KERNEL_ROWS for part in KERNEL_ROWS[p][1]]
+        for name in wanted:
+            fn = closures[name]
             row = dict(kind="time", **point, impl=name, status="ok")
-            row.update({f"bwd_{stat}": val for stat, val in _bench(fn, **bench).items()})
-            if not name.startswith("part_"):
+            pass_ = "fwd" if name.startswith("part_fwd") else "bwd"
+            row.update({f"{pass_}_{stat}": val for stat, val in _bench(fn, **bench).items()})
+            if name.startswith("kernels_"):
                 row["bwd_tflops"] = bwd_flops / (row["bwd_ms"] * 1e-3) / 1e12
+            if name.endswith("_tma"):
+                row["tma"] = tma  # False: the pointer kernels ran (the inputs cannot take descriptors)
             rows.append(row)
             emit(row)
-        x = dq = dk = dv = delta = dq_acc = None
+        x = dq = dk = dv = delta = dq_acc = o = lse = None
         release_memory()
     return rows
 
 
 def stored_plans() -> list[dict]:
-    """The backward kernels' autotuned choices so far, one row per (kernel, dtype, autotune key)."""
+    """The kernels' autotuned choices so far, one row per (kernel, dtype, autotune key)."""
     from .attention import flash_triton as ft
 
     rows = []
     for key, plan in ft._PLANS.items():
         name, dtype, *tune_key = key
-        if name == "_flash_fwd_kernel":
-            continue
         # the tile sizes and the kernel's own options (not the shape-derived meta-parameters)
         tiles = {k: v for k, v in plan.items() if k.isupper() and k not in ("BLOCK_D", *ft._TUNE_KEY)}
         rows.append(dict(kind="plan", kernel=name, dtype=str(dtype), **dict(zip(ft._TUNE_KEY, tune_key)), **tiles,
@@ -327,7 +364,8 @@ def compare_table(rows: list[dict]) -> str:
     shapes = sorted({(r["batch"], r["heads"], r["seq"], r["d"]) for r in timed},
                     key=lambda s: (s[0] * s[1] == 1, s[3], s[2]))
     by = {(r["batch"], r["heads"], r["seq"], r["d"], r["impl"]): r for r in timed}
-    impls = list(COMPARE_PATHS) + ["kernels_split", "kernels_atomic"]
+    present = {r["impl"] for r in timed}
+    impls = [i for i in (*COMPARE_PATHS, *(k for k, _ in KERNEL_ROWS.values())) if i in present]
     lines = [f"{'shape (b,h,seq,d)':>22} {'pass':>4} " + " ".join(f"{i:>22}" for i in impls)]
     parts = sorted({r["impl"] for r in timed if r["impl"].startswith("part_")})
     speedups: dict = {}
@@ -347,7 +385,8 @@ def compare_table(rows: list[dict]) -> str:
             lines.append(f"{str(shape):>22} {p:>4} " + " ".join(cells))
         if parts:  # the backward's launches one by one
             lines.append(f"{'':>22} bwd launches: " + ", ".join(
-                f"{i[5:]} {by[(*shape, i)]['bwd_ms']:.3f} ms" for i in parts if (*shape, i) in by))
+                f"{i[5:]} {by[(*shape, i)].get('bwd_ms') or by[(*shape, i)].get('fwd_ms'):.3f} ms"
+                for i in parts if (*shape, i) in by))
     lines.append("geometric mean over the batch-1 points of cuDNN ms / path ms (> 1: faster than cuDNN):")
     for (impl, p), vals in sorted(speedups.items()):
         gm = math.exp(sum(math.log(x) for x in vals) / len(vals))
@@ -356,7 +395,8 @@ def compare_table(rows: list[dict]) -> str:
 
 
 def compare_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", check: bool = True, warmup_ms: float = 25,
-                      rep_ms: float = 100, out_path: str | None = None) -> list[dict]:
+                      rep_ms: float = 100, out_path: str | None = None,
+                      paths: tuple[str, ...] = COMPARE_PATHS) -> list[dict]:
     """check_backwards (unless ``check`` is False), then time_backwards and stored_plans, each row
     written to ``out_path`` as it is produced; prints compare_table at the end."""
     writer = ResultWriter(out_path) if out_path else None
@@ -369,9 +409,9 @@ def compare_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", check: bool
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
 
     if check:
-        for row in check_backwards(dtype=dtype):
+        for row in check_backwards(dtype=dtype, paths=tuple(p for p in paths if p in KERNEL_ROWS)):
             emit(row)
-    time_backwards(shapes=shapes, dtype=dtype, warmup_ms=warmup_ms, rep_ms=rep_ms, emit=emit)
+    time_backwards(shapes=shapes, dtype=dtype, warmup_ms=warmup_ms, rep_ms=rep_ms, emit=emit, paths=paths)
     for row in stored_plans():
         emit(row)
     print(compare_table(rows), flush=True)
@@ -406,8 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-overhead", action="store_true",
                         help="only measure the host time per call of each path (see host_overhead)")
     parser.add_argument("--compare-backward", action="store_true",
-                        help="check and time the split and atomic Triton backwards against SDPA (compare_backwards)")
+                        help="check and time the Triton variants (split, atomic, TMA) against SDPA (compare_backwards)")
     parser.add_argument("--no-check", action="store_true", help="--compare-backward without the correctness check")
+    parser.add_argument("--paths", default=",".join(COMPARE_PATHS),
+                        help=f"comma-separated paths --compare-backward checks and times, of {list(COMPARE_PATHS)}")
     parser.add_argument("--shape", action="append", type=_shape_arg, metavar="B,H,SEQ,D",
                         help="a point to measure (repeatable); default: COMPARE_SHAPES for --compare-backward, "
                              "SHAPES for the exploration (where B x H is the batch)")
@@ -417,8 +459,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("the exploration times GPU kernels and needs CUDA")
     if args.compare_backward:
+        paths = tuple(args.paths.split(","))
+        unknown = sorted(set(paths) - set(COMPARE_PATHS))
+        if unknown:
+            parser.error(f"unknown paths {unknown}; choose from {list(COMPARE_PATHS)}")
         compare_backwards(shapes=args.shape or COMPARE_SHAPES, dtype=args.dtype, check=not args.no_check,
-                          rep_ms=args.rep_ms, out_path=args.out)
+                          rep_ms=args.rep_ms, out_path=args.out, paths=paths)
         return 0
     if args.host_overhead:
         writer = ResultWriter(args.out)

@@ -1,8 +1,9 @@
 """FlashAttention-2: the PyTorch version and the Triton kernels against a direct float64 reference.
 
-CPU: FlashAttentionPytorch; the Triton kernels (both backwards, split and atomic) under
-TRITON_INTERPRET=1 in a subprocess (the variable must be set before triton is imported, and must
-not leak into other tests); the atomic kernel compiled for an H100; errors.
+CPU: FlashAttentionPytorch; the Triton kernels (both backwards, split and atomic, and the
+TMA-descriptor forward and split pair) under TRITON_INTERPRET=1 in a subprocess (the variable must
+be set before triton is imported, and must not leak into other tests); the atomic and TMA kernels
+compiled for an H100; errors.
 GPU (marked gpu, skipped without CUDA): bf16/fp16/fp32 at larger shapes, against SDPA too.
 """
 
@@ -142,7 +143,7 @@ def test_triton_rejects_cpu_tensors():
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="spawns the interpreter run itself")
 def test_triton_kernels_in_interpreter_subprocess():
     """Runs this file's test_interp_* cases with TRITON_INTERPRET=1 set before triton is imported."""
-    run_interpreter_cases(__file__, min_passed=len(INTERP_CASES) * len(INTERP_BACKWARDS))
+    run_interpreter_cases(__file__, min_passed=len(INTERP_CASES) * (len(INTERP_BACKWARDS) + 2) + 1)
 
 
 # small sizes with 16-row tiles: several tiles, diagonal tiles, ragged ends, d padding (24)
@@ -156,6 +157,8 @@ INTERP_CASES = [
 
 
 INTERP_BACKWARDS = ("triton_split", "triton_atomic")
+# the kernels the TMA variant (the default) runs, as _PLANS names them
+TMA_KERNELS = {"_flash_fwd_tma_kernel", "_flash_bwd_dq_tma_kernel", "_flash_bwd_dkdv_tma_kernel"}
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -167,8 +170,9 @@ def test_interp_triton_matches_reference(shape_q, n_k, dtype, causal, backward):
     # the interpreter's dots are numpy: fp32 is exact to rounding; fp16 inputs and P/dS cast to
     # fp16 before the dots give ~1e-3 relative error. The atomic backward's dQ sums the same
     # products in fp32 in another order (one add per key tile), which is within the same bounds.
+    # The pointer forward with both (the default, TMA, has its own test below).
     tol = 1e-5 if dtype == torch.float32 else 5e-3
-    run_and_compare(lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c, backward),
+    run_and_compare(lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c, backward, "triton_pointer"),
                     shape_q, n_k, dtype, causal, "cpu", tol=tol)
 
 
@@ -201,6 +205,75 @@ def test_interp_atomic_backward_other_tiles(shape_q, n_k, causal, tiles, defer):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def _tma_kernels_ran(dtype) -> set[str]:
+    from systems.attention import flash_triton as ft
+
+    return {key[0] for key in ft._PLANS if key[1] == dtype and key[0].endswith("_tma_kernel")}
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("shape_q,n_k,dtype,causal", INTERP_CASES)
+def test_interp_tma_matches_reference(shape_q, n_k, dtype, causal):
+    """The TMA-descriptor forward and split backward: rows past the sequence and columns past d
+    come from the descriptors' zero fill instead of masks, so the ragged and padded cases matter."""
+    from systems.attention.flash_triton import flash_attention_triton, tma_usable
+
+    assert tma_usable(torch.zeros(*shape_q[-2:], dtype=dtype))  # every case here takes descriptors
+    tol = 1e-5 if dtype == torch.float32 else 5e-3  # as the pointer kernels: the same arithmetic
+    run_and_compare(lambda q, k, v, c: flash_attention_triton(q, k, v, c, forward="triton_tma", backward="triton_tma"),
+                    shape_q, n_k, dtype, causal, "cpu", tol=tol)
+    assert _tma_kernels_ran(dtype) == TMA_KERNELS
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("shape_q,n_k,dtype,causal", INTERP_CASES)
+def test_interp_tma_equals_pointer_kernels(shape_q, n_k, dtype, causal):
+    """Under the interpreter both variants run the same tiles in the same order: a descriptor load
+    must give exactly the masked pointer load, zeros included."""
+    from systems.attention.flash_triton import flash_attention_triton
+
+    gen = torch.Generator().manual_seed(n_k)
+    shape_k = (*shape_q[:-2], n_k, shape_q[-1])
+    q, k, v, do = (torch.randn(s, generator=gen).to(dtype) for s in (shape_q, shape_k, shape_k, shape_q))
+    results = []
+    for forward, backward in (("triton_pointer", "triton_split"), ("triton_tma", "triton_tma")):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attention_triton(*leaves, causal, forward=forward, backward=backward)
+        results.append((out, *torch.autograd.grad(out, leaves, do)))
+    for pointer, tma in zip(*results):
+        torch.testing.assert_close(tma, pointer, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_interp_default_takes_tma_above_its_threshold():
+    """The default variants read through descriptors only past TMA_MIN_SEQ (a threshold measured
+    on an H100); the short sequences the interpreter can afford run the pointer kernels."""
+    from systems.attention import flash_triton as ft
+
+    assert (ft.FORWARDS["triton"], ft.BACKWARDS["triton"]) == ("auto", "split_auto")
+    short = torch.zeros(1, ft.TMA_MIN_SEQ, 16)
+    long = torch.zeros(1, ft.TMA_MIN_SEQ + 1, 16)
+    assert not ft._wants_tma("auto", short, short) and ft._wants_tma("auto", short, long)
+    assert ft._wants_tma("tma", short) and not ft._wants_tma("pointer", long)
+    ft._PLANS.clear()
+    run_and_compare(ft.FlashAttentionTriton.apply, (2, 37, 16), 37, torch.float32, True, "cpu", tol=1e-5)
+    assert not _tma_kernels_ran(torch.float32)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_interp_tma_falls_back_where_descriptors_cannot_read():
+    """d = 20 in fp16 is 40 bytes a row, not a multiple of 16: no descriptor can step through it,
+    so the TMA variants run the pointer kernels and still give the right answer."""
+    from systems.attention import flash_triton as ft
+
+    assert not ft.tma_usable(torch.zeros(2, 33, 20, dtype=torch.float16))
+    ft._PLANS.clear()
+    run_and_compare(lambda q, k, v, c: ft.flash_attention_triton(q, k, v, c, forward="triton_tma",
+                                                                 backward="triton_tma"),
+                    (2, 33, 20), 33, torch.float16, True, "cpu", tol=5e-3)
+    assert not _tma_kernels_ran(torch.float16)
+
+
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 def test_interp_triton_pytorch_backward_path():
     from systems.attention.flash_triton import flash_attention_triton
@@ -210,22 +283,23 @@ def test_interp_triton_pytorch_backward_path():
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
-@pytest.mark.parametrize("backward,kernels", [
-    ("triton_split", {"_flash_bwd_dq_kernel", "_flash_bwd_dkdv_kernel"}),
-    ("triton_atomic", {"_flash_bwd_atomic_kernel"}),  # the prep kernel has no autotuner
+@pytest.mark.parametrize("forward,backward,kernels", [
+    ("triton_pointer", "triton_split", {"_flash_fwd_kernel", "_flash_bwd_dq_kernel", "_flash_bwd_dkdv_kernel"}),
+    ("triton_pointer", "triton_atomic", {"_flash_fwd_kernel", "_flash_bwd_atomic_kernel"}),  # prep: no autotuner
+    ("triton_tma", "triton_tma", TMA_KERNELS),
 ])
-def test_interp_second_call_launches_the_stored_plan(backward, kernels):
+def test_interp_second_call_launches_the_stored_plan(forward, backward, kernels):
     from systems.attention import flash_triton as ft
 
     def run():
         q, k, v = (torch.randn(2, 37, 24, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(3))
-        out = ft.flash_attention_triton(q, k, v, is_causal=True, backward=backward)
+        out = ft.flash_attention_triton(q, k, v, is_causal=True, backward=backward, forward=forward)
         out.backward(torch.ones_like(out))
         return out.detach(), q.grad, k.grad, v.grad
 
     first = run()  # through the autotuner, which stores each kernel's choice
     names = {key[0] for key in ft._PLANS if key[1:] == (torch.float32, 256, 24, True, "ieee")}
-    assert {"_flash_fwd_kernel", *kernels} <= names
+    assert kernels <= names
     second = run()  # straight to the jit'ed kernels with the stored meta-parameters
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -243,6 +317,8 @@ def test_interp_triton_rejects_bad_inputs():
         FlashAttentionTriton.apply(y, y, y, False)
     with pytest.raises(ValueError, match="backward"):
         FlashAttentionTriton.apply(x, x, x, False, "cuda-graphs")
+    with pytest.raises(ValueError, match="forward"):
+        FlashAttentionTriton.apply(x, x, x, False, "triton", "tma")  # a variant, not a forward= name
     from systems.attention.flash_triton import flash_backward_triton
 
     lse = torch.zeros(1, 16)
@@ -273,6 +349,34 @@ def test_atomic_kernel_compiles_for_h100(defer):
     assert "st.local" not in ptx
 
 
+@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
+@pytest.mark.parametrize("kernel,tiles", [
+    ("_flash_fwd_tma_kernel", dict(BLOCK_M=128, BLOCK_N=128)),
+    ("_flash_bwd_dq_tma_kernel", dict(BLOCK_M2=128, BLOCK_N2=64)),
+    ("_flash_bwd_dkdv_tma_kernel", dict(BLOCK_M1=64, BLOCK_N1=128)),
+])
+def test_tma_kernels_compile_for_h100(kernel, tiles):
+    """The TMA kernels at their largest leaderboard tiles (8 warps) compiled for sm_90: they build
+    descriptors in the kernel (tensormap), their streamed loads are TMA bulk copies, the dots run
+    on wgmma, and nothing spills to local memory."""
+    from systems.attention import flash_triton as ft
+    from systems.testing import compile_ptx_for_h100
+
+    fn = getattr(ft, kernel).fn
+    kinds = {"L": "*fp32", "Delta": "*fp32", "n_q": "i32", "n_k": "i32", "SEQ_BUCKET": "i32", "qk_scale": "fp32",
+             "sm_scale": "fp32"}
+    signature = {name: kinds.get(name, "*bf16" if name[-1] in "QKVO" or name.startswith("d") else "constexpr")
+                 for name in fn.arg_names}
+    signature.update({name: "constexpr" for name in fn.arg_names if name.isupper() and len(name) > 2})
+    constexprs = dict(HEAD_DIM=64, BLOCK_D=64, IS_CAUSAL=True, INPUT_PRECISION="ieee", **tiles)
+    n_ptr = sum(kind.startswith("*") for kind in signature.values())
+    ptx = compile_ptx_for_h100(fn, signature=signature, constexprs=constexprs,
+                               aligned_args=tuple(range(n_ptr)) + (n_ptr, n_ptr + 1), num_warps=8)
+    assert "tensormap" in ptx and "cp.async.bulk.tensor" in ptx, kernel
+    assert "wgmma.mma_async" in ptx
+    assert "st.local" not in ptx
+
+
 # ----------------------------------------------------------------------------- GPU
 
 GPU_CASES = [
@@ -298,7 +402,10 @@ GPU_PARAMS = ([(*case, torch.bfloat16) for case in GPU_CASES]
 def test_gpu_triton_matches_reference(shape_q, n_k, causal, dtype):
     from systems.attention import FlashAttentionTriton
 
-    run_and_compare(FlashAttentionTriton.apply, shape_q, n_k, dtype, causal, "cuda", tol=GPU_TOL[dtype])
+    # the pointer kernels (what the default runs at these lengths); test_gpu_triton_tma_matches_reference
+    # runs the same cases through the TMA kernels
+    run_and_compare(lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c, "triton_split", "triton_pointer"),
+                    shape_q, n_k, dtype, causal, "cuda", tol=GPU_TOL[dtype])
 
 
 # the atomic backward on the same shapes in bf16, and in fp32 on the one whose d is padded
@@ -314,6 +421,44 @@ def test_gpu_triton_atomic_backward_matches_reference(shape_q, n_k, causal, dtyp
     # the same bounds as the split backward: dQ's fp32 sum only runs in another order
     run_and_compare(lambda q, k, v, c: flash_attention_triton(q, k, v, c, backward="triton_atomic"),
                     shape_q, n_k, dtype, causal, "cuda", tol=GPU_TOL[dtype])
+
+
+# the TMA variant on the same shapes in bf16 (d 16, 32, 64, 80 and 128: every one a multiple of 8,
+# so all take descriptors), and in fp32 and fp16 on the one whose d is padded to 128 by zero fill
+TMA_GPU_PARAMS = ([(*case, torch.bfloat16) for case in GPU_CASES]
+                  + [(*GPU_CASES[2], dt) for dt in (torch.float32, torch.float16)])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape_q,n_k,causal,dtype", TMA_GPU_PARAMS)
+def test_gpu_triton_tma_matches_reference(shape_q, n_k, causal, dtype):
+    from systems.attention import flash_triton as ft
+
+    # the same bounds as the pointer kernels: the same arithmetic, only the loads differ
+    run_and_compare(lambda q, k, v, c: ft.flash_attention_triton(q, k, v, c, forward="triton_tma",
+                                                                 backward="triton_tma"),
+                    shape_q, n_k, dtype, causal, "cuda", tol=GPU_TOL[dtype])
+    assert _tma_kernels_ran(dtype) == TMA_KERNELS  # and not the pointer fallback
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_triton_tma_close_to_pointer_kernels_bf16():
+    """Leaderboard-like shape with the autotuned (larger) TMA tiles against the pointer kernels:
+    two tilings of the same bf16 computation, so a few bf16 roundings apart."""
+    from systems.attention.flash_triton import flash_attention_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(1, 4, 4096, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for _ in range(4))
+    results = []
+    for forward, backward in (("triton_pointer", "triton_split"), ("triton_tma", "triton_tma")):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attention_triton(*leaves, True, forward=forward, backward=backward)
+        results.append((out, *torch.autograd.grad(out, leaves, do)))
+    for pointer, tma in zip(*results):
+        torch.testing.assert_close(tma, pointer, atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.gpu

@@ -15,6 +15,11 @@ Design notes (what makes it fast):
   tile (no atomics, but both recompute S and dP: seven matmuls); "atomic" runs one kernel over
   key tiles that also adds each query tile's dS K into an fp32 dQ buffer with atomics (five
   matmuls), between a small kernel that writes D and zeroes that buffer and a cast of it.
+- a TMA variant of the forward and of the split pair, the default above TMA_MIN_SEQ
+  (``forward=``/``backward="triton_tma"`` force it, ``"triton_pointer"``/``"triton_split"`` the
+  pointer kernels; tables ``FORWARDS``/``BACKWARDS``): the same kernels, but the tiles streamed through the inner loops
+  (K, V in the forward and dQ; Q, dO in dK/dV) are read through device-side tensor descriptors
+  (Hopper's TMA engine; out-of-range rows and columns read as zeros), with its own tile lists.
 - tile sizes and warps are autotuned per (sequence-length bucket, head dim, causal, dtype).
 
 Causal convention (the same as ``naive_attention`` and ``flash_pytorch``): query i sees keys
@@ -41,11 +46,23 @@ _MASKED = tl.constexpr(-1e6)  # the handout's masked score (in base-2 units here
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 # backward= of the public function -> the backward that runs: the Triton "split" pair (dQ kernel,
-# then dK/dV kernel), the Triton "atomic" kernel, or flash_pytorch's compiled reference. "triton"
-# names the default Triton backward; docs/flash_attention_notes.md (entry 4) has the measurement
-# that chose it. Both Triton ones stay selectable so they can be timed side by side.
-BACKWARDS = {"triton": "split", "triton_split": "split", "triton_atomic": "atomic", "pytorch": "pytorch"}
+# then dK/dV kernel) reading through pointers or through TMA descriptors ("split_tma"), the Triton
+# "atomic" kernel, or flash_pytorch's compiled reference. "triton" names the default Triton
+# backward; docs/flash_attention_notes.md has the measurements that chose it (entries 4 and 5).
+# Every Triton one stays selectable so they can be timed side by side.
+BACKWARDS = {"triton": "split_auto", "triton_split": "split", "triton_atomic": "atomic", "triton_tma": "split_tma",
+             "pytorch": "pytorch"}
 BACKWARD_IMPLS = tuple(BACKWARDS)
+# forward= of the public function -> the forward kernel: loads through pointers, or through TMA
+# tensor descriptors (inputs no descriptor can read, and GPUs before Hopper, get the pointer kernel).
+# The default, "auto", is TMA above TMA_MIN_SEQ and pointers up to it (notes entry 5).
+FORWARDS = {"triton": "auto", "triton_pointer": "pointer", "triton_tma": "tma"}
+FORWARD_IMPLS = tuple(FORWARDS)
+# Longest sequence (max of queries, keys) the "auto" variants still run on the pointer kernels. On
+# the H100 the TMA kernels were faster at 16k and 64k (d 64 and 128) but slower at 4k, d 64 (bare
+# launches: fwd 0.048 against 0.037 ms, backward 0.127 against 0.094): building descriptors costs
+# each program a fixed amount that a short key loop does not earn back. 4096 is that measured point.
+TMA_MIN_SEQ = 4096
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -105,6 +122,70 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
     return x
 
 
+def tma_usable(*tensors: torch.Tensor) -> bool:
+    """Whether the TMA kernels can read these (batch, seq, d) contiguous tensors: a descriptor's base
+    must be 16-byte aligned and its row stride a multiple of 16 bytes (so d * element size must be,
+    which holds for every d that is a multiple of 8), and the TMA engine exists from Hopper on.
+    Where it does not hold, the TMA variants run the pointer kernels instead."""
+    for t in tensors:
+        # (with d * element size a multiple of 16, every (batch, head)'s base stays aligned too)
+        if t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16:
+            return False
+    if triton_interpreting():
+        return True
+    return all(t.is_cuda for t in tensors) and _major_capability(tensors[0].device.index) >= 9
+
+
+_CAPABILITY: dict = {}  # device index -> major compute capability: asked once, every call needs it
+
+
+def _major_capability(index) -> int:
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
+    return _CAPABILITY[index]
+
+
+def _wants_tma(variant: str, *tensors: torch.Tensor) -> bool:
+    """Whether a variant name ("pointer", "tma", "auto"; the backward's without "split_") runs the
+    TMA kernels on these (batch, seq, d) tensors."""
+    if variant == "auto":
+        variant = "tma" if max(t.shape[-2] for t in tensors) > TMA_MIN_SEQ else "pointer"
+    return variant == "tma" and tma_usable(*tensors)
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # where the kernels write the descriptors they build (128 bytes each per program); torch's
+    # caching allocator hands back the same block launch after launch
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def _ensure_tma_allocator() -> None:
+    """Give Triton an allocator for device-side descriptors unless this thread has one.
+
+    Checked at every TMA launch, not once: Triton keeps the allocator in a ContextVar, which every
+    thread starts without, and autograd runs the backward on a thread of its own. Never at import:
+    importing this module must not change Triton's global state."""
+    from triton.runtime import _allocation  # cached after the first call: a dict lookup
+
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "NullAllocator", None)
+    if current is None or null is None or isinstance(current.get(), null):
+        triton.set_allocator(_tma_scratch)
+
+
+@triton.jit
+def _load_tile(src, row0, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               CHECK_ROWS: tl.constexpr, TMA: tl.constexpr):
+    """A (rows, BLOCK_D) tile starting at row0: through a tensor descriptor (TMA, which zero-fills
+    rows past n_rows and columns past HEAD_DIM by itself), or as _load_rows from a base pointer."""
+    if TMA:
+        x = src.load([row0, 0])
+    else:
+        x = _load_rows(src + rows[:, None] * HEAD_DIM + offs_d[None, :], rows, n_rows, offs_d, HEAD_DIM, BLOCK_D,
+                       CHECK_ROWS)
+    return x
+
+
 @triton.jit
 def _store_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     if HEAD_DIM == BLOCK_D:
@@ -160,6 +241,9 @@ if triton_interpreting():
         "dkdv": {"half": [_cfg(BLOCK_M1=16, BLOCK_N1=32, warps=4, stages=1)], "fp32": []},
         "dq": {"half": [_cfg(BLOCK_M2=32, BLOCK_N2=16, warps=4, stages=1)], "fp32": []},
         "atomic": {"half": [_cfg(BLOCK_M3=16, BLOCK_N3=32, DEFER_DQ_ADD=True, warps=4, stages=1)], "fp32": []},
+        "fwd_tma": {"half": [_cfg(BLOCK_M=16, BLOCK_N=16, warps=4, stages=1)], "fp32": []},
+        "dkdv_tma": {"half": [_cfg(BLOCK_M1=16, BLOCK_N1=32, warps=4, stages=1)], "fp32": []},
+        "dq_tma": {"half": [_cfg(BLOCK_M2=32, BLOCK_N2=16, warps=4, stages=1)], "fp32": []},
     }
 elif not autotuning():
     # one config every dtype and head dim fits (fp32 included)
@@ -168,6 +252,9 @@ elif not autotuning():
         "dkdv": {"half": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2)], "fp32": []},
         "dq": {"half": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2)], "fp32": []},
         "atomic": {"half": [_cfg(BLOCK_M3=32, BLOCK_N3=64, DEFER_DQ_ADD=True, warps=4, stages=2)], "fp32": []},
+        "fwd_tma": {"half": [_cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=2)], "fp32": []},
+        "dkdv_tma": {"half": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2)], "fp32": []},
+        "dq_tma": {"half": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2)], "fp32": []},
     }
 else:
     _CONFIGS = {
@@ -205,6 +292,37 @@ else:
                      _cfg(BLOCK_M3=64, BLOCK_N3=128, DEFER_DQ_ADD=True, warps=8, stages=4)],
             "fp32": [_cfg(BLOCK_M3=32, BLOCK_N3=64, DEFER_DQ_ADD=True, warps=4, stages=2),
                      _cfg(BLOCK_M3=32, BLOCK_N3=32, DEFER_DQ_ADD=True, warps=4, stages=2)],
+        },
+        # The TMA kernels: the streamed tiles are copied into shared memory by the TMA engine instead
+        # of by every thread's address arithmetic and loads, which leaves registers for larger tiles.
+        # systems.flash_tuning's search over 8 candidates each on an H100 (leaderboard shape, notes
+        # entry 5, results/06_flash_tma_tuning.jsonl) found the larger ones slower: 128x128 over 8
+        # warps lost by 9% (fwd), 12% (dK/dV) and 12% (dQ) to 64-row tiles with 4 warps. So each list
+        # is the pointer kernel's (whose tiles win elsewhere, at 64k and d=128) plus the best
+        # candidate with a larger tile or a deeper pipeline, for the shapes the search did not cover.
+        "fwd_tma": {
+            "half": [_cfg(BLOCK_M=64, BLOCK_N=128, warps=4, stages=3),
+                     _cfg(BLOCK_M=128, BLOCK_N=64, warps=8, stages=3),
+                     _cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=4),
+                     _cfg(BLOCK_M=128, BLOCK_N=64, warps=8, stages=5)],
+            "fp32": [_cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=3),
+                     _cfg(BLOCK_M=64, BLOCK_N=32, warps=4, stages=2)],
+        },
+        "dkdv_tma": {
+            "half": [_cfg(BLOCK_M1=64, BLOCK_N1=64, warps=4, stages=3),
+                     _cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=3),
+                     _cfg(BLOCK_M1=64, BLOCK_N1=128, warps=8, stages=3),
+                     _cfg(BLOCK_M1=128, BLOCK_N1=128, warps=8, stages=3)],
+            "fp32": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2),
+                     _cfg(BLOCK_M1=32, BLOCK_N1=32, warps=4, stages=2)],
+        },
+        "dq_tma": {
+            "half": [_cfg(BLOCK_M2=64, BLOCK_N2=64, warps=4, stages=3),
+                     _cfg(BLOCK_M2=128, BLOCK_N2=64, warps=8, stages=3),
+                     _cfg(BLOCK_M2=128, BLOCK_N2=32, warps=4, stages=3),
+                     _cfg(BLOCK_M2=64, BLOCK_N2=128, warps=4, stages=3)],
+            "fp32": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2),
+                     _cfg(BLOCK_M2=32, BLOCK_N2=32, warps=4, stages=2)],
         },
     }
 
@@ -252,6 +370,18 @@ def _prune_dq(configs, named_args, **kwargs):
     return _prune("dq", configs, named_args, ["BLOCK_M2", "BLOCK_M2"], ["BLOCK_N2", "BLOCK_N2"], **kwargs)
 
 
+def _prune_fwd_tma(configs, named_args, **kwargs):
+    return _prune("fwd_tma", configs, named_args, ["BLOCK_M"], ["BLOCK_N", "BLOCK_N"], **kwargs)
+
+
+def _prune_dkdv_tma(configs, named_args, **kwargs):
+    return _prune("dkdv_tma", configs, named_args, ["BLOCK_N1", "BLOCK_N1"], ["BLOCK_M1", "BLOCK_M1"], **kwargs)
+
+
+def _prune_dq_tma(configs, named_args, **kwargs):
+    return _prune("dq_tma", configs, named_args, ["BLOCK_M2", "BLOCK_M2"], ["BLOCK_N2", "BLOCK_N2"], **kwargs)
+
+
 def _prune_atomic(configs, named_args, **kwargs):
     # resident: K, V; streamed: Q and dO. Then the register rule: the dK and dV accumulators
     # (2 x BLOCK_N3 x BLOCK_D fp32, spread over the block's threads) must leave room for the rest
@@ -287,14 +417,15 @@ def _autotune(configs, prune, restore_value=None):
 
 
 @triton.jit
-def _fwd_key_loop(acc, m_i, l_i, q, K_bh, V_bh, offs_m, offs_d, n_k, offset, qk_scale, lo, hi,
+def _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale, lo, hi,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """Online softmax over key tiles [lo, hi). MASK=False is the hot off-diagonal loop."""
+                  MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Online softmax over key tiles [lo, hi). MASK=False is the hot off-diagonal loop.
+    K_src, V_src: the (batch, head)'s base pointers, or its tensor descriptors when TMA."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n
-        k = _load_rows(K_bh + keys[:, None] * HEAD_DIM + offs_d[None, :], keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        k = _load_tile(K_src, start_n, keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # base-2 scores
         if MASK:
             keep = keys[None, :] < n_k
@@ -305,19 +436,19 @@ def _fwd_key_loop(acc, m_i, l_i, q, K_bh, V_bh, offs_m, offs_d, n_k, offset, qk_
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(V_bh + keys[:, None] * HEAD_DIM + offs_d[None, :], keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        v = _load_tile(V_src, start_n, keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK, TMA)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
 
-@_autotune(_CONFIGS["fwd"]["half"] + _CONFIGS["fwd"]["fp32"], _prune_fwd)
 @triton.jit
-def _flash_fwd_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                      INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Grid (query tiles, batch). One program: one query tile against all (visible) key tiles."""
+def _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """Grid (query tiles, batch). One program: one query tile against all (visible) key tiles.
+    TMA: K and V stream through tensor descriptors (Q and O, touched once, stay pointer accesses)."""
     tile = tl.program_id(0)
     if IS_CAUSAL:
         tile = tl.num_programs(0) - 1 - tile  # longest (last) query tiles first
@@ -329,6 +460,14 @@ def _flash_fwd_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
                    offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
     K_bh = K + bh * n_k * HEAD_DIM
     V_bh = V + bh * n_k * HEAD_DIM
+    if TMA:  # one (n_k, d) descriptor per (batch, head): rows past n_k read as zeros
+        K_src = tl.make_tensor_descriptor(K_bh, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        V_src = tl.make_tensor_descriptor(V_bh, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        K_src = K_bh
+        V_src = V_bh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -343,11 +482,11 @@ def _flash_fwd_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
     else:
         hi_unmasked = n_k_full
         hi = n_k
-    acc, m_i, l_i = _fwd_key_loop(acc, m_i, l_i, q, K_bh, V_bh, offs_m, offs_d, n_k, offset, qk_scale,
-                                  0, hi_unmasked, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION)
-    acc, m_i, l_i = _fwd_key_loop(acc, m_i, l_i, q, K_bh, V_bh, offs_m, offs_d, n_k, offset, qk_scale,
+    acc, m_i, l_i = _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale,
+                                  0, hi_unmasked, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION, TMA)
+    acc, m_i, l_i = _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale,
                                   hi_unmasked, hi,
-                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, INPUT_PRECISION)
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, INPUT_PRECISION, TMA)
 
     o = acc / l_i[:, None]
     _store_rows(O + bh * n_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
@@ -356,22 +495,42 @@ def _flash_fwd_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
     tl.store(L + bh * n_q + offs_m, lse, mask=offs_m < n_q)
 
 
+# Each program body is one @triton.jit function behind two kernels, pointer and TMA: two kernel
+# names give two autotuners with their own config lists and their own entries in _PLANS.
+@_autotune(_CONFIGS["fwd"]["half"] + _CONFIGS["fwd"]["fp32"], _prune_fwd)
 @triton.jit
-def _dkdv_query_loop(dk, dv, k, v, Q_bh, dO_bh, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale, lo, hi,
+def _flash_fwd_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                      INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL, INPUT_PRECISION, BLOCK_M, BLOCK_N,
+                 False)
+
+
+@_autotune(_CONFIGS["fwd_tma"]["half"] + _CONFIGS["fwd_tma"]["fp32"], _prune_fwd_tma)
+@triton.jit
+def _flash_fwd_tma_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                          INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL, INPUT_PRECISION, BLOCK_M, BLOCK_N,
+                 True)
+
+
+@triton.jit
+def _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale, lo, hi,
                      BLOCK_M1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     CAUSAL_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                     CAUSAL_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                     TMA: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi), in transposed form (keys x queries).
 
     Query rows past n_q load as zeros (Q, dO, L, D), so their P is finite and their
     contribution to dV = P^T dO and dK = dS^T Q is exactly zero: no score mask is needed for them.
+    Q_src, dO_src: base pointers, or tensor descriptors when TMA.
     """
     offs_mb = tl.arange(0, BLOCK_M1)
     for start_m in range(lo, hi, BLOCK_M1):
         rows = start_m + offs_mb
-        q = _load_rows(Q_bh + rows[:, None] * HEAD_DIM + offs_d[None, :], rows, n_q, offs_d, HEAD_DIM, BLOCK_D,
-                       CHECK_ROWS)
-        do = _load_rows(dO_bh + rows[:, None] * HEAD_DIM + offs_d[None, :], rows, n_q, offs_d, HEAD_DIM, BLOCK_D,
-                        CHECK_ROWS)
+        q = _load_tile(Q_src, start_m, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS, TMA)
+        do = _load_tile(dO_src, start_m, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS, TMA)
         if CHECK_ROWS:
             lse = tl.load(L_bh + rows, mask=rows < n_q, other=0.0)
             delta = tl.load(D_bh + rows, mask=rows < n_q, other=0.0)
@@ -389,13 +548,12 @@ def _dkdv_query_loop(dk, dv, k, v, Q_bh, dO_bh, L_bh, D_bh, offs_n, offs_d, n_q,
     return dk, dv
 
 
-@_autotune(_CONFIGS["dkdv"]["half"] + _CONFIGS["dkdv"]["fp32"], _prune_dkdv)
 @triton.jit
-def _flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                           INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr):
+def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, TMA: tl.constexpr):
     """Grid (key tiles, batch). One program owns dK and dV of one key tile: no atomics.
-    Runs after the dQ kernel, which wrote Delta."""
+    Runs after the dQ kernel, which wrote Delta. TMA: Q and dO stream through tensor descriptors."""
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     n0 = tile * BLOCK_N1
@@ -408,6 +566,14 @@ def _flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm
     dv = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
     Q_bh = Q + bh * n_q * HEAD_DIM
     dO_bh = dO + bh * n_q * HEAD_DIM
+    if TMA:
+        Q_src = tl.make_tensor_descriptor(Q_bh, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                          block_shape=[BLOCK_M1, BLOCK_D])
+        dO_src = tl.make_tensor_descriptor(dO_bh, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                           block_shape=[BLOCK_M1, BLOCK_D])
+    else:
+        Q_src = Q_bh
+        dO_src = dO_bh
     L_bh = L + bh * n_q
     D_bh = Delta + bh * n_q
 
@@ -418,34 +584,52 @@ def _flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm
         lo_diag = (tl.maximum(n0 - offset, 0) // BLOCK_M1) * BLOCK_M1
         last_partial = tl.maximum(n0 + BLOCK_N1 - 1 - offset, 0)
         hi_diag = ((last_partial + BLOCK_M1 - 1) // BLOCK_M1) * BLOCK_M1
-        dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_bh, dO_bh, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
+        dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
                                   lo_diag, tl.minimum(hi_diag, n_q),
-                                  BLOCK_M1, HEAD_DIM, BLOCK_D, True, True, INPUT_PRECISION)
+                                  BLOCK_M1, HEAD_DIM, BLOCK_D, True, True, INPUT_PRECISION, TMA)
     else:
         hi_diag = 0
     # ... then the query tiles that see all of it: unmasked, unchecked; then a ragged tail
-    dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_bh, dO_bh, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
+    dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
                               hi_diag, n_q_full,
-                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, False, INPUT_PRECISION)
-    dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_bh, dO_bh, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
+                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, False, INPUT_PRECISION, TMA)
+    dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
                               tl.maximum(hi_diag, n_q_full), n_q,
-                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, True, INPUT_PRECISION)
+                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, True, INPUT_PRECISION, TMA)
 
     dk = dk * sm_scale  # S = Q K^T * scale, so dK = dS^T Q * scale
     _store_rows(dK + kv_tile, dk.to(dK.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
     _store_rows(dV + kv_tile, dv.to(dV.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
 
 
+@_autotune(_CONFIGS["dkdv"]["half"] + _CONFIGS["dkdv"]["fp32"], _prune_dkdv)
 @triton.jit
-def _dq_key_loop(dq, q, do, lse2, delta, K_bh, V_bh, offs_m, offs_d, n_k, offset, qk_scale, lo, hi,
+def _flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                           INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr):
+    _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
+                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False)
+
+
+@_autotune(_CONFIGS["dkdv_tma"]["half"] + _CONFIGS["dkdv_tma"]["fp32"], _prune_dkdv_tma)
+@triton.jit
+def _flash_bwd_dkdv_tma_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
+                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                               INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr):
+    _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
+                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, True)
+
+
+@triton.jit
+def _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale, lo, hi,
                  BLOCK_N2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """Accumulate dQ of one query tile over key tiles [lo, hi)."""
+                 MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Accumulate dQ of one query tile over key tiles [lo, hi). K_src, V_src: pointers or descriptors."""
     offs_nb = tl.arange(0, BLOCK_N2)
     for start_n in range(lo, hi, BLOCK_N2):
         keys = start_n + offs_nb
-        k = _load_rows(K_bh + keys[:, None] * HEAD_DIM + offs_d[None, :], keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
-        v = _load_rows(V_bh + keys[:, None] * HEAD_DIM + offs_d[None, :], keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        k = _load_tile(K_src, start_n, keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK, TMA)
+        v = _load_tile(V_src, start_n, keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         if MASK:
             keep = keys[None, :] < n_k
@@ -459,12 +643,12 @@ def _dq_key_loop(dq, q, do, lse2, delta, K_bh, V_bh, offs_m, offs_d, n_k, offset
     return dq
 
 
-@_autotune(_CONFIGS["dq"]["half"] + _CONFIGS["dq"]["fp32"], _prune_dq)
 @triton.jit
-def _flash_bwd_dq_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                         INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr):
+def _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, TMA: tl.constexpr):
     """Grid (query tiles, batch). One program owns dQ of one query tile: no atomics.
+    TMA: K and V stream through tensor descriptors.
 
     Its prologue computes D = rowsum(O * dO) (handout eq. 19's helper) for its rows and stores it
     for the dK/dV kernel, which runs next: one launch fewer than a separate D kernel."""
@@ -485,6 +669,14 @@ def _flash_bwd_dq_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_sc
     dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
     K_bh = K + bh * n_k * HEAD_DIM
     V_bh = V + bh * n_k * HEAD_DIM
+    if TMA:
+        K_src = tl.make_tensor_descriptor(K_bh, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                          block_shape=[BLOCK_N2, BLOCK_D])
+        V_src = tl.make_tensor_descriptor(V_bh, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                          block_shape=[BLOCK_N2, BLOCK_D])
+    else:
+        K_src = K_bh
+        V_src = V_bh
 
     offset = n_k - n_q
     n_k_full = (n_k // BLOCK_N2) * BLOCK_N2
@@ -494,12 +686,30 @@ def _flash_bwd_dq_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_sc
     else:
         hi_unmasked = n_k_full
         hi = n_k
-    dq = _dq_key_loop(dq, q, do, lse2, delta, K_bh, V_bh, offs_m, offs_d, n_k, offset, qk_scale, 0, hi_unmasked,
-                      BLOCK_N2, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION)
-    dq = _dq_key_loop(dq, q, do, lse2, delta, K_bh, V_bh, offs_m, offs_d, n_k, offset, qk_scale, hi_unmasked, hi,
-                      BLOCK_N2, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, INPUT_PRECISION)
+    dq = _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale, 0, hi_unmasked,
+                      BLOCK_N2, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION, TMA)
+    dq = _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale, hi_unmasked, hi,
+                      BLOCK_N2, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, INPUT_PRECISION, TMA)
     dq = dq * sm_scale
     _store_rows(dQ + q_tile, dq.to(dQ.dtype.element_ty), offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
+
+
+@_autotune(_CONFIGS["dq"]["half"] + _CONFIGS["dq"]["fp32"], _prune_dq)
+@triton.jit
+def _flash_bwd_dq_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                         INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr):
+    _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
+                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, False)
+
+
+@_autotune(_CONFIGS["dq_tma"]["half"] + _CONFIGS["dq_tma"]["fp32"], _prune_dq_tma)
+@triton.jit
+def _flash_bwd_dq_tma_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
+                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                             INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr):
+    _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
+                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, True)
 
 
 @triton.jit
@@ -672,19 +882,30 @@ def _contiguous(*tensors: torch.Tensor) -> None:
             raise ValueError(f"flash_triton kernels take contiguous tensors, got strides {t.stride()}")
 
 
-def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None = None) -> None:
-    """Fill O (B, n_q, d) and L (B, n_q) fp32 from (B, n_q, d), (B, n_k, d) x2, all contiguous."""
+def _pick(pointer_kernel, tma_kernel, tma: bool):
+    """The TMA kernel (after making sure this thread has a descriptor allocator) or the pointer one.
+    The caller has checked tma_usable."""
+    if not tma:
+        return pointer_kernel
+    if not triton_interpreting():  # the interpreter builds descriptors on the host, without scratch
+        _ensure_tma_allocator()
+    return tma_kernel
+
+
+def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None = None, tma: bool = False) -> None:
+    """Fill O (B, n_q, d) and L (B, n_q) fp32 from (B, n_q, d), (B, n_k, d) x2, all contiguous.
+    tma: the TMA kernel (the tensors must pass tma_usable)."""
     batch, n_q, d = q3.shape
 
     def grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_M"]), batch)
 
-    _launch(_flash_fwd_kernel, grid, (q3, k3, v3, o, lse, n_q, k3.shape[1], d ** -0.5 * LOG2E),
-            _common(q3, k3, is_causal), config)
+    _launch(_pick(_flash_fwd_kernel, _flash_fwd_tma_kernel, tma), grid,
+            (q3, k3, v3, o, lse, n_q, k3.shape[1], d ** -0.5 * LOG2E), _common(q3, k3, is_causal), config)
 
 
 def launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal: bool, *, config: dict | None = None,
-              meta: dict | None = None) -> None:
+              meta: dict | None = None, tma: bool = False) -> None:
     """Fill dQ and D = rowsum(O * dO) (the dK/dV kernel's input), given L. ``meta``: ``_common``'s
     dict when the caller already has it."""
     batch, n_q, d = q3.shape
@@ -693,11 +914,12 @@ def launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal: bool, *, config: d
         return (triton.cdiv(n_q, meta["BLOCK_M2"]), batch)
 
     args = (q3, k3, v3, o3, do3, lse, delta, dq, n_q, k3.shape[1], d ** -0.5 * LOG2E, d ** -0.5)
-    _launch(_flash_bwd_dq_kernel, grid, args, meta or _common(q3, k3, is_causal), config)
+    _launch(_pick(_flash_bwd_dq_kernel, _flash_bwd_dq_tma_kernel, tma), grid, args,
+            meta or _common(q3, k3, is_causal), config)
 
 
 def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config: dict | None = None,
-                meta: dict | None = None) -> None:
+                meta: dict | None = None, tma: bool = False) -> None:
     """Fill dK and dV, given L and D (written by launch_dq)."""
     batch, n_q, d = q3.shape
     n_k = k3.shape[1]
@@ -706,7 +928,8 @@ def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config:
         return (triton.cdiv(n_k, meta["BLOCK_N1"]), batch)
 
     args = (q3, k3, v3, do3, lse, delta, dk, dv, n_q, n_k, d ** -0.5 * LOG2E, d ** -0.5)
-    _launch(_flash_bwd_dkdv_kernel, grid, args, meta or _common(q3, k3, is_causal), config)
+    _launch(_pick(_flash_bwd_dkdv_kernel, _flash_bwd_dkdv_tma_kernel, tma), grid, args,
+            meta or _common(q3, k3, is_causal), config)
 
 
 _PREP_ROWS = 64  # rows per program of the prep kernel: it is memory-bound, any tile that fills the GPU does
@@ -742,20 +965,26 @@ def launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, 
     torch.mul(dq_acc, q3.shape[-1] ** -0.5, out=dq)  # one elementwise kernel: scale and cast together
 
 
-def flash_forward_triton(q3, k3, v3, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, n_q, d), (B, n_k, d) x2 contiguous -> O (B, n_q, d), L (B, n_q) fp32."""
+def flash_forward_triton(q3, k3, v3, is_causal: bool, *, variant: str = FORWARDS["triton"]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, n_q, d), (B, n_k, d) x2 contiguous -> O (B, n_q, d), L (B, n_q) fp32. variant "pointer",
+    "tma" (which runs the pointer kernel where tma_usable says no) or "auto" (tma above TMA_MIN_SEQ)."""
+    if variant not in ("pointer", "tma", "auto"):
+        raise ValueError(f"variant must be 'pointer', 'tma' or 'auto', got {variant!r}")
     _contiguous(q3, k3, v3)
     o = torch.empty_like(q3)
     lse = torch.empty(q3.shape[:2], device=q3.device, dtype=torch.float32)
-    launch_forward(q3, k3, v3, o, lse, is_causal)
+    launch_forward(q3, k3, v3, o, lse, is_causal, tma=_wants_tma(variant, q3, k3, v3))
     return o, lse
 
 
 def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant: str = BACKWARDS["triton"]):
     """dQ, dK, dV from contiguous (B, seq, d) tensors and L (B, n_q). variant "split": the dQ kernel
-    (which also writes D) then the dK/dV kernel; "atomic": launch_backward_atomic."""
-    if variant not in ("split", "atomic"):
-        raise ValueError(f"variant must be 'split' or 'atomic', got {variant!r}")
+    (which also writes D) then the dK/dV kernel; "split_tma": the same pair reading through TMA
+    descriptors (the pointer pair where tma_usable says no); "split_auto": split_tma above
+    TMA_MIN_SEQ, split up to it; "atomic": launch_backward_atomic."""
+    if variant not in ("split", "split_tma", "split_auto", "atomic"):
+        raise ValueError(f"variant must be 'split', 'split_tma', 'split_auto' or 'atomic', got {variant!r}")
     _contiguous(q3, k3, v3, o3, do3)
     delta = torch.empty_like(lse)
     dk, dv = torch.empty_like(k3), torch.empty_like(v3)
@@ -766,8 +995,9 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
         launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal, meta=meta)
         return dq, dk, dv
     dq = torch.empty_like(q3)
-    launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta)
-    launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal, meta=meta)
+    tma = variant != "split" and _wants_tma(variant.removeprefix("split_"), q3, k3, v3, o3, do3)
+    launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta, tma=tma)
+    launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal, meta=meta, tma=tma)
     return dq, dk, dv
 
 
@@ -775,21 +1005,26 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
 
 
 class FlashAttentionTriton(torch.autograd.Function):
-    """``FlashAttentionTriton.apply(q, k, v, is_causal=False, backward="triton")`` on (..., seq, d).
+    """``FlashAttentionTriton.apply(q, k, v, is_causal=False, backward="triton", forward="triton")`` on
+    (..., seq, d).
 
     Saves Q, K, V, O flattened to (batch, seq, d) and L of shape (..., n_queries). ``backward`` is a
-    key of ``BACKWARDS``: "triton" (the default Triton backward), "triton_split", "triton_atomic", or
-    "pytorch" (the torch.compile'd reference backward of ``flash_pytorch`` on the same saved tensors).
+    key of ``BACKWARDS``: "triton" (the default: the split pair, through TMA above TMA_MIN_SEQ),
+    "triton_split", "triton_atomic", "triton_tma", or "pytorch" (the torch.compile'd reference
+    backward of ``flash_pytorch`` on the same saved tensors). ``forward`` is a key of ``FORWARDS``:
+    "triton" (the default: TMA above TMA_MIN_SEQ), "triton_pointer" or "triton_tma".
     """
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
-                backward: str = "triton") -> torch.Tensor:
+                backward: str = "triton", forward: str = "triton") -> torch.Tensor:
         _validate(q, k, v, is_causal)
         if backward not in BACKWARD_IMPLS:
             raise ValueError(f"backward must be one of {BACKWARD_IMPLS}, got {backward!r}")
+        if forward not in FORWARD_IMPLS:
+            raise ValueError(f"forward must be one of {FORWARD_IMPLS}, got {forward!r}")
         q3, k3, v3 = _flat(q), _flat(k), _flat(v)
-        o3, lse = flash_forward_triton(q3, k3, v3, bool(is_causal))
+        o3, lse = flash_forward_triton(q3, k3, v3, bool(is_causal), variant=FORWARDS[forward])
         # Q, K, V, O saved flattened (the backward reshapes only dO); L keeps the input's leading
         # dims, (..., n_queries), the shape the handout's tests look for among the saved tensors
         ctx.save_for_backward(q3, k3, v3, o3, lse.view(q.shape[:-1]))
@@ -806,10 +1041,11 @@ class FlashAttentionTriton(torch.autograd.Function):
             dq, dk, dv = backward_reference(q3, k3, v3, o3, lse, do3, ctx.is_causal)
         else:
             dq, dk, dv = flash_backward_triton(q3, k3, v3, o3, lse, do3, ctx.is_causal, variant=impl)
-        return dq.view(ctx.q_shape), dk.view(ctx.k_shape), dv.view(ctx.k_shape), None, None
+        return dq.view(ctx.q_shape), dk.view(ctx.k_shape), dv.view(ctx.k_shape), None, None, None
 
 
 def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, *,
-                           backward: str = "triton") -> torch.Tensor:
-    """softmax(Q K^T / sqrt(d)) V with the Triton FlashAttention-2 kernels; inputs (..., seq, d)."""
-    return FlashAttentionTriton.apply(q, k, v, is_causal, backward)
+                           backward: str = "triton", forward: str = "triton") -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d)) V with the Triton FlashAttention-2 kernels; inputs (..., seq, d).
+    ``forward``/``backward``: keys of FORWARDS/BACKWARDS ("triton_tma" for the TMA kernels)."""
+    return FlashAttentionTriton.apply(q, k, v, is_causal, backward, forward)
