@@ -246,14 +246,16 @@ def test_interp_tma_equals_pointer_kernels(shape_q, n_k, dtype, causal):
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 def test_interp_default_takes_tma_above_its_threshold():
-    """The default variants read through descriptors only past TMA_MIN_SEQ (a threshold measured
-    on an H100); the short sequences the interpreter can afford run the pointer kernels."""
+    """The default variants read through descriptors only past TMA_MIN_SEQ and for 16-bit inputs
+    (where TMA was measured faster on an H100); the short sequences the interpreter can afford
+    run the pointer kernels."""
     from systems.attention import flash_triton as ft
 
     assert (ft.FORWARDS["triton"], ft.BACKWARDS["triton"]) == ("auto", "split_auto")
-    short = torch.zeros(1, ft.TMA_MIN_SEQ, 16)
-    long = torch.zeros(1, ft.TMA_MIN_SEQ + 1, 16)
+    short = torch.zeros(1, ft.TMA_MIN_SEQ, 16, dtype=torch.float16)
+    long = torch.zeros(1, ft.TMA_MIN_SEQ + 1, 16, dtype=torch.float16)
     assert not ft._wants_tma("auto", short, short) and ft._wants_tma("auto", short, long)
+    assert not ft._wants_tma("auto", short.float(), long.float())  # fp32: not measured, pointers
     assert ft._wants_tma("tma", short) and not ft._wants_tma("pointer", long)
     ft._PLANS.clear()
     run_and_compare(ft.FlashAttentionTriton.apply, (2, 37, 16), 37, torch.float32, True, "cpu", tol=1e-5)

@@ -15,7 +15,7 @@ Design notes (what makes it fast):
   tile (no atomics, but both recompute S and dP: seven matmuls); "atomic" runs one kernel over
   key tiles that also adds each query tile's dS K into an fp32 dQ buffer with atomics (five
   matmuls), between a small kernel that writes D and zeroes that buffer and a cast of it.
-- a TMA variant of the forward and of the split pair, the default above TMA_MIN_SEQ
+- a TMA variant of the forward and of the split pair, the default for 16-bit inputs above TMA_MIN_SEQ
   (``forward=``/``backward="triton_tma"`` force it, ``"triton_pointer"``/``"triton_split"`` the
   pointer kernels; tables ``FORWARDS``/``BACKWARDS``): the same kernels, but the tiles streamed through the inner loops
   (K, V in the forward and dQ; Q, dO in dK/dV) are read through device-side tensor descriptors
@@ -55,7 +55,7 @@ BACKWARDS = {"triton": "split_auto", "triton_split": "split", "triton_atomic": "
 BACKWARD_IMPLS = tuple(BACKWARDS)
 # forward= of the public function -> the forward kernel: loads through pointers, or through TMA
 # tensor descriptors (inputs no descriptor can read, and GPUs before Hopper, get the pointer kernel).
-# The default, "auto", is TMA above TMA_MIN_SEQ and pointers up to it (notes entry 5).
+# The default, "auto", is TMA for 16-bit inputs above TMA_MIN_SEQ, pointers otherwise (notes entry 5).
 FORWARDS = {"triton": "auto", "triton_pointer": "pointer", "triton_tma": "tma"}
 FORWARD_IMPLS = tuple(FORWARDS)
 # Longest sequence (max of queries, keys) the "auto" variants still run on the pointer kernels. On
@@ -149,7 +149,9 @@ def _wants_tma(variant: str, *tensors: torch.Tensor) -> bool:
     """Whether a variant name ("pointer", "tma", "auto"; the backward's without "split_") runs the
     TMA kernels on these (batch, seq, d) tensors."""
     if variant == "auto":
-        variant = "tma" if max(t.shape[-2] for t in tensors) > TMA_MIN_SEQ else "pointer"
+        # where TMA was measured faster: 16-bit inputs (fp32 was not measured) of long sequences
+        long = max(t.shape[-2] for t in tensors) > TMA_MIN_SEQ
+        variant = "tma" if long and tensors[0].dtype != torch.float32 else "pointer"
     return variant == "tma" and tma_usable(*tensors)
 
 
@@ -298,29 +300,25 @@ else:
         # systems.flash_tuning's search over 8 candidates each on an H100 (leaderboard shape, notes
         # entry 5, results/06_flash_tma_tuning.jsonl) found the larger ones slower: 128x128 over 8
         # warps lost by 9% (fwd), 12% (dK/dV) and 12% (dQ) to 64-row tiles with 4 warps. So each list
-        # is the pointer kernel's (whose tiles win elsewhere, at 64k and d=128) plus the best
-        # candidate with a larger tile or a deeper pipeline, for the shapes the search did not cover.
+        # holds two: the search's winner at the leaderboard shape, and the pointer kernel's 128-row
+        # (or 128-key) tile that wins at 64k with d=128. Two, not more, because with the TMA
+        # kernels beside the pointer ones every config is one more compile per head dim and dtype
+        # in notebook 06's sweep, which has to fit its time budget.
         "fwd_tma": {
             "half": [_cfg(BLOCK_M=64, BLOCK_N=128, warps=4, stages=3),
-                     _cfg(BLOCK_M=128, BLOCK_N=64, warps=8, stages=3),
-                     _cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=4),
-                     _cfg(BLOCK_M=128, BLOCK_N=64, warps=8, stages=5)],
+                     _cfg(BLOCK_M=128, BLOCK_N=64, warps=8, stages=3)],
             "fp32": [_cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=3),
                      _cfg(BLOCK_M=64, BLOCK_N=32, warps=4, stages=2)],
         },
         "dkdv_tma": {
             "half": [_cfg(BLOCK_M1=64, BLOCK_N1=64, warps=4, stages=3),
-                     _cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=3),
-                     _cfg(BLOCK_M1=64, BLOCK_N1=128, warps=8, stages=3),
-                     _cfg(BLOCK_M1=128, BLOCK_N1=128, warps=8, stages=3)],
+                     _cfg(BLOCK_M1=64, BLOCK_N1=128, warps=8, stages=3)],
             "fp32": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2),
                      _cfg(BLOCK_M1=32, BLOCK_N1=32, warps=4, stages=2)],
         },
         "dq_tma": {
             "half": [_cfg(BLOCK_M2=64, BLOCK_N2=64, warps=4, stages=3),
-                     _cfg(BLOCK_M2=128, BLOCK_N2=64, warps=8, stages=3),
-                     _cfg(BLOCK_M2=128, BLOCK_N2=32, warps=4, stages=3),
-                     _cfg(BLOCK_M2=64, BLOCK_N2=128, warps=4, stages=3)],
+                     _cfg(BLOCK_M2=128, BLOCK_N2=32, warps=4, stages=3)],
             "fp32": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2),
                      _cfg(BLOCK_M2=32, BLOCK_N2=32, warps=4, stages=2)],
         },
@@ -968,7 +966,7 @@ def launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, 
 def flash_forward_triton(q3, k3, v3, is_causal: bool, *, variant: str = FORWARDS["triton"]
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, n_q, d), (B, n_k, d) x2 contiguous -> O (B, n_q, d), L (B, n_q) fp32. variant "pointer",
-    "tma" (which runs the pointer kernel where tma_usable says no) or "auto" (tma above TMA_MIN_SEQ)."""
+    "tma" (which runs the pointer kernel where tma_usable says no) or "auto" (tma for 16-bit inputs above TMA_MIN_SEQ)."""
     if variant not in ("pointer", "tma", "auto"):
         raise ValueError(f"variant must be 'pointer', 'tma' or 'auto', got {variant!r}")
     _contiguous(q3, k3, v3)
@@ -1009,10 +1007,10 @@ class FlashAttentionTriton(torch.autograd.Function):
     (..., seq, d).
 
     Saves Q, K, V, O flattened to (batch, seq, d) and L of shape (..., n_queries). ``backward`` is a
-    key of ``BACKWARDS``: "triton" (the default: the split pair, through TMA above TMA_MIN_SEQ),
+    key of ``BACKWARDS``: "triton" (the default: the split pair, through TMA for 16-bit inputs above TMA_MIN_SEQ),
     "triton_split", "triton_atomic", "triton_tma", or "pytorch" (the torch.compile'd reference
     backward of ``flash_pytorch`` on the same saved tensors). ``forward`` is a key of ``FORWARDS``:
-    "triton" (the default: TMA above TMA_MIN_SEQ), "triton_pointer" or "triton_tma".
+    "triton" (the default: TMA for 16-bit inputs above TMA_MIN_SEQ), "triton_pointer" or "triton_tma".
     """
 
     @staticmethod
