@@ -328,6 +328,27 @@ def test_interp_triton_rejects_bad_inputs():
         flash_backward_triton(x, x, x, x, lse, x, False, variant="triton")  # a backward= name, not a variant
 
 
+@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="the autotuned config tables exist outside the interpreter")
+def test_pruners_keep_each_kernels_own_configs_that_fit():
+    # each autotuner prunes to its own kernel's list for the input's dtype family; at d = 64 every
+    # listed tile fits shared memory, while at d = 512 (far past any real head) the largest ones do not
+    from systems.attention import flash_triton as ft
+
+    if not ft.autotuning():
+        pytest.skip("FLASH_TRITON_AUTOTUNE=0: one config per kernel, nothing to prune")
+    kernels = {"fwd": ft._flash_fwd_kernel, "fwd_tma": ft._flash_fwd_tma_kernel, "dkdv": ft._flash_bwd_dkdv_kernel,
+               "dkdv_tma": ft._flash_bwd_dkdv_tma_kernel, "dq": ft._flash_bwd_dq_kernel,
+               "dq_tma": ft._flash_bwd_dq_tma_kernel}
+    for name, kernel in kernels.items():
+        for dtype, family in ((torch.bfloat16, "half"), (torch.float32, "fp32")):
+            listed = ft._CONFIGS[name][family]
+            q = torch.empty(1, 1, 1, dtype=dtype)
+            kept = kernel.early_config_prune(kernel.configs, {"Q": q, "BLOCK_D": 64})
+            assert [id(c) for c in kept] == [id(c) for c in listed], (name, family)
+            big = kernel.early_config_prune(kernel.configs, {"Q": q, "BLOCK_D": 512})
+            assert big and len(big) < len(listed) or len(listed) == 1, (name, family)
+
+
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
 @pytest.mark.parametrize("defer", [True, False])
 def test_atomic_kernel_compiles_for_h100(defer):

@@ -28,6 +28,7 @@ j <= i + (n_keys - n_queries); causal with n_queries > n_keys is rejected.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -353,31 +354,20 @@ def _prune(kernel, configs, named_args, resident_keys, streamed_keys, **kwargs):
     return kept
 
 
-def _prune_fwd(configs, named_args, **kwargs):
-    # resident: Q; streamed: K and V
-    return _prune("fwd", configs, named_args, ["BLOCK_M"], ["BLOCK_N", "BLOCK_N"], **kwargs)
+# Per kernel family: the block sizes of the tiles a program holds throughout, and of those it
+# streams (multi-buffered over num_stages) through its loop. The TMA kernels hold and stream the
+# same tiles as their pointer twins.
+_TILE_ROLES = {
+    "fwd": (["BLOCK_M"], ["BLOCK_N", "BLOCK_N"]),  # Q; K and V
+    "dkdv": (["BLOCK_N1", "BLOCK_N1"], ["BLOCK_M1", "BLOCK_M1"]),  # K, V (dK, dV in registers); Q and dO
+    "dq": (["BLOCK_M2", "BLOCK_M2"], ["BLOCK_N2", "BLOCK_N2"]),  # Q, dO; K and V
+}
 
 
-def _prune_dkdv(configs, named_args, **kwargs):
-    # resident: K, V (and dK, dV in registers); streamed: Q and dO
-    return _prune("dkdv", configs, named_args, ["BLOCK_N1", "BLOCK_N1"], ["BLOCK_M1", "BLOCK_M1"], **kwargs)
-
-
-def _prune_dq(configs, named_args, **kwargs):
-    # resident: Q, dO; streamed: K and V
-    return _prune("dq", configs, named_args, ["BLOCK_M2", "BLOCK_M2"], ["BLOCK_N2", "BLOCK_N2"], **kwargs)
-
-
-def _prune_fwd_tma(configs, named_args, **kwargs):
-    return _prune("fwd_tma", configs, named_args, ["BLOCK_M"], ["BLOCK_N", "BLOCK_N"], **kwargs)
-
-
-def _prune_dkdv_tma(configs, named_args, **kwargs):
-    return _prune("dkdv_tma", configs, named_args, ["BLOCK_N1", "BLOCK_N1"], ["BLOCK_M1", "BLOCK_M1"], **kwargs)
-
-
-def _prune_dq_tma(configs, named_args, **kwargs):
-    return _prune("dq_tma", configs, named_args, ["BLOCK_M2", "BLOCK_M2"], ["BLOCK_N2", "BLOCK_N2"], **kwargs)
+def _pruner(kernel: str, *, tiles: str):
+    """The config pruner of one kernel's autotuner: its own config lists, ``tiles``' tile roles."""
+    resident, streamed = _TILE_ROLES[tiles]
+    return functools.partial(_prune, kernel, resident_keys=resident, streamed_keys=streamed)
 
 
 def _prune_atomic(configs, named_args, **kwargs):
@@ -495,7 +485,7 @@ def _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM: tl.constexpr, BLOC
 
 # Each program body is one @triton.jit function behind two kernels, pointer and TMA: two kernel
 # names give two autotuners with their own config lists and their own entries in _PLANS.
-@_autotune(_CONFIGS["fwd"]["half"] + _CONFIGS["fwd"]["fp32"], _prune_fwd)
+@_autotune(_CONFIGS["fwd"]["half"] + _CONFIGS["fwd"]["fp32"], _pruner("fwd", tiles="fwd"))
 @triton.jit
 def _flash_fwd_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -504,7 +494,7 @@ def _flash_fwd_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
                  False)
 
 
-@_autotune(_CONFIGS["fwd_tma"]["half"] + _CONFIGS["fwd_tma"]["fp32"], _prune_fwd_tma)
+@_autotune(_CONFIGS["fwd_tma"]["half"] + _CONFIGS["fwd_tma"]["fp32"], _pruner("fwd_tma", tiles="fwd"))
 @triton.jit
 def _flash_fwd_tma_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -600,7 +590,7 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
     _store_rows(dV + kv_tile, dv.to(dV.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
 
 
-@_autotune(_CONFIGS["dkdv"]["half"] + _CONFIGS["dkdv"]["fp32"], _prune_dkdv)
+@_autotune(_CONFIGS["dkdv"]["half"] + _CONFIGS["dkdv"]["fp32"], _pruner("dkdv", tiles="dkdv"))
 @triton.jit
 def _flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -609,7 +599,7 @@ def _flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm
                   INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False)
 
 
-@_autotune(_CONFIGS["dkdv_tma"]["half"] + _CONFIGS["dkdv_tma"]["fp32"], _prune_dkdv_tma)
+@_autotune(_CONFIGS["dkdv_tma"]["half"] + _CONFIGS["dkdv_tma"]["fp32"], _pruner("dkdv_tma", tiles="dkdv"))
 @triton.jit
 def _flash_bwd_dkdv_tma_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -692,7 +682,7 @@ def _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale,
     _store_rows(dQ + q_tile, dq.to(dQ.dtype.element_ty), offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
 
 
-@_autotune(_CONFIGS["dq"]["half"] + _CONFIGS["dq"]["fp32"], _prune_dq)
+@_autotune(_CONFIGS["dq"]["half"] + _CONFIGS["dq"]["fp32"], _pruner("dq", tiles="dq"))
 @triton.jit
 def _flash_bwd_dq_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -701,7 +691,7 @@ def _flash_bwd_dq_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_sc
                 INPUT_PRECISION, BLOCK_M2, BLOCK_N2, False)
 
 
-@_autotune(_CONFIGS["dq_tma"]["half"] + _CONFIGS["dq_tma"]["fp32"], _prune_dq_tma)
+@_autotune(_CONFIGS["dq_tma"]["half"] + _CONFIGS["dq_tma"]["fp32"], _pruner("dq_tma", tiles="dq"))
 @triton.jit
 def _flash_bwd_dq_tma_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
