@@ -367,30 +367,24 @@ class MasterWeightAdamW(FusedAdamW):
                 raise ValueError(f"MasterWeightAdamW: a low-precision parameter must start in fp32 (its value "
                                  f"becomes the master), got {p.dtype} for shape {tuple(p.shape)}")
             master = p.detach().clone(memory_format=torch.contiguous_format)
-            with torch.no_grad():
-                p.data = p.data.to(dtype)  # the model's parameter object stays (hooks, module references)
+            p.data = p.data.to(dtype)  # the model's parameter object stays (hooks, module references)
             masters[master] = p
             tensors.append(master)
-        self._sources: dict[torch.Tensor, torch.Tensor] = masters
-        self._masters = {id(p): master for master, p in masters.items()}
+        # each master's copy is the model's parameter: FusedAdamW's copy table is the one map kept
         super().__init__(tensors, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          low_precision_copies=masters)
 
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self.__dict__.setdefault("_sources", {})
-        self.__dict__.setdefault("_masters", {})
-
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
-        return self._sources.get(p, p).grad
+        # a master's gradient is its model parameter's (the copy); other parameters carry their own
+        return self._copies.get(p, p).grad
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         """The fp32 master of a parameter held in low precision (the parameter itself otherwise)."""
-        return self._masters.get(id(param), param)
+        return next((master for master, p in self._copies.items() if p is param), param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
-        for p in self._sources.values():
+        for p in self._copies.values():
             if p.grad is None:
                 continue
             if set_to_none:
