@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -180,6 +183,8 @@ def test_assign_buckets_separate_cap_for_the_last_bucket():
     assert assign_buckets([1, 1, 1], 10, keys=["a", "b", "b"], last_bucket_bytes=10) == [[2, 1], [0]]
     with pytest.raises(ValueError, match="last bucket size must be positive"):
         assign_buckets(sizes, 400, last_bucket_bytes=0)
+    with pytest.raises(ValueError, match="negative"):  # also where the negative size is in the last bucket
+        assign_buckets([-5, 10], 100, last_bucket_bytes=100)
 
 
 def test_assign_buckets_splits_on_key_change():
@@ -341,6 +346,13 @@ def test_ddp_bench_config_rejects_unknown_compiled_precision():
 
     with pytest.raises(ValueError, match="precisions must be among"):
         DDPBenchConfig(compiled_precisions=("fp8",))
+    with pytest.raises(ValueError, match="compile_mode applies"):
+        DDPBenchConfig(compile_mode="reduce-overhead")
+    with pytest.raises(ValueError, match="<MiB>/<last MiB>"):  # refused before any rank starts
+        DDPBenchConfig(variants=("bucketed_tail:1000",))
+    proc = subprocess.run([sys.executable, "-m", "systems.distributed.ddp_bench", "--tail-buckets-mb", "1000"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--tail-buckets-mb" in proc.stderr
 
 
 def test_ddp_commentary_tells_slowed_computation_from_exposed_communication():
@@ -371,7 +383,8 @@ def test_ddp_commentary_tells_slowed_computation_from_exposed_communication():
     from systems.distributed.report import ddp_table, ddp_targets
 
     targets = ddp_targets(ddp_table(ddp.assign(step_ms_p10=120.0, step_ms_p90=120.0, fwd_bwd_ms=0.0,
-                                               sync_wait_ms=0.0, optimizer_ms=0.0)), overlap).splitlines()
+                                               sync_wait_ms=0.0, optimizer_ms=0.0, first_step_s=float("nan"))),
+                          overlap).splitlines()
     assert targets == [f"- {s}: best `bucketed:1000` runs at 0.923x torch DDP's step time (target <= 1) with "
                        f"{pct}% of the step exposed communication in its trace (target <= 3%)."
                        for s, pct in (("a", "0.8"), ("b", "12.5"))]

@@ -147,6 +147,9 @@ def assign_buckets(sizes_bytes: Sequence[int], bucket_size_bytes: float,
         raise ValueError(f"keys has {len(keys)} entries for {len(sizes_bytes)} sizes")
     if last_bucket_bytes is not None and last_bucket_bytes <= 0:
         raise ValueError(f"last bucket size must be positive, got {last_bucket_bytes} bytes")
+    negative = [i for i, size in enumerate(sizes_bytes) if size < 0]
+    if negative:
+        raise ValueError(f"size of parameter {negative[0]} is negative ({sizes_bytes[negative[0]]})")
     n_tail = 0  # the leading parameters that form the separately capped last bucket
     if last_bucket_bytes is not None and len(sizes_bytes):
         tail_bytes = sizes_bytes[0]
@@ -160,8 +163,6 @@ def assign_buckets(sizes_bytes: Sequence[int], bucket_size_bytes: float,
     current_bytes = 0
     for i in reversed(range(n_tail, len(sizes_bytes))):
         size = sizes_bytes[i]
-        if size < 0:
-            raise ValueError(f"size of parameter {i} is negative ({size})")
         key_changed = bool(current) and keys is not None and keys[i] != keys[current[-1]]
         if current and (current_bytes + size > bucket_size_bytes or key_changed):
             buckets.append(current)

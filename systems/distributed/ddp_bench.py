@@ -49,7 +49,7 @@ from ..model import TransformerLM
 from ..optim import AdamW, cross_entropy
 from ..devices import DeviceMarks, median_p10_p90, release_memory
 from ..results import ResultWriter
-from .ddp import DDPBucketed, make_ddp
+from .ddp import make_ddp
 from .launch import (DistContext, add_benchmark_arguments, all_gather_objects, launch, resolve_backend,
                      under_torchrun)
 from .overlap import STEP_MARK, overlap_stats, trace_intervals
@@ -103,6 +103,12 @@ class DDPBenchConfig:
         unknown = [v for v in self.variants if v.split(":")[0] not in VARIANT_KINDS]
         if unknown:
             raise ValueError(f"unknown variants {unknown}")
+        for v in self.variants:  # a malformed bucketed argument fails here, before any rank starts
+            kind, _, arg = v.partition(":")
+            if kind.startswith("bucketed"):
+                bucketed_options(kind, arg)
+        if self.compile_mode is not None and not self.compiled_precisions:
+            raise ValueError("compile_mode applies to the compiled settings: set compiled_precisions too")
         if "torch_ddp" in self.variants and self.variants[-1] != "torch_ddp":
             raise ValueError("torch_ddp must be the last variant (its hooks stay until it is freed)")
 
@@ -141,6 +147,7 @@ class _Runner:
         kind, _, arg = name.partition(":")
         self.ddp = None
         self.n_buckets = None
+        self.options = bucketed_options(kind, arg) if kind.startswith("bucketed") else {}
         if kind == "nosync":
             self.forward = model
         elif kind == "torch_ddp":
@@ -149,13 +156,11 @@ class _Runner:
             ids = [ctx.device.index] if ctx.device.type == "cuda" else None
             self.ddp = DistributedDataParallel(model, device_ids=ids)
             self.forward = self.ddp
-        elif kind.startswith("bucketed"):
-            self.ddp = DDPBucketed(model, **bucketed_options(kind, arg))
-            self.forward = self.ddp
-            self.n_buckets = self.ddp.n_buckets
         else:
-            self.ddp = make_ddp(kind, model)
+            # every bucketed kind is DDPBucketed with its own options
+            self.ddp = make_ddp("bucketed" if kind.startswith("bucketed") else kind, model, **self.options)
             self.forward = self.ddp
+            self.n_buckets = getattr(self.ddp, "n_buckets", None)
         self.ours = kind not in ("nosync", "torch_ddp")
 
     def start(self) -> None:
@@ -237,7 +242,6 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
     common = {"backend": ctx.backend, "world_size": ctx.world_size, "model": cfg.model,
               "n_params": model_cfg.n_params, "grad_bytes": grad_bytes, "context_length": cfg.context_length,
               "global_batch": cfg.global_batch, "local_batch": local_batch, "tf32": cfg.tf32,
-              "compile_mode": cfg.compile_mode,
               "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
 
     compiled_yet = False
@@ -269,7 +273,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
                                 "sync_wait_ms": marks.ms("backward", "synced"),
                                 "optimizer_ms": marks.ms("synced", "end")})
             gathered = all_gather_objects(samples)
-            n_buckets = runner.n_buckets
+            n_buckets, options = runner.n_buckets, runner.options
             runner.close()
             del runner
             opt.zero_grad(set_to_none=True)  # drop grads that live in bucket buffers
@@ -278,11 +282,10 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             if name == "nosync":
                 baseline_ms = row["step_ms"]
             timed[name] = row["step_ms"]
-            kind, _, arg = name.partition(":")
-            options = bucketed_options(kind, arg) if kind.startswith("bucketed") else {}
             overhead = None if baseline_ms is None else row["step_ms"] - baseline_ms
             row = {**common, "precision": precision, "compiled": compiled, "setting": setting,
-                   "variant": name, "kind": kind, "first_step_s": first_step_s,
+                   "compile_mode": cfg.compile_mode if compiled else None,
+                   "variant": name, "kind": name.partition(":")[0], "first_step_s": first_step_s,
                    "bucket_size_mb": options.get("bucket_size_mb"), "last_bucket_mb": options.get("last_bucket_mb"),
                    "n_buckets": n_buckets,
                    **row, "baseline_step_ms": baseline_ms, "comm_overhead_ms": overhead,
@@ -314,7 +317,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
                     stats = overlap_stats(trace_intervals(path))
                     overlap_rows.append(overlap_writer.write({
                         **common, "precision": precision, "compiled": compiled, "setting": setting,
-                        "variant": name, "best_of_ours": name == best,
+                        "compile_mode": cfg.compile_mode if compiled else None, "variant": name,
                         "trace": str(path), **stats, "step_ms": timed.get(name), "status": "ok"}))
                     print(f"[{setting}] profiled {name}: overlap {stats['overlap_pct'] or 0:.1f}% "
                           f"exposed comm {stats['exposed_comm_ms']:.2f} ms/step", flush=True)
@@ -347,14 +350,13 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_benchmark_arguments(parser, d, precisions=PRECISIONS)
     parser.add_argument("--bucket-sizes-mb", nargs="+", type=float, default=list(d.bucket_sizes_mb))
-    parser.add_argument("--tail-buckets-mb", nargs="*", default=[],
+    parser.add_argument("--tail-buckets-mb", nargs="*", default=[], type=parse_tail_variant,
                         help="also run bucketed DDP with a separately capped last bucket: <MiB>/<last MiB> ...")
     parser.add_argument("--lp-reduce-buckets-mb", nargs="*", type=float, default=[],
                         help="also run bucketed DDP all-reducing in bf16 with these bucket sizes")
     parser.add_argument("--compiled-precisions", nargs="*", default=[], choices=PRECISIONS,
                         help="run these precisions again with every Transformer block compiled")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled settings")
-    parser.add_argument("--variants", nargs="+", default=None, help="a subset of the variants, in run order")
     parser.add_argument("--no-torch-ddp", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=d.profile_steps)
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in the fp32 runs")
@@ -365,9 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         precisions=tuple(args.precisions), compiled_precisions=tuple(args.compiled_precisions),
         bucket_sizes_mb=tuple(args.bucket_sizes_mb),
         lp_reduce_buckets_mb=tuple(args.lp_reduce_buckets_mb),
-        tail_buckets_mb=tuple(parse_tail_variant(a) for a in args.tail_buckets_mb),
+        tail_buckets_mb=tuple(args.tail_buckets_mb),
         compile_mode=args.compile_mode,
-        variants=tuple(args.variants or ()),
         include_torch_ddp=not args.no_torch_ddp, warmup=args.warmup, steps=args.steps,
         profile=not args.no_profile, profile_steps=args.profile_steps, attn_impl=args.attn_impl,
         tf32=args.tf32, out_path=str(out / "07_distributed_ddp.jsonl"),

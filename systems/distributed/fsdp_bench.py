@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch.nn as nn
 from ..config import get_config
 from ..model import TransformerLM
 from ..optim import AdamW, cross_entropy
-from ..devices import release_memory
+from ..devices import median_p10_p90, release_memory
 from ..results import ResultWriter
 from .ddp import DDPIndividualParameters
 from .fsdp import FSDP
@@ -214,8 +213,8 @@ def _timed(s: _Setup, tokens, targets, ctx: DistContext, steps: int) -> list[flo
 
 def _summarise(gathered: list[list[float]]) -> dict:
     per_step = [max(rank[i] for rank in gathered) for i in range(min(len(r) for r in gathered))]
-    q = statistics.quantiles(per_step, n=10, method="inclusive") if len(per_step) > 1 else per_step * 9
-    return {"step_ms": statistics.median(per_step), "step_ms_p10": q[0], "step_ms_p90": q[-1], "steps": len(per_step)}
+    median, p10, p90 = median_p10_p90(per_step)
+    return {"step_ms": median, "step_ms_p10": p10, "step_ms_p90": p90, "steps": len(per_step)}
 
 
 def run_variant(variant: str, precision: str, model_cfg, ctx: DistContext, cfg: FSDPBenchConfig,

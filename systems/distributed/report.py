@@ -119,7 +119,7 @@ def ddp_table(df: pd.DataFrame) -> pd.DataFrame:
                          else 100 * r.comm_share,
                          "vs_torch_ddp": r.step_ms / ref,
                          # the first warm-up step, compilation included where there is any
-                         "first_step_s": getattr(r, "first_step_s", float("nan"))})
+                         "first_step_s": r.first_step_s})
     return pd.DataFrame(rows)
 
 
