@@ -222,14 +222,13 @@ PASS_NAMES = ("fwd", "bwd", "e2e")
 
 
 def check_backwards(*, cases=CHECK_CASES, dtype: str = "bf16", device: str = "cuda", tol: float = 3e-2,
-                    paths: tuple[str, ...] = ("triton_split", "triton_atomic", "triton_tma")) -> list[dict]:
+                    paths: tuple[str, ...] = tuple(KERNEL_ROWS)) -> list[dict]:
     """Max error of O, dQ, dK, dV through each Triton path of ``paths`` against float64 autograd of
     the direct formula, divided by max(1, max |reference|) as tests/test_flash_attention.py does.
 
     tol: the tests' bf16 bound (8 mantissa bits, ~4e-3 per rounding; P and dS are rounded to the
     input dtype before the tensor-core dots). Each row's status is "ok" or "error" (over tol)."""
-    import math
-
+    from .attention.naive import naive_attention
     from .attention_bench import get_impl
 
     rows = []
@@ -239,11 +238,7 @@ def check_backwards(*, cases=CHECK_CASES, dtype: str = "bf16", device: str = "cu
         q, k, v, do = (torch.randn(s, device=device, generator=gen).to(DTYPES[dtype])
                        for s in (shape_q, shape_k, shape_k, shape_q))
         q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-        s = q64 @ k64.transpose(-2, -1) / math.sqrt(shape_q[-1])
-        if causal:  # query i sees keys j <= i + (n_k - n_q), as the kernels
-            keep = torch.ones(shape_q[-2], n_k, dtype=torch.bool, device=device).tril(diagonal=n_k - shape_q[-2])
-            s = s.masked_fill(~keep, float("-inf"))
-        ref_o = torch.softmax(s, dim=-1) @ v64
+        ref_o = naive_attention(q64, k64, v64, causal)  # query i sees keys j <= i + (n_k - n_q), as the kernels
         want = (ref_o, *torch.autograd.grad(ref_o, (q64, k64, v64), do.double()))
         for path in paths:
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -253,20 +248,19 @@ def check_backwards(*, cases=CHECK_CASES, dtype: str = "bf16", device: str = "cu
                       for name, g, w in zip(("o", "dq", "dk", "dv"), got, want)}
             rows.append(dict(kind="check", shape_q=list(shape_q), n_k=n_k, causal=causal, dtype=dtype, impl=path,
                              tol=tol, status="ok" if max(errors.values()) <= tol else "error", **errors))
-        del q64, k64, v64, s, ref_o, want
+        del q64, k64, v64, ref_o, want
     release_memory()
     return rows
 
 
-def _bench(fn, *, warmup_ms: float, rep_ms: float, grad_to_none=None) -> dict:
+def _bench(fn, *, warmup_ms: float, rep_ms: float) -> dict:
     """Median, 20th and 80th percentile ms of ``fn``; its first call (compiles, autotunes,
     allocates) runs before do_bench, whose repetition count it would otherwise skew."""
     import triton.testing
 
     fn()
     torch.cuda.synchronize()
-    med, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=(0.5, 0.2, 0.8),
-                                            grad_to_none=grad_to_none)
+    med, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=(0.5, 0.2, 0.8))
     return dict(ms=med, p20=p20, p80=p80)
 
 

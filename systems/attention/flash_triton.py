@@ -44,6 +44,10 @@ _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
 _MASKED = tl.constexpr(-1e6)  # the handout's masked score (in base-2 units here; exp2 of it is 0)
 
+# read once: TRITON_INTERPRET is fixed before triton is imported, and the config tables below
+# are chosen from it at import anyway; the per-call checks then cost no environment lookup
+_INTERPRETING = triton_interpreting()
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 # backward= of the public function -> the backward that runs: the Triton "split" pair (dQ kernel,
@@ -86,7 +90,7 @@ def seq_bucket(n: int) -> int:
 
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs follow torch's global matmul setting (TF32 only when the user allowed it)
-    if dtype == torch.float32 and not triton_interpreting() and torch.backends.cuda.matmul.allow_tf32:
+    if dtype == torch.float32 and not _INTERPRETING and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return "ieee"
 
@@ -98,7 +102,7 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
     check_inputs(q, k, v, is_causal, dtypes=SUPPORTED_DTYPES)
-    if not q.is_cuda and not triton_interpreting():
+    if not q.is_cuda and not _INTERPRETING:
         raise ValueError(f"FlashAttentionTriton needs CUDA tensors, got device {q.device}; "
                          "set TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU")
     d = q.shape[-1]
@@ -132,18 +136,14 @@ def tma_usable(*tensors: torch.Tensor) -> bool:
         # (with d * element size a multiple of 16, every (batch, head)'s base stays aligned too)
         if t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16:
             return False
-    if triton_interpreting():
+    if _INTERPRETING:
         return True
     return all(t.is_cuda for t in tensors) and _major_capability(tensors[0].device.index) >= 9
 
 
-_CAPABILITY: dict = {}  # device index -> major compute capability: asked once, every call needs it
-
-
+@functools.cache  # asked once per device: every call needs it
 def _major_capability(index) -> int:
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)[0]
-    return _CAPABILITY[index]
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _wants_tma(variant: str, *tensors: torch.Tensor) -> bool:
@@ -227,7 +227,7 @@ def _cfg(**kw) -> triton.Config:
 def autotuning() -> bool:
     """False under the interpreter, or with FLASH_TRITON_AUTOTUNE=0 (one default config each:
     no benchmarking, few compiles; what quick GPU tests want)."""
-    return not triton_interpreting() and os.environ.get("FLASH_TRITON_AUTOTUNE", "1") != "0"
+    return not _INTERPRETING and os.environ.get("FLASH_TRITON_AUTOTUNE", "1") != "0"
 
 
 # Per kernel: configs for 16-bit inputs and for fp32 inputs (fp32 tiles hold twice the bytes
@@ -238,15 +238,12 @@ def autotuning() -> bool:
 # 64-row tiles win up to 16k, 128-row query tiles (and 64x128 dK/dV tiles) at 64k with d=128.
 # Under the interpreter there is one small config each: multi-config autotuning benchmarks
 # on a GPU (it fails without a driver), and 16-row tiles exercise the tile loops at tiny sizes.
-if triton_interpreting():
+if _INTERPRETING:
     _CONFIGS = {
         "fwd": {"half": [_cfg(BLOCK_M=16, BLOCK_N=16, warps=4, stages=1)], "fp32": []},
         "dkdv": {"half": [_cfg(BLOCK_M1=16, BLOCK_N1=32, warps=4, stages=1)], "fp32": []},
         "dq": {"half": [_cfg(BLOCK_M2=32, BLOCK_N2=16, warps=4, stages=1)], "fp32": []},
         "atomic": {"half": [_cfg(BLOCK_M3=16, BLOCK_N3=32, DEFER_DQ_ADD=True, warps=4, stages=1)], "fp32": []},
-        "fwd_tma": {"half": [_cfg(BLOCK_M=16, BLOCK_N=16, warps=4, stages=1)], "fp32": []},
-        "dkdv_tma": {"half": [_cfg(BLOCK_M1=16, BLOCK_N1=32, warps=4, stages=1)], "fp32": []},
-        "dq_tma": {"half": [_cfg(BLOCK_M2=32, BLOCK_N2=16, warps=4, stages=1)], "fp32": []},
     }
 elif not autotuning():
     # one config every dtype and head dim fits (fp32 included)
@@ -255,9 +252,6 @@ elif not autotuning():
         "dkdv": {"half": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2)], "fp32": []},
         "dq": {"half": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2)], "fp32": []},
         "atomic": {"half": [_cfg(BLOCK_M3=32, BLOCK_N3=64, DEFER_DQ_ADD=True, warps=4, stages=2)], "fp32": []},
-        "fwd_tma": {"half": [_cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=2)], "fp32": []},
-        "dkdv_tma": {"half": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2)], "fp32": []},
-        "dq_tma": {"half": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2)], "fp32": []},
     }
 else:
     _CONFIGS = {
@@ -325,6 +319,9 @@ else:
         },
     }
 
+if not autotuning():  # one config each: the TMA kernels run their pointer twins' tiles
+    _CONFIGS.update({f"{k}_tma": _CONFIGS[k] for k in ("fwd", "dkdv", "dq")})
+
 _SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KB per block, the rest is Triton's scratch
 # fp32 registers per thread the atomic kernel's dK and dV accumulators may take: a thread has at
 # most 255, and the S^T, P^T, dP^T tiles and the dot operands need the rest (beyond this it spills)
@@ -361,19 +358,20 @@ _TILE_ROLES = {
     "fwd": (["BLOCK_M"], ["BLOCK_N", "BLOCK_N"]),  # Q; K and V
     "dkdv": (["BLOCK_N1", "BLOCK_N1"], ["BLOCK_M1", "BLOCK_M1"]),  # K, V (dK, dV in registers); Q and dO
     "dq": (["BLOCK_M2", "BLOCK_M2"], ["BLOCK_N2", "BLOCK_N2"]),  # Q, dO; K and V
+    "atomic": (["BLOCK_N3", "BLOCK_N3"], ["BLOCK_M3", "BLOCK_M3"]),  # K, V; Q and dO
 }
 
 
-def _pruner(kernel: str, *, tiles: str):
-    """The config pruner of one kernel's autotuner: its own config lists, ``tiles``' tile roles."""
-    resident, streamed = _TILE_ROLES[tiles]
+def _pruner(kernel: str):
+    """The config pruner of one kernel's autotuner: its own config lists, its family's tile roles."""
+    resident, streamed = _TILE_ROLES[kernel.removesuffix("_tma")]
     return functools.partial(_prune, kernel, resident_keys=resident, streamed_keys=streamed)
 
 
 def _prune_atomic(configs, named_args, **kwargs):
-    # resident: K, V; streamed: Q and dO. Then the register rule: the dK and dV accumulators
-    # (2 x BLOCK_N3 x BLOCK_D fp32, spread over the block's threads) must leave room for the rest
-    kept = _prune("atomic", configs, named_args, ["BLOCK_N3", "BLOCK_N3"], ["BLOCK_M3", "BLOCK_M3"], **kwargs)
+    # shared memory first, then the register rule: the dK and dV accumulators (2 x BLOCK_N3 x
+    # BLOCK_D fp32, spread over the block's threads) must leave room for the rest
+    kept = _pruner("atomic")(configs, named_args, **kwargs)
     block_d = {**named_args, **kwargs}["BLOCK_D"]
 
     def acc_regs(c):
@@ -485,7 +483,7 @@ def _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM: tl.constexpr, BLOC
 
 # Each program body is one @triton.jit function behind two kernels, pointer and TMA: two kernel
 # names give two autotuners with their own config lists and their own entries in _PLANS.
-@_autotune(_CONFIGS["fwd"]["half"] + _CONFIGS["fwd"]["fp32"], _pruner("fwd", tiles="fwd"))
+@_autotune(_CONFIGS["fwd"]["half"] + _CONFIGS["fwd"]["fp32"], _pruner("fwd"))
 @triton.jit
 def _flash_fwd_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -494,7 +492,7 @@ def _flash_fwd_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
                  False)
 
 
-@_autotune(_CONFIGS["fwd_tma"]["half"] + _CONFIGS["fwd_tma"]["fp32"], _pruner("fwd_tma", tiles="fwd"))
+@_autotune(_CONFIGS["fwd_tma"]["half"] + _CONFIGS["fwd_tma"]["fp32"], _pruner("fwd_tma"))
 @triton.jit
 def _flash_fwd_tma_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -590,7 +588,7 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
     _store_rows(dV + kv_tile, dv.to(dV.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
 
 
-@_autotune(_CONFIGS["dkdv"]["half"] + _CONFIGS["dkdv"]["fp32"], _pruner("dkdv", tiles="dkdv"))
+@_autotune(_CONFIGS["dkdv"]["half"] + _CONFIGS["dkdv"]["fp32"], _pruner("dkdv"))
 @triton.jit
 def _flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -599,7 +597,7 @@ def _flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm
                   INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False)
 
 
-@_autotune(_CONFIGS["dkdv_tma"]["half"] + _CONFIGS["dkdv_tma"]["fp32"], _pruner("dkdv_tma", tiles="dkdv"))
+@_autotune(_CONFIGS["dkdv_tma"]["half"] + _CONFIGS["dkdv_tma"]["fp32"], _pruner("dkdv_tma"))
 @triton.jit
 def _flash_bwd_dkdv_tma_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -682,7 +680,7 @@ def _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale,
     _store_rows(dQ + q_tile, dq.to(dQ.dtype.element_ty), offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
 
 
-@_autotune(_CONFIGS["dq"]["half"] + _CONFIGS["dq"]["fp32"], _pruner("dq", tiles="dq"))
+@_autotune(_CONFIGS["dq"]["half"] + _CONFIGS["dq"]["fp32"], _pruner("dq"))
 @triton.jit
 def _flash_bwd_dq_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -691,7 +689,7 @@ def _flash_bwd_dq_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_sc
                 INPUT_PRECISION, BLOCK_M2, BLOCK_N2, False)
 
 
-@_autotune(_CONFIGS["dq_tma"]["half"] + _CONFIGS["dq_tma"]["fp32"], _pruner("dq_tma", tiles="dq"))
+@_autotune(_CONFIGS["dq_tma"]["half"] + _CONFIGS["dq_tma"]["fp32"], _pruner("dq_tma"))
 @triton.jit
 def _flash_bwd_dq_tma_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -875,7 +873,7 @@ def _pick(pointer_kernel, tma_kernel, tma: bool):
     The caller has checked tma_usable."""
     if not tma:
         return pointer_kernel
-    if not triton_interpreting():  # the interpreter builds descriptors on the host, without scratch
+    if not _INTERPRETING:  # the interpreter builds descriptors on the host, without scratch
         _ensure_tma_allocator()
     return tma_kernel
 
@@ -969,8 +967,8 @@ def flash_forward_triton(q3, k3, v3, is_causal: bool, *, variant: str = FORWARDS
 def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant: str = BACKWARDS["triton"]):
     """dQ, dK, dV from contiguous (B, seq, d) tensors and L (B, n_q). variant "split": the dQ kernel
     (which also writes D) then the dK/dV kernel; "split_tma": the same pair reading through TMA
-    descriptors (the pointer pair where tma_usable says no); "split_auto": split_tma above
-    TMA_MIN_SEQ, split up to it; "atomic": launch_backward_atomic."""
+    descriptors (the pointer pair where tma_usable says no); "split_auto": split_tma for 16-bit
+    inputs above TMA_MIN_SEQ, split otherwise; "atomic": launch_backward_atomic."""
     if variant not in ("split", "split_tma", "split_auto", "atomic"):
         raise ValueError(f"variant must be 'split', 'split_tma', 'split_auto' or 'atomic', got {variant!r}")
     _contiguous(q3, k3, v3, o3, do3)
@@ -983,7 +981,7 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
         launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal, meta=meta)
         return dq, dk, dv
     dq = torch.empty_like(q3)
-    tma = variant != "split" and _wants_tma(variant.removeprefix("split_"), q3, k3, v3, o3, do3)
+    tma = _wants_tma(variant.removeprefix("split_"), q3, k3, v3, o3, do3)
     launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta, tma=tma)
     launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal, meta=meta, tma=tma)
     return dq, dk, dv
