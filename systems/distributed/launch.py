@@ -18,6 +18,8 @@ that raises ends the whole run, and its traceback is re-raised in the caller as
 from __future__ import annotations
 
 import datetime as _dt
+import faulthandler
+import gc
 import os
 import pickle
 import socket
@@ -176,12 +178,17 @@ def _worker(rank: int, fn: Callable, world_size: int, backend: str, master_addr:
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     apply_env_defaults()
     exchange = Path(exchange_dir)
+    # a native abort (NCCL, gloo, a kernel) then prints every thread's Python stack to stderr
+    faulthandler.enable()
     try:
         if backend == "gloo":
             torch.set_num_threads(_cpu_threads_per_rank(world_size))
         ctx = init_process_group(backend=backend, rank=rank, world_size=world_size, local_rank=rank,
                                  timeout_s=timeout_s)
         result = fn(ctx, *args)
+        # reference cycles (autograd hooks, wrapped modules) can hold communication work past
+        # destroy_process_group; free them while the group can still shut down in order
+        gc.collect()
         destroy_process_group()
         tmp = exchange / f"rank{rank}.result.tmp"
         with tmp.open("wb") as f:
@@ -194,6 +201,12 @@ def _worker(rank: int, fn: Callable, world_size: int, backend: str, master_addr:
                   "traceback": traceback.format_exc()}
         (exchange / f"rank{rank}.error").write_bytes(pickle.dumps(record))
         raise
+    # The result is handed back. Leave without interpreter teardown: gloo's background threads
+    # can abort a finished rank there ("terminate called without an active exception", seen on
+    # CI after a complete run), and that would fail a run whose every result is already written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _collect_errors(exchange: Path) -> list[dict]:
