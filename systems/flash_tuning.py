@@ -342,9 +342,10 @@ def stored_plans() -> list[dict]:
     for key, plan in ft._PLANS.items():
         name, dtype, *tune_key = key
         # the tile sizes and the kernel's own options (not the shape-derived meta-parameters)
-        tiles = {k: v for k, v in plan.items() if k.isupper() and k not in ("BLOCK_D", *ft._TUNE_KEY)}
+        chosen = plan.kwargs
+        tiles = {k: v for k, v in chosen.items() if k.isupper() and k not in ("BLOCK_D", *ft._TUNE_KEY)}
         rows.append(dict(kind="plan", kernel=name, dtype=str(dtype), **dict(zip(ft._TUNE_KEY, tune_key)), **tiles,
-                         num_warps=plan.get("num_warps"), num_stages=plan.get("num_stages")))
+                         num_warps=chosen.get("num_warps"), num_stages=chosen.get("num_stages")))
     return rows
 
 

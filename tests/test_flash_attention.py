@@ -307,6 +307,21 @@ def test_interp_second_call_launches_the_stored_plan(forward, backward, kernels)
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not have_triton(), reason="needs triton")
+def test_specialisation_separates_what_triton_compiles_separately():
+    # a compiled kernel is reused only under an equal key, so every property Triton specialises
+    # on (for these argument types) must change the key: alignment, divisibility by 16, == 1, width
+    from systems.attention.flash_triton import _specialisation
+
+    buf = torch.zeros(1024)
+    aligned, misaligned = buf[:512], buf[1:513]  # 4-byte offset: not 16-byte aligned
+    base = _specialisation((aligned, 1024, 0.5))
+    assert base == _specialisation((buf[4:516], 2048, 0.25))  # 16-byte offset, another multiple of 16, any float
+    for other in [(misaligned, 1024, 0.5), (aligned, 1000, 0.5), (aligned, 1, 0.5), (aligned, 2**31, 0.5),
+                  (aligned.half(), 1024, 0.5)]:
+        assert _specialisation(other) != base, other
+
+
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 def test_interp_triton_rejects_bad_inputs():
     from systems.attention import FlashAttentionTriton
@@ -482,6 +497,35 @@ def test_gpu_triton_tma_close_to_pointer_kernels_bf16():
         results.append((out, *torch.autograd.grad(out, leaves, do)))
     for pointer, tma in zip(*results):
         torch.testing.assert_close(tma, pointer, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_repeated_calls_launch_compiled_kernels_for_their_own_arguments():
+    # one autotuning key (bucket 1024, d 64, bf16, causal) under arguments Triton specialises apart:
+    # lengths divisible by 16 or not, base pointers 16-byte aligned or not. Each is called three
+    # times (autotune or jit dispatch, then the stored compiled kernel) and must stay correct.
+    from systems.attention import flash_triton as ft
+
+    def case(n, offset):
+        gen = torch.Generator(device="cuda").manual_seed(n + offset)
+        q, k, v = ((torch.randn(2 * n * 64 + offset, generator=gen, device="cuda")[offset:]
+                    .view(2, n, 64).to(torch.bfloat16)) for _ in range(3))
+        if offset:  # .to() made a new, aligned tensor: take a misaligned contiguous copy instead
+            q, k, v = (torch.empty(t.numel() + 1, device="cuda", dtype=t.dtype)[1:].view(t.shape).copy_(t)
+                       for t in (q, k, v))
+        return q, k, v
+
+    for n, offset in [(1024, 0), (1000, 0), (1024, 1), (1024, 0)]:
+        q, k, v = case(n, offset)
+        assert (q.data_ptr() % 16 == 0) == (offset == 0)
+        want, _ = reference(q, k, v, True)
+        for _ in range(3):
+            got = ft.flash_attention_triton(q, k, v, is_causal=True)
+            err = ((got.double() - want).abs().max() / want.abs().max().clamp(min=1)).item()
+            assert err < GPU_TOL[torch.bfloat16], (n, offset, err)
+    plans = [plan for key, plan in ft._PLANS.items() if key[0] == "_flash_fwd_kernel" and key[1:3] == (torch.bfloat16, 1024)]
+    assert plans and len(plans[0].compiled) >= 3  # aligned/1024, aligned/1000, misaligned/1024
 
 
 @pytest.mark.gpu

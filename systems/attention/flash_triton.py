@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -93,11 +94,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and not _INTERPRETING and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return "ieee"
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    """(..., seq, d) -> contiguous (batch, seq, d) (copies only when it must)."""
-    return x.reshape(-1, x.shape[-2], x.shape[-1]).contiguous()
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
@@ -832,16 +828,54 @@ def _flash_bwd_atomic_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, qk
 
 # ----------------------------------------------------------------------------- launchers
 
-# (kernel, dtype, autotune key) -> the meta-parameters and launch options the autotuner chose.
-# After the first call of a key, launches go straight to the jit'ed kernel: the autotuner's
-# per-call dispatch cost more host time than a short sequence's kernel takes on the GPU.
-_PLANS: dict[tuple, dict] = {}
+@dataclass
+class _Plan:
+    """What the autotuner chose for one (kernel, dtype, autotune key), and the kernels compiled for it."""
+    kwargs: dict  # the autotune key's meta-parameters, the best config's tiles, num_warps, num_stages
+    tail: tuple  # the kernel's parameters after the runtime arguments (SEQ_BUCKET, constexprs), in order
+    compiled: dict = field(default_factory=dict)  # _specialisation(args) -> Triton's CompiledKernel
 
 
-def _common(q3: torch.Tensor, k3: torch.Tensor, is_causal: bool) -> dict:
-    d = q3.shape[-1]
-    return dict(HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), IS_CAUSAL=bool(is_causal),
-                INPUT_PRECISION=_dot_precision(q3.dtype), SEQ_BUCKET=seq_bucket(max(q3.shape[1], k3.shape[1])))
+# (kernel, dtype, autotune key) -> its _Plan. The first call of a key autotunes; the first call of
+# each argument specialisation then goes through Triton's jit dispatch, which returns the compiled
+# kernel it launched; every later call launches that compiled kernel directly. Triton's per-call
+# dispatch (the autotuner's, then the jit's: binding, specialising and hashing every argument) cost
+# more host time than a short sequence's kernel takes on the GPU.
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _specialisation(args: tuple) -> tuple:
+    """What Triton specialises a compiled kernel on, for the argument types these kernels take, or
+    finer (so a cached kernel is never launched where Triton would have compiled another): a
+    tensor's dtype, device and 16-byte alignment; an int's width, equality to 1 and divisibility
+    by 16. Python floats always pass as fp32."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.get_device(), a.data_ptr() % 16 == 0))
+        elif isinstance(a, int):
+            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
+    return tuple(key)
+
+
+def _block_d(d: int) -> int:
+    # the head dim padded to a power of two of at least 16 (tl.dot's smallest K); bit arithmetic,
+    # as triton.next_power_of_2 is a jit-aware function that costs microseconds per call
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def _common(d: int, n: int, dtype: torch.dtype, is_causal: bool) -> dict:
+    """The constexprs every kernel of one call shares: head dim, causal, dot precision, and the
+    autotuning bucket of the longer sequence ``n``."""
+    return dict(HEAD_DIM=d, BLOCK_D=_block_d(d), IS_CAUSAL=bool(is_causal), INPUT_PRECISION=_dot_precision(dtype),
+                SEQ_BUCKET=seq_bucket(n))
+
+
+def _dims(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
+    """(batch, n_q, n_k, d) of contiguous (..., seq, d) tensors. The kernels address a (batch,
+    head)'s rows from the base pointer alone, so leading dims need no reshape into one batch dim."""
+    n_q, d = q.shape[-2], q.shape[-1]
+    return q.numel() // (n_q * d), n_q, k.shape[-2], d
 
 
 def _launch(kernel, grid, args: tuple, meta: dict, config: dict | None) -> None:
@@ -852,17 +886,26 @@ def _launch(kernel, grid, args: tuple, meta: dict, config: dict | None) -> None:
         return
     key = (kernel.fn.__name__, args[0].dtype, *(meta[k] for k in _TUNE_KEY))  # the autotuner's own key
     plan = _PLANS.get(key)
-    if plan is not None:
-        kernel.fn[grid](*args, **plan)
+    if plan is None:
+        kernel[grid](*args, **meta)  # autotunes on the first call of a key
+        best = getattr(kernel, "best_config", None)
+        if best is not None:
+            kwargs = {**meta, **best.all_kwargs()}
+            _PLANS[key] = _Plan(kwargs, tuple(kwargs[name] for name in kernel.fn.arg_names[len(args):]))
         return
-    kernel[grid](*args, **meta)  # autotunes on the first call of a key
-    best = getattr(kernel, "best_config", None)
-    if best is not None:
-        _PLANS[key] = {**meta, **best.all_kwargs()}
+    spec = _specialisation(args)
+    compiled = plan.compiled.get(spec)
+    if compiled is None:
+        compiled = kernel.fn[grid](*args, **plan.kwargs)
+        if compiled is not None and not _INTERPRETING:  # the interpreter compiles nothing
+            plan.compiled[spec] = compiled
+        return
+    g = grid(plan.kwargs)
+    compiled[(g[0], g[1], 1)](*args, *plan.tail)
 
 
 def _contiguous(*tensors: torch.Tensor) -> None:
-    # the kernels index (batch, seq, d) tensors with the strides of the contiguous layout
+    # the kernels index (..., seq, d) tensors with the strides of the contiguous layout
     for t in tensors:
         if not t.is_contiguous():
             raise ValueError(f"flash_triton kernels take contiguous tensors, got strides {t.stride()}")
@@ -878,68 +921,69 @@ def _pick(pointer_kernel, tma_kernel, tma: bool):
     return tma_kernel
 
 
+# The launchers take contiguous tensors shaped (..., seq, d) (every leading dim is batch) and
+# L, D shaped (..., n_q) fp32.
+
 def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None = None, tma: bool = False) -> None:
-    """Fill O (B, n_q, d) and L (B, n_q) fp32 from (B, n_q, d), (B, n_k, d) x2, all contiguous.
-    tma: the TMA kernel (the tensors must pass tma_usable)."""
-    batch, n_q, d = q3.shape
+    """Fill O (like Q) and L (Q's leading dims and n_q, fp32) from Q (..., n_q, d) and K, V
+    (..., n_k, d). tma: the TMA kernel (the tensors must pass tma_usable)."""
+    batch, n_q, n_k, d = _dims(q3, k3)
 
     def grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_M"]), batch)
 
     _launch(_pick(_flash_fwd_kernel, _flash_fwd_tma_kernel, tma), grid,
-            (q3, k3, v3, o, lse, n_q, k3.shape[1], d ** -0.5 * LOG2E), _common(q3, k3, is_causal), config)
+            (q3, k3, v3, o, lse, n_q, n_k, d ** -0.5 * LOG2E), _common(d, max(n_q, n_k), q3.dtype, is_causal),
+            config)
 
 
 def launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal: bool, *, config: dict | None = None,
               meta: dict | None = None, tma: bool = False) -> None:
     """Fill dQ and D = rowsum(O * dO) (the dK/dV kernel's input), given L. ``meta``: ``_common``'s
     dict when the caller already has it."""
-    batch, n_q, d = q3.shape
+    batch, n_q, n_k, d = _dims(q3, k3)
 
     def grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_M2"]), batch)
 
-    args = (q3, k3, v3, o3, do3, lse, delta, dq, n_q, k3.shape[1], d ** -0.5 * LOG2E, d ** -0.5)
+    args = (q3, k3, v3, o3, do3, lse, delta, dq, n_q, n_k, d ** -0.5 * LOG2E, d ** -0.5)
     _launch(_pick(_flash_bwd_dq_kernel, _flash_bwd_dq_tma_kernel, tma), grid, args,
-            meta or _common(q3, k3, is_causal), config)
+            meta or _common(d, max(n_q, n_k), q3.dtype, is_causal), config)
 
 
 def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config: dict | None = None,
                 meta: dict | None = None, tma: bool = False) -> None:
     """Fill dK and dV, given L and D (written by launch_dq)."""
-    batch, n_q, d = q3.shape
-    n_k = k3.shape[1]
+    batch, n_q, n_k, d = _dims(q3, k3)
 
     def grid(meta):
         return (triton.cdiv(n_k, meta["BLOCK_N1"]), batch)
 
     args = (q3, k3, v3, do3, lse, delta, dk, dv, n_q, n_k, d ** -0.5 * LOG2E, d ** -0.5)
     _launch(_pick(_flash_bwd_dkdv_kernel, _flash_bwd_dkdv_tma_kernel, tma), grid, args,
-            meta or _common(q3, k3, is_causal), config)
+            meta or _common(d, max(n_q, n_k), q3.dtype, is_causal), config)
 
 
 _PREP_ROWS = 64  # rows per program of the prep kernel: it is memory-bound, any tile that fills the GPU does
 
 
 def launch_bwd_prep(o3, do3, delta, dq_acc) -> None:
-    """Fill D = rowsum(O * dO) (B, n_q) and zero dq_acc (B, n_q, d) fp32: the atomic kernel's inputs."""
-    batch, n_q, d = o3.shape
+    """Fill D = rowsum(O * dO) (..., n_q) and zero dq_acc (like O, fp32): the atomic kernel's inputs."""
+    batch, n_q, _, d = _dims(o3, o3)
     _flash_bwd_prep_kernel[(triton.cdiv(n_q, _PREP_ROWS), batch)](
-        o3, do3, delta, dq_acc, n_q, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_P=_PREP_ROWS,
-        num_warps=4)
+        o3, do3, delta, dq_acc, n_q, HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_P=_PREP_ROWS, num_warps=4)
 
 
 def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, *, config: dict | None = None,
                   meta: dict | None = None) -> None:
     """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D."""
-    batch, n_q, d = q3.shape
-    n_k = k3.shape[1]
+    batch, n_q, n_k, d = _dims(q3, k3)
 
     def grid(meta):
         return (triton.cdiv(n_k, meta["BLOCK_N3"]), batch)
 
     args = (q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, n_q, n_k, d ** -0.5 * LOG2E, d ** -0.5)
-    _launch(_flash_bwd_atomic_kernel, grid, args, meta or _common(q3, k3, is_causal), config)
+    _launch(_flash_bwd_atomic_kernel, grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal), config)
 
 
 def launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal: bool, *,
@@ -953,28 +997,29 @@ def launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, 
 
 def flash_forward_triton(q3, k3, v3, is_causal: bool, *, variant: str = FORWARDS["triton"]
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, n_q, d), (B, n_k, d) x2 contiguous -> O (B, n_q, d), L (B, n_q) fp32. variant "pointer",
-    "tma" (which runs the pointer kernel where tma_usable says no) or "auto" (tma for 16-bit inputs above TMA_MIN_SEQ)."""
+    """Contiguous Q (..., n_q, d), K, V (..., n_k, d) -> O (like Q), L (..., n_q) fp32. variant
+    "pointer", "tma" (which runs the pointer kernel where tma_usable says no) or "auto" (tma for
+    16-bit inputs above TMA_MIN_SEQ)."""
     if variant not in ("pointer", "tma", "auto"):
         raise ValueError(f"variant must be 'pointer', 'tma' or 'auto', got {variant!r}")
     _contiguous(q3, k3, v3)
     o = torch.empty_like(q3)
-    lse = torch.empty(q3.shape[:2], device=q3.device, dtype=torch.float32)
+    lse = torch.empty(q3.shape[:-1], device=q3.device, dtype=torch.float32)
     launch_forward(q3, k3, v3, o, lse, is_causal, tma=_wants_tma(variant, q3, k3, v3))
     return o, lse
 
 
 def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant: str = BACKWARDS["triton"]):
-    """dQ, dK, dV from contiguous (B, seq, d) tensors and L (B, n_q). variant "split": the dQ kernel
-    (which also writes D) then the dK/dV kernel; "split_tma": the same pair reading through TMA
-    descriptors (the pointer pair where tma_usable says no); "split_auto": split_tma for 16-bit
-    inputs above TMA_MIN_SEQ, split otherwise; "atomic": launch_backward_atomic."""
+    """dQ, dK, dV (like Q, K, V) from contiguous (..., seq, d) tensors and L (..., n_q). variant
+    "split": the dQ kernel (which also writes D) then the dK/dV kernel; "split_tma": the same pair
+    reading through TMA descriptors (the pointer pair where tma_usable says no); "split_auto":
+    split_tma for 16-bit inputs above TMA_MIN_SEQ, split otherwise; "atomic": launch_backward_atomic."""
     if variant not in ("split", "split_tma", "split_auto", "atomic"):
         raise ValueError(f"variant must be 'split', 'split_tma', 'split_auto' or 'atomic', got {variant!r}")
     _contiguous(q3, k3, v3, o3, do3)
     delta = torch.empty_like(lse)
     dk, dv = torch.empty_like(k3), torch.empty_like(v3)
-    meta = _common(q3, k3, is_causal)  # one dict for every launch
+    meta = _common(q3.shape[-1], max(q3.shape[-2], k3.shape[-2]), q3.dtype, is_causal)  # one dict for every launch
     if variant == "atomic":
         dq_acc = torch.empty(q3.shape, device=q3.device, dtype=torch.float32)
         dq = dq_acc if q3.dtype == torch.float32 else torch.empty_like(q3)
@@ -994,11 +1039,14 @@ class FlashAttentionTriton(torch.autograd.Function):
     """``FlashAttentionTriton.apply(q, k, v, is_causal=False, backward="triton", forward="triton")`` on
     (..., seq, d).
 
-    Saves Q, K, V, O flattened to (batch, seq, d) and L of shape (..., n_queries). ``backward`` is a
+    Saves Q, K, V, O (contiguous, in the input's shape) and L of shape (..., n_queries). ``backward`` is a
     key of ``BACKWARDS``: "triton" (the default: the split pair, through TMA for 16-bit inputs above TMA_MIN_SEQ),
     "triton_split", "triton_atomic", "triton_tma", or "pytorch" (the torch.compile'd reference
     backward of ``flash_pytorch`` on the same saved tensors). ``forward`` is a key of ``FORWARDS``:
     "triton" (the default: TMA for 16-bit inputs above TMA_MIN_SEQ), "triton_pointer" or "triton_tma".
+
+    No reshapes or views on the way: at short sequences the host's time per call, not the kernels',
+    sets the speed, and a view of a custom Function's output costs autograd more than an allocation.
     """
 
     @staticmethod
@@ -1009,25 +1057,23 @@ class FlashAttentionTriton(torch.autograd.Function):
             raise ValueError(f"backward must be one of {BACKWARD_IMPLS}, got {backward!r}")
         if forward not in FORWARD_IMPLS:
             raise ValueError(f"forward must be one of {FORWARD_IMPLS}, got {forward!r}")
-        q3, k3, v3 = _flat(q), _flat(k), _flat(v)
-        o3, lse = flash_forward_triton(q3, k3, v3, bool(is_causal), variant=FORWARDS[forward])
-        # Q, K, V, O saved flattened (the backward reshapes only dO); L keeps the input's leading
-        # dims, (..., n_queries), the shape the handout's tests look for among the saved tensors
-        ctx.save_for_backward(q3, k3, v3, o3, lse.view(q.shape[:-1]))
-        ctx.is_causal, ctx.backward_impl, ctx.q_shape, ctx.k_shape = bool(is_causal), backward, q.shape, k.shape
-        return o3.view(q.shape)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # copies only what is strided
+        o, lse = flash_forward_triton(q, k, v, bool(is_causal), variant=FORWARDS[forward])
+        # L has the input's leading dims, (..., n_queries): the shape the handout's tests look for
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.is_causal, ctx.backward_impl = bool(is_causal), backward
+        return o
 
     @staticmethod
     def backward(ctx, do: torch.Tensor):
-        q3, k3, v3, o3, lse = ctx.saved_tensors
-        lse = lse.view(q3.shape[:2])
-        do3 = _flat(do.to(q3.dtype))
+        q, k, v, o, lse = ctx.saved_tensors
+        do = do.to(q.dtype).contiguous()
         impl = BACKWARDS[ctx.backward_impl]
         if impl == "pytorch":
-            dq, dk, dv = backward_reference(q3, k3, v3, o3, lse, do3, ctx.is_causal)
+            dq, dk, dv = backward_reference(q, k, v, o, lse, do, ctx.is_causal)
         else:
-            dq, dk, dv = flash_backward_triton(q3, k3, v3, o3, lse, do3, ctx.is_causal, variant=impl)
-        return dq.view(ctx.q_shape), dk.view(ctx.k_shape), dv.view(ctx.k_shape), None, None, None
+            dq, dk, dv = flash_backward_triton(q, k, v, o, lse, do, ctx.is_causal, variant=impl)
+        return dq, dk, dv, None, None, None
 
 
 def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, *,
