@@ -507,25 +507,34 @@ def test_gpu_repeated_calls_launch_compiled_kernels_for_their_own_arguments():
     # times (autotune or jit dispatch, then the stored compiled kernel) and must stay correct.
     from systems.attention import flash_triton as ft
 
-    def case(n, offset):
-        gen = torch.Generator(device="cuda").manual_seed(n + offset)
-        q, k, v = ((torch.randn(2 * n * 64 + offset, generator=gen, device="cuda")[offset:]
-                    .view(2, n, 64).to(torch.bfloat16)) for _ in range(3))
-        if offset:  # .to() made a new, aligned tensor: take a misaligned contiguous copy instead
+    def inputs(n, misaligned):
+        gen = torch.Generator(device="cuda").manual_seed(n + misaligned)
+        q, k, v = (torch.randn(2, n, 64, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        if misaligned:  # the same values from a base 2 bytes past a 16-byte boundary
             q, k, v = (torch.empty(t.numel() + 1, device="cuda", dtype=t.dtype)[1:].view(t.shape).copy_(t)
                        for t in (q, k, v))
         return q, k, v
 
-    for n, offset in [(1024, 0), (1000, 0), (1024, 1), (1024, 0)]:
-        q, k, v = case(n, offset)
-        assert (q.data_ptr() % 16 == 0) == (offset == 0)
-        want, _ = reference(q, k, v, True)
-        for _ in range(3):
+    def rel_err(got, want):
+        return ((got.double() - want).abs().max() / want.abs().max().clamp(min=1)).item()
+
+    for n, misaligned in [(1024, False), (1000, False), (1024, True), (1024, False)]:
+        q, k, v = inputs(n, misaligned)
+        assert (q.data_ptr() % 16 == 0) != misaligned
+        do = torch.randn_like(q)
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        want = reference(q64, k64, v64, True)[0]
+        want_grads = torch.autograd.grad(want, (q64, k64, v64), do.double())
+        for t in (q, k, v):
+            t.requires_grad_()
+        for _ in range(3):  # the forward and both backward kernels each take all three routes
             got = ft.flash_attention_triton(q, k, v, is_causal=True)
-            err = ((got.double() - want).abs().max() / want.abs().max().clamp(min=1)).item()
-            assert err < GPU_TOL[torch.bfloat16], (n, offset, err)
-    plans = [plan for key, plan in ft._PLANS.items() if key[0] == "_flash_fwd_kernel" and key[1:3] == (torch.bfloat16, 1024)]
-    assert plans and len(plans[0].compiled) >= 3  # aligned/1024, aligned/1000, misaligned/1024
+            grads = torch.autograd.grad(got, (q, k, v), do)
+            errors = [rel_err(got, want)] + [rel_err(g, w) for g, w in zip(grads, want_grads)]
+            assert max(errors) < GPU_TOL[torch.bfloat16], (n, misaligned, errors)
+    for name in ("_flash_fwd_kernel", "_flash_bwd_dq_kernel", "_flash_bwd_dkdv_kernel"):
+        plans = [plan for key, plan in ft._PLANS.items() if key[0] == name and key[1:3] == (torch.bfloat16, 1024)]
+        assert plans and len(plans[0].compiled) >= 3, name  # aligned/1024, aligned/1000, misaligned/1024
 
 
 @pytest.mark.gpu
