@@ -186,6 +186,44 @@ def _load_tile(src, row0, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D:
 
 
 @triton.jit
+def _streamed(base, n_rows, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+              TMA: tl.constexpr):
+    """What an inner loop reads one (batch, head)'s (n_rows, d) operand through, for _load_tile: a
+    tensor descriptor of it (TMA; rows past n_rows read as zeros), or its base pointer."""
+    if TMA:
+        src = tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                        block_shape=[BLOCK_ROWS, BLOCK_D])
+    else:
+        src = base
+    return src
+
+
+@triton.jit
+def _key_bounds(m0, n_k, offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """For the query tile starting at row m0: where the key tiles every row sees in full end (the
+    unmasked loop runs up to there), and where the keys any row sees end (the masked loop runs
+    from the first to the second: the diagonal tiles and the ragged end)."""
+    n_k_full = (n_k // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        hi_unmasked = tl.minimum(((m0 + offset + 1) // BLOCK_N) * BLOCK_N, n_k_full)
+        hi = tl.minimum(m0 + BLOCK_M + offset, n_k)
+    else:
+        hi_unmasked = n_k_full
+        hi = n_k
+    return hi_unmasked, hi
+
+
+@triton.jit
+def _diagonal_query_tiles(n0, offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Causal, for the key tile starting at row n0: the query tiles [lo, hi) that see part of it
+    (its diagonal; they need the mask). Query tiles from hi on see all of it."""
+    lo = (tl.maximum(n0 - offset, 0) // BLOCK_M) * BLOCK_M
+    last_partial = tl.maximum(n0 + BLOCK_N - 1 - offset, 0)
+    hi = ((last_partial + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    return lo, hi
+
+
+@triton.jit
 def _store_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     if HEAD_DIM == BLOCK_D:
         tl.store(ptrs, x, mask=rows[:, None] < n_rows)
@@ -440,30 +478,15 @@ def _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM: tl.constexpr, BLOC
     offs_d = tl.arange(0, BLOCK_D)
     q = _load_rows(Q + bh * n_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
                    offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    K_bh = K + bh * n_k * HEAD_DIM
-    V_bh = V + bh * n_k * HEAD_DIM
-    if TMA:  # one (n_k, d) descriptor per (batch, head): rows past n_k read as zeros
-        K_src = tl.make_tensor_descriptor(K_bh, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                          block_shape=[BLOCK_N, BLOCK_D])
-        V_src = tl.make_tensor_descriptor(V_bh, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                          block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        K_src = K_bh
-        V_src = V_bh
+    K_src = _streamed(K + bh * n_k * HEAD_DIM, n_k, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    V_src = _streamed(V + bh * n_k * HEAD_DIM, n_k, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     offset = n_k - n_q
-    n_k_full = (n_k // BLOCK_N) * BLOCK_N
-    if IS_CAUSAL:
-        # key tiles every row of this tile sees in full, then the diagonal ones
-        hi_unmasked = tl.minimum(((m0 + offset + 1) // BLOCK_N) * BLOCK_N, n_k_full)
-        hi = tl.minimum(m0 + BLOCK_M + offset, n_k)
-    else:
-        hi_unmasked = n_k_full
-        hi = n_k
+    hi_unmasked, hi = _key_bounds(m0, n_k, offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
     acc, m_i, l_i = _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale,
                                   0, hi_unmasked, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION, TMA)
     acc, m_i, l_i = _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale,
@@ -546,16 +569,8 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
     v = _load_rows(V + kv_tile, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
-    Q_bh = Q + bh * n_q * HEAD_DIM
-    dO_bh = dO + bh * n_q * HEAD_DIM
-    if TMA:
-        Q_src = tl.make_tensor_descriptor(Q_bh, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                          block_shape=[BLOCK_M1, BLOCK_D])
-        dO_src = tl.make_tensor_descriptor(dO_bh, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                           block_shape=[BLOCK_M1, BLOCK_D])
-    else:
-        Q_src = Q_bh
-        dO_src = dO_bh
+    Q_src = _streamed(Q + bh * n_q * HEAD_DIM, n_q, HEAD_DIM, BLOCK_M1, BLOCK_D, TMA)
+    dO_src = _streamed(dO + bh * n_q * HEAD_DIM, n_q, HEAD_DIM, BLOCK_M1, BLOCK_D, TMA)
     L_bh = L + bh * n_q
     D_bh = Delta + bh * n_q
 
@@ -563,9 +578,7 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
     n_q_full = (n_q // BLOCK_M1) * BLOCK_M1
     if IS_CAUSAL:
         # query tiles that see part of this key tile (the diagonal), masked ...
-        lo_diag = (tl.maximum(n0 - offset, 0) // BLOCK_M1) * BLOCK_M1
-        last_partial = tl.maximum(n0 + BLOCK_N1 - 1 - offset, 0)
-        hi_diag = ((last_partial + BLOCK_M1 - 1) // BLOCK_M1) * BLOCK_M1
+        lo_diag, hi_diag = _diagonal_query_tiles(n0, offset, BLOCK_M1, BLOCK_N1)
         dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
                                   lo_diag, tl.minimum(hi_diag, n_q),
                                   BLOCK_M1, HEAD_DIM, BLOCK_D, True, True, INPUT_PRECISION, TMA)
@@ -649,25 +662,11 @@ def _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale,
     tl.store(Delta + bh * n_q + offs_m, delta, mask=offs_m < n_q)
     lse2 = tl.load(L + bh * n_q + offs_m, mask=offs_m < n_q, other=0.0) * _LOG2E
     dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
-    K_bh = K + bh * n_k * HEAD_DIM
-    V_bh = V + bh * n_k * HEAD_DIM
-    if TMA:
-        K_src = tl.make_tensor_descriptor(K_bh, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                          block_shape=[BLOCK_N2, BLOCK_D])
-        V_src = tl.make_tensor_descriptor(V_bh, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                          block_shape=[BLOCK_N2, BLOCK_D])
-    else:
-        K_src = K_bh
-        V_src = V_bh
+    K_src = _streamed(K + bh * n_k * HEAD_DIM, n_k, HEAD_DIM, BLOCK_N2, BLOCK_D, TMA)
+    V_src = _streamed(V + bh * n_k * HEAD_DIM, n_k, HEAD_DIM, BLOCK_N2, BLOCK_D, TMA)
 
     offset = n_k - n_q
-    n_k_full = (n_k // BLOCK_N2) * BLOCK_N2
-    if IS_CAUSAL:
-        hi_unmasked = tl.minimum(((m0 + offset + 1) // BLOCK_N2) * BLOCK_N2, n_k_full)
-        hi = tl.minimum(m0 + BLOCK_M2 + offset, n_k)
-    else:
-        hi_unmasked = n_k_full
-        hi = n_k
+    hi_unmasked, hi = _key_bounds(m0, n_k, offset, BLOCK_M2, BLOCK_N2, IS_CAUSAL)
     dq = _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale, 0, hi_unmasked,
                       BLOCK_N2, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION, TMA)
     dq = _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale, hi_unmasked, hi,
@@ -794,9 +793,7 @@ def _flash_bwd_atomic_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, qk
     if IS_CAUSAL:
         # the query tiles that see part of this key tile, masked (padding keys are never seen by
         # a real query past them, so the unmasked loops below need no key bound)
-        lo_diag = (tl.maximum(n0 - offset, 0) // BLOCK_M3) * BLOCK_M3
-        last_partial = tl.maximum(n0 + BLOCK_N3 - 1 - offset, 0)
-        lo = ((last_partial + BLOCK_M3 - 1) // BLOCK_M3) * BLOCK_M3
+        lo_diag, lo = _diagonal_query_tiles(n0, offset, BLOCK_M3, BLOCK_N3)
         dk, dv, dq_prev, rows_prev = _atomic_query_loop(
             dk, dv, dq_prev, rows_prev, k, v, Q_bh, dO_bh, L_bh, D_bh, DQ_bh, offs_n, offs_d, n_q, n_k, offset,
             qk_scale, lo_diag, tl.minimum(lo, n_q),
