@@ -57,6 +57,18 @@ def in_backward(model, optimizer_cls, **kw):
                                make_optimizer=lambda ps: optimizer_cls(ps, **HYPER), **kw)
 
 
+def train_twins(ref_cls, ours_cls, *, steps, autocast=False):
+    """Twin models trained on the same batches: ``ref_cls`` stepped after each backward, ``ours_cls``
+    one per group inside it. Returns (ref, ours, ref_opt, ours_opt) for assert_same_training."""
+    cfg, ref, ours = twin_models()
+    batches = random_batches(cfg, steps=steps)
+    ref_opt = ref_cls(ref.parameters(), **HYPER)
+    ours_opt = in_backward(ours, ours_cls)
+    train(ref, ref_opt, batches, autocast=autocast)
+    train(ours, ours_opt, batches, autocast=autocast)
+    return ref, ours, ref_opt, ours_opt
+
+
 def assert_same_training(ref, ours, ref_opt, ours_opt, **tol):
     for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
         torch.testing.assert_close(b, a, msg=name, **tol)
@@ -76,23 +88,13 @@ def assert_same_training(ref, ours, ref_opt, ours_opt, **tol):
 def test_matches_the_plain_optimizer_exactly(optimizer_cls):
     # fp32 on a CPU: each group is updated after its last use in the backward, so every gradient
     # is the plain run's; the update is elementwise and the same ops as AdamW's: bit-identical
-    cfg, ref, ours = twin_models()
-    batches = random_batches(cfg, steps=4)
-    ref_opt = AdamW(ref.parameters(), **HYPER)
-    ours_opt = in_backward(ours, optimizer_cls)
-    train(ref, ref_opt, batches)
-    train(ours, ours_opt, batches)
+    ref, ours, ref_opt, ours_opt = train_twins(AdamW, optimizer_cls, steps=4)
     assert_same_training(ref, ours, ref_opt, ours_opt, atol=0, rtol=0)
 
 
 def test_matches_under_bf16_autocast():
     # the benchmark's setting: bf16 matmuls over fp32 weights; the same ops on both sides, so exact too
-    cfg, ref, ours = twin_models()
-    batches = random_batches(cfg, steps=3)
-    ref_opt = FusedAdamW(ref.parameters(), **HYPER)
-    ours_opt = in_backward(ours, FusedAdamW)
-    train(ref, ref_opt, batches, autocast=True)
-    train(ours, ours_opt, batches, autocast=True)
+    ref, ours, ref_opt, ours_opt = train_twins(FusedAdamW, FusedAdamW, steps=3, autocast=True)
     assert_same_training(ref, ours, ref_opt, ours_opt, atol=0, rtol=0)
 
 
@@ -232,12 +234,7 @@ def test_triton_kernel_in_interpreter_subprocess():
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 def test_interp_fused_kernel_per_group_matches_adamw():
     # FusedAdamW's kernel, one launch per group, against AdamW's torch ops after the backward
-    cfg, ref, ours = twin_models()
-    batches = random_batches(cfg, steps=2)
-    ref_opt = AdamW(ref.parameters(), **HYPER)
-    ours_opt = in_backward(ours, FusedAdamW)
-    train(ref, ref_opt, batches)
-    train(ours, ours_opt, batches)
+    ref, ours, ref_opt, ours_opt = train_twins(AdamW, FusedAdamW, steps=2)
     assert_same_training(ref, ours, ref_opt, ours_opt, **KERNEL_TOL)
     assert all(o._tables for o in ours_opt.optimizers)  # every group went through the kernel
 
