@@ -33,6 +33,18 @@ def reference(q, k, v, is_causal):
     return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
 
 
+def pointer_and_tma(q, k, v, do, is_causal):
+    """(O, dQ, dK, dV) through the pointer kernels, then the same through the TMA kernels."""
+    from systems.attention.flash_triton import flash_attention_triton
+
+    results = []
+    for forward, backward in (("triton_pointer", "triton_split"), ("triton_tma", "triton_tma")):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attention_triton(*leaves, is_causal, forward=forward, backward=backward)
+        results.append((out, *torch.autograd.grad(out, leaves, do)))
+    return results
+
+
 def run_and_compare(apply, shape_q, n_k, dtype, is_causal, device, tol):
     """Forward + backward through `apply`; returns max abs errors of O, L, dQ, dK, dV against
     float64 autograd of `reference`, each divided by max(1, max |reference|)."""
@@ -230,17 +242,10 @@ def test_interp_tma_matches_reference(shape_q, n_k, dtype, causal):
 def test_interp_tma_equals_pointer_kernels(shape_q, n_k, dtype, causal):
     """Under the interpreter both variants run the same tiles in the same order: a descriptor load
     must give exactly the masked pointer load, zeros included."""
-    from systems.attention.flash_triton import flash_attention_triton
-
     gen = torch.Generator().manual_seed(n_k)
     shape_k = (*shape_q[:-2], n_k, shape_q[-1])
     q, k, v, do = (torch.randn(s, generator=gen).to(dtype) for s in (shape_q, shape_k, shape_k, shape_q))
-    results = []
-    for forward, backward in (("triton_pointer", "triton_split"), ("triton_tma", "triton_tma")):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = flash_attention_triton(*leaves, causal, forward=forward, backward=backward)
-        results.append((out, *torch.autograd.grad(out, leaves, do)))
-    for pointer, tma in zip(*results):
+    for pointer, tma in zip(*pointer_and_tma(q, k, v, do, causal)):
         torch.testing.assert_close(tma, pointer, rtol=0, atol=0)
 
 
@@ -485,17 +490,10 @@ def test_gpu_triton_tma_matches_reference(shape_q, n_k, causal, dtype):
 def test_gpu_triton_tma_close_to_pointer_kernels_bf16():
     """Leaderboard-like shape with the autotuned (larger) TMA tiles against the pointer kernels:
     two tilings of the same bf16 computation, so a few bf16 roundings apart."""
-    from systems.attention.flash_triton import flash_attention_triton
-
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(1, 4, 4096, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
                    for _ in range(4))
-    results = []
-    for forward, backward in (("triton_pointer", "triton_split"), ("triton_tma", "triton_tma")):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = flash_attention_triton(*leaves, True, forward=forward, backward=backward)
-        results.append((out, *torch.autograd.grad(out, leaves, do)))
-    for pointer, tma in zip(*results):
+    for pointer, tma in zip(*pointer_and_tma(q, k, v, do, True)):
         torch.testing.assert_close(tma, pointer, atol=5e-2, rtol=5e-2)
 
 
