@@ -12,7 +12,7 @@
 # # 01 · End-to-end benchmarking (benchmarking_script)
 #
 # How long do the forward pass, the backward pass and the optimizer step take for each model
-# size, and how much does warm-up matter? Everything below is measured by `systems.benchmark`
+# size, and how much does warm-up matter? Everything below is measured by `systems.bench.benchmark`
 # in this run: `torch.cuda.synchronize()` after each phase, `timeit.default_timer`, warm-up
 # steps outside the measured region.
 
@@ -23,9 +23,9 @@ context_length = None    # default: 512 (full), 64 (smoke)
 sizes = None             # default: the handout sizes (full), ["debug"] (smoke)
 
 # %%
-from systems import nb
-from systems.benchmark import BenchmarkConfig, run_sweep
-from systems.benchmark_report import (backward_forward_answer, phase_table, plot_phases, plot_warmup,
+from systems.report import notebook as nb
+from systems.bench.benchmark import BenchmarkConfig, run_sweep
+from systems.report.benchmarking import (backward_forward_answer, phase_table, plot_phases, plot_warmup,
                                       warmup_answer, warmup_table)
 from systems.config import HANDOUT_SIZES
 
@@ -37,13 +37,13 @@ common = dict(context_length=context_length, batch_size=4, precision="fp32", dev
 # %% [markdown]
 # ## (a) The harness
 #
-# `systems.benchmark.run_benchmark(BenchmarkConfig(...))` builds the model for a size name (or
+# `systems.bench.benchmark.run_benchmark(BenchmarkConfig(...))` builds the model for a size name (or
 # explicit hyperparameters), random token batches, and our AdamW; it runs `warmup_steps`
 # untimed steps and then `measure_steps` timed ones of `forward`, `forward_backward` or
 # `train_step`, under fp32 or bf16/fp16 autocast, optionally `torch.compile`d. Each record has
 # mean and std of the step and of each phase, tokens/s, model FLOPs, MFU against the detected
 # GPU's named peak, peak memory, and the environment. The same is a CLI:
-# `python -m systems.benchmark --model-size small --context-length 512 --mode train_step`.
+# `python -m systems.bench.benchmark --model-size small --context-length 512 --mode train_step`.
 
 # %% [markdown]
 # ## (b) Forward, backward and optimizer step for every size (5 warm-up, 10 measured)

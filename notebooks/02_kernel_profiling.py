@@ -27,9 +27,10 @@ out_dir = "build/smoke"  # the runner injects this
 # %%
 import pandas as pd
 
-from systems import nb, profiling
-from systems.benchmark import BenchmarkConfig
-from systems.results import ResultWriter
+from systems.report import notebook as nb
+from systems.measure import profiler as profiling
+from systems.bench.benchmark import BenchmarkConfig
+from systems.measure.results import ResultWriter
 
 ctx = nb.setup(name="02_kernel_profiling", profile=profile, out_dir=out_dir)
 if not ctx.full:

@@ -24,11 +24,11 @@ import math
 import matplotlib.pyplot as plt
 import torch
 
-from systems import mixed_precision as mp
-from systems import nb
-from systems.benchmark import run_sweep
+from systems.bench import precision as mp
+from systems.report import notebook as nb
+from systems.bench.benchmark import run_sweep
 from systems.config import HANDOUT_SIZES
-from systems.results import ResultWriter, read_results
+from systems.measure.results import ResultWriter, read_results
 
 ctx = nb.setup(name="03_mixed_precision", profile=profile, out_dir=out_dir)
 
@@ -188,7 +188,7 @@ nb.md(
 
 # %% [markdown]
 # ## 2 (c) · bf16 autocast against fp32, every size that fits
-# The harness (`systems.benchmark`) at context 512, batch 4: forward, forward+backward and the full train
+# The harness (`systems.bench.benchmark`) at context 512, batch 4: forward, forward+backward and the full train
 # step (AdamW), fp32 (TF32 off, so it is true fp32) against bf16 autocast over fp32 master weights. The
 # two precisions run back to back per size and mode; a size that does not fit is recorded as `oom`.
 # Full profile: 5 warm-up + 10 measured steps for small and medium, 3 + 5 for large, xl and 2.7B, which

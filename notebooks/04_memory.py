@@ -32,13 +32,14 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from systems import memory, nb
-from systems.benchmark import BenchmarkConfig, run_benchmark
+from systems.measure import memory
+from systems.report import notebook as nb
+from systems.bench.benchmark import BenchmarkConfig, run_benchmark
 from systems.config import get_config
-from systems.devices import release_memory
+from systems.measure.devices import release_memory
 from systems.model import TransformerBlock, TransformerLM
 from systems.optim import AdamW
-from systems.results import ResultWriter
+from systems.measure.results import ResultWriter
 
 ctx = nb.setup(name="04_memory", profile=profile, out_dir=out_dir)
 dev = ctx.device if ctx.full else "cpu"

@@ -32,14 +32,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from systems import nb
-from systems.attention_sweep import (AttentionPoint, AttentionSweepConfig, attention_memory_accounting,
+from systems.report import notebook as nb
+from systems.bench.attention import (AttentionPoint, AttentionSweepConfig, attention_memory_accounting,
                                      flash_attention_accounting, model_compile_table, ratio_table,
                                      run_attention_point, run_attention_sweep, run_model_compile_sweep,
                                      saved_memory_fits, fit_power_law, sdpa_one_head, simulated_memory_limit,
                                      smallest_oom, sweep_table)
 from systems.config import HANDOUT_SIZES
-from systems.results import ResultWriter
+from systems.measure.results import ResultWriter
 
 ctx = nb.setup(name="05_attention_compile", profile=profile, out_dir=out_dir)
 GIB = 2**30
@@ -251,7 +251,7 @@ if not both.empty:
 # %% [markdown]
 # ## (b) torch_compile: the whole Transformer compiled vs eager
 #
-# Through the harness (`systems.benchmark.run_benchmark`): context 512, batch 4, fp32 weights with
+# Through the harness (`systems.bench.benchmark.run_benchmark`): context 512, batch 4, fp32 weights with
 # TF32 matmuls allowed, 2 warm-up and 5 measured steps. "Compiled" compiles every Transformer
 # block (`compile_scope` parameter, `"blocks"` by default): all blocks share one compiled graph, as
 # in torchtitan, so compile time does not grow with depth (`torch.compile` of the whole model

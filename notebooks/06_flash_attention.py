@@ -28,11 +28,11 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from systems import nb
+from systems.report import notebook as nb
 from systems.attention import FlashAttentionPytorch
 from systems.attention.naive import naive_attention
-from systems.hardware import lookup_peak
-from systems.results import ResultWriter, read_results
+from systems.measure.hardware import lookup_peak
+from systems.measure.results import ResultWriter, read_results
 
 ctx = nb.setup(name="06_flash_attention", profile=profile, out_dir=out_dir)
 
@@ -118,7 +118,7 @@ if not ctx.full:
 
 # %%
 if ctx.full:
-    from systems.attention_bench import flash_benchmarking, full_profile_grids
+    from systems.bench.flash import flash_benchmarking, full_profile_grids
 
     sweep_path = ctx.result_path("sweep")
     sweep_writer = ResultWriter(sweep_path)
@@ -161,12 +161,12 @@ if ctx.full:
 # ## Speed against SDPA's cuDNN and flash backends
 # Over the bf16 sweep at seq 1k-64k x d 64 and 128: each point's baseline time / our time per
 # pass (> 1: ours is faster), and their geometric mean against the targets of
-# `systems.attention_bench.SPEED_TARGETS`. do_bench times each call between CUDA events, so where a
+# `systems.bench.flash.SPEED_TARGETS`. do_bench times each call between CUDA events, so where a
 # call's host work (Python, launches) outlasts its kernels the ratio measures the host.
 
 # %%
 if ctx.full:
-    from systems.attention_bench import RATIO_GRID, geomean_ratios, speed_ratios
+    from systems.bench.flash import RATIO_GRID, geomean_ratios, speed_ratios
 
     ratios = speed_ratios(sweep)
     nb.show(ratios, caption="baseline ms / our ms per point (> 1: ours faster)", floatfmt="{:.2f}")
@@ -185,7 +185,7 @@ if ctx.full:
 
 # %%
 if ctx.full:
-    from systems.attention_bench import LEADERBOARD_TARGET, leaderboard
+    from systems.bench.flash import LEADERBOARD_TARGET, leaderboard
 
     lb_path = ctx.result_path("leaderboard")
     lb = leaderboard(writer=ResultWriter(lb_path))

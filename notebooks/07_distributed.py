@@ -18,7 +18,7 @@
 # `DistributedDataParallel` in the same run (`naive_ddp_benchmarking`, `ddp_overlap_individual_parameters_benchmarking`,
 # `ddp_bucketed_benchmarking`)? The full profile runs NCCL on the visible GPUs (it needs two)
 # with the xl model; the smoke profile runs the same code on gloo with two CPU processes and
-# the debug model. Ranks are started by `systems.distributed.launch.spawn` (or `torchrun`).
+# the debug model. Ranks are started by `systems.parallel.launch.spawn` (or `torchrun`).
 
 # %% tags=["parameters"]
 profile = "smoke"        # "smoke" (CPU, gloo, < 90 s) or "full" (NCCL on two or more GPUs)
@@ -29,12 +29,12 @@ gloo_max_mb = None       # cap on gloo all-reduce sizes; None: 10 MB (smoke) / 1
 # %%
 import torch
 
-from systems import nb
-from systems.distributed import allreduce_bench as arb
-from systems.distributed import report
-from systems.distributed.ddp_bench import DDPBenchConfig, run_ddp_benchmark
-from systems.parallel_math import ddp_bucket_overhead, optimal_bucket_bytes
-from systems.results import read_results
+from systems.report import notebook as nb
+from systems.bench import allreduce as arb
+from systems.report import distributed as report
+from systems.bench.ddp import DDPBenchConfig, run_ddp_benchmark
+from systems.analysis.parallel_math import ddp_bucket_overhead, optimal_bucket_bytes
+from systems.measure.results import read_results
 
 ctx = nb.setup(name="07_distributed", profile=profile, out_dir=out_dir)
 n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -153,7 +153,7 @@ nb.md("**Against the targets** (2xH200 acceptance: best step time <= torch DDP's
 # $$\text{overhead}(n_b) = \frac{s}{n_b\,w} + n_b\,o,$$
 #
 # minimised at $n_b^* = \sqrt{s/(w\,o)}$, i.e. a bucket size of $\sqrt{s\,w\,o}$
-# (`systems.parallel_math.ddp_bucket_overhead`, `optimal_bucket_bytes`). $o$ and $w$ are fitted
+# (`systems.analysis.parallel_math.ddp_bucket_overhead`, `optimal_bucket_bytes`). $o$ and $w$ are fitted
 # to this run's all-reduce times ($t = o + \text{size}/w$) for the DDP benchmark's backend and
 # world size; the measured points are the bucketed variants above.
 

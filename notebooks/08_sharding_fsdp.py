@@ -14,8 +14,8 @@
 # # 08 · Optimizer-state sharding and FSDP
 # How much memory does sharding save, and what does it cost in time? On 2 ranks with the xl model
 # (context 512, global batch 4) we measure DDP with and without a sharded optimizer
-# (`systems.distributed.sharded_optimizer.ShardedOptimizer`), then our fully sharded wrapper
-# (`systems.distributed.fsdp.FSDP`) against torch's FSDP2 (`fully_shard`) in the same run, and read a
+# (`systems.parallel.sharded_optimizer.ShardedOptimizer`), then our fully sharded wrapper
+# (`systems.parallel.fsdp.FSDP`) against torch's FSDP2 (`fully_shard`) in the same run, and read a
 # profiler trace to see whether each layer's all-gather finishes before the layer needs it.
 
 # %% tags=["parameters"]
@@ -27,9 +27,9 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from systems import nb
-from systems.distributed import fsdp_bench
-from systems.results import read_results
+from systems.report import notebook as nb
+from systems.bench import fsdp as fsdp_bench
+from systems.measure.results import read_results
 
 ctx = nb.setup(name="08_sharding_fsdp", profile=profile, out_dir=out_dir)
 if ctx.full:

@@ -16,7 +16,7 @@
 # `communication_accounting`)? For one SwiGLU FFN layer, how many devices can data, fully
 # sharded, tensor and 2D (FSDP + TP) parallelism use before communication outlasts computation
 # (2026 handout §8)? And how large should DDP gradient buckets be? Every number below is computed
-# in this run by `systems.parallel_math` (closed forms, derived again with sympy and checked
+# in this run by `systems.analysis.parallel_math` (closed forms, derived again with sympy and checked
 # against brute-force counts in `tests/test_parallel_math.py`); nothing here needs a GPU.
 
 # %% tags=["parameters"]
@@ -36,12 +36,12 @@ import pandas as pd
 import sympy as sp
 import torch
 
-from systems import nb
-from systems import parallel_math as pm
-from systems.parallel_plots import bucket_overhead_figure, crossover_panel, mark_crossover
+from systems.report import notebook as nb
+from systems.analysis import parallel_math as pm
+from systems.report.parallelism_math import bucket_overhead_figure, crossover_panel, mark_crossover
 from systems.config import get_config
-from systems.env import REPO_ROOT
-from systems.results import ResultWriter, read_results
+from systems.measure.env import REPO_ROOT
+from systems.measure.results import ResultWriter, read_results
 
 ctx = nb.setup(name="09_parallelism_math", profile=profile, out_dir=out_dir, needs_gpu_for_full=False)
 n_points = 2000 if ctx.full else 300
@@ -55,7 +55,7 @@ latex = sp.latex
 # `GB` is $10^9$ bytes. A matmul $(A,B)(B,C)$ costs $2ABC$ FLOPs. With $N$ devices and $W$
 # bytes/s of egress each, a ring all-gather or reduce-scatter of an $S$-byte tensor takes
 # $\frac{N-1}{N}\frac{S}{W}$ and an all-reduce twice that. Device parameters are named
-# dataclasses in `systems.parallel_math` (H100's compute peak comes from `systems.hardware`):
+# dataclasses in `systems.analysis.parallel_math` (H100's compute peak comes from `systems.measure.hardware`):
 
 # %%
 hardware = pd.DataFrame([dict(device=a.name, C_TFLOPs=a.flops_per_s / 1e12, W_GBps=a.link_bytes_per_s / GB,

@@ -31,7 +31,7 @@
 #   memory-bound update can overlap the compute-bound backward; the "optimizer" phase is then
 #   only the tail the backward could not hide.
 #
-# The variants are data in `systems.train_step.VARIANTS`, the lever comparisons in `LEVERS`.
+# The variants are data in `systems.bench.train_step.VARIANTS`, the lever comparisons in `LEVERS`.
 
 # %% tags=["parameters"]
 profile = "smoke"        # "smoke" (CPU, debug model, < 60 s) or "full" (GPU, < 6 min on one H100)
@@ -42,10 +42,11 @@ peak_tflops = 680.0      # bf16 dense-matmul rate MFU is relative to: measured o
 import pandas as pd
 import torch
 
-from systems import nb, profiling
-from systems import train_step as ts
-from systems.distributed import leaderboard as lbd
-from systems.results import ResultWriter, read_records
+from systems.report import notebook as nb
+from systems.measure import profiler as profiling
+from systems.bench import train_step as ts
+from systems.bench import leaderboard as lbd
+from systems.measure.results import ResultWriter, read_records
 
 ctx = nb.setup(name="10_fast_train_step", profile=profile, out_dir=out_dir)
 if ctx.full:
@@ -128,7 +129,7 @@ if not levers.empty:
 # %% [markdown]
 # ## One step of the fastest configuration, profiled
 # `torch.profiler` over one warm step of the traced variant; kernels grouped into categories
-# (`systems.profiling`), phases shaded.
+# (`systems.measure.profiler`), phases shaded.
 
 # %%
 items, ranges = profiling.parse_trace(profiling.load_trace(trace_path))
@@ -154,7 +155,7 @@ nb.md(f"In the profiled step (each phase closed by a synchronisation, so its ran
 # ## The 2026 leaderboard configuration on two GPUs
 # The 8B model (vocab 151,936, d 4096, d_ff 11,008, 34 layers, 32 heads), batch 2 x context
 # 32,768, bf16 autocast over fp32 weights, summed cross-entropy, AdamW, timed with
-# `triton.testing.do_bench` (`systems.distributed.leaderboard`: one sequence per rank, bucketed
+# `triton.testing.do_bench` (`systems.bench.leaderboard`: one sequence per rank, bucketed
 # DDP, ZeRO-1 sharded fused AdamW, every block checkpointed, the fused LM head + loss, SDPA's
 # cuDNN attention). It needs two GPUs with enough memory each; on such a node this cell runs it,
 # elsewhere it shows the last row of `results/12_leaderboard_8b.jsonl` with the machine and
@@ -182,5 +183,5 @@ if lb_path.exists():
           f"GPU of model FLOPs (recomputation not counted), peak memory per rank {per_rank} GiB. Target <= "
           f"{lbd.TARGET_STEP_S:g} s: **{'met' if met else 'not met'}**.")
 else:
-    nb.md(f"8B leaderboard step: {lb_source}; no row exists yet. Run `python -m systems.distributed.leaderboard` "
+    nb.md(f"8B leaderboard step: {lb_source}; no row exists yet. Run `python -m systems.bench.leaderboard` "
           "on a node with two such GPUs.")

@@ -11,8 +11,8 @@ import math
 import torch
 import torch.nn as nn
 
-from .attention import get_backend
-from .config import ModelConfig
+from systems.attention import get_backend
+from systems.config import ModelConfig
 
 
 class Linear(nn.Module):

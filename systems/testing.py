@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .devices import triton_interpreting as interpreting
+from systems.measure.devices import triton_interpreting as interpreting
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .env import REPO_ROOT
+from systems.measure.env import REPO_ROOT
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from systems.distributed import allreduce_bench as arb
-from systems.results import read_records
+from systems.bench import allreduce as arb
+from systems.measure.results import read_records
 
 MB = arb.MB
 

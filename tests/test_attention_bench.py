@@ -5,7 +5,7 @@ import math
 import pandas as pd
 import pytest
 
-from systems.attention_bench import attention_flops, geomean_ratios, speed_ratios
+from systems.bench.flash import attention_flops, geomean_ratios, speed_ratios
 
 
 def _row(impl, seq, d, fwd, bwd, dtype="bf16", status="ok"):

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from systems.attention_sweep import (AttentionPoint, AttentionSweepConfig, attention_memory_accounting,
+from systems.bench.attention import (AttentionPoint, AttentionSweepConfig, attention_memory_accounting,
                                      count_saved_tensor_bytes, fit_power_law, flash_attention_accounting,
                                      model_compile_table, ratio_table, run_attention_point, run_attention_sweep,
                                      run_model_compile_sweep, saved_memory_fits, sdpa_one_head,
                                      simulated_memory_limit, smallest_oom, sweep_table)
 from systems.attention.naive import naive_attention
-from systems.results import read_records
+from systems.measure.results import read_records
 
 TINY = dict(batch_size=2, n_forward=2, n_backward=2, warmup=1, device="cpu")
 
@@ -248,7 +248,7 @@ def test_notebook_05_smoke(tmp_path):
 
 
 def test_isolated_sweep_runs_in_a_child_process_and_returns_its_rows(tmp_path):
-    from systems.attention_sweep import AttentionSweepConfig, run_attention_sweep
+    from systems.bench.attention import AttentionSweepConfig, run_attention_sweep
 
     cfg = AttentionSweepConfig(batch_size=1, head_dims=(16, 32), seq_lens=(32,), grow_until_oom=False,
                                n_forward=1, n_backward=1, warmup=1, device="cpu")
@@ -260,7 +260,7 @@ def test_isolated_sweep_runs_in_a_child_process_and_returns_its_rows(tmp_path):
 
 
 def test_isolated_sweep_rejects_what_cannot_cross_processes(tmp_path):
-    from systems.attention_sweep import AttentionSweepConfig, run_attention_sweep
+    from systems.bench.attention import AttentionSweepConfig, run_attention_sweep
 
     with pytest.raises(ValueError, match="cannot carry"):
         run_attention_sweep(AttentionSweepConfig(device="cpu"), out_path=tmp_path / "x.jsonl",

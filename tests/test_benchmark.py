@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 
-from systems import benchmark
-from systems.benchmark import BenchmarkConfig, main, run_benchmark, run_sweep
+from systems.bench import benchmark
+from systems.bench.benchmark import BenchmarkConfig, main, run_benchmark, run_sweep
 from systems.config import get_config
-from systems.hardware import lookup_peak
-from systems.results import read_records
+from systems.measure.hardware import lookup_peak
+from systems.measure.results import read_records
 
 TINY = dict(model="debug", context_length=32, batch_size=2, warmup_steps=1, measure_steps=3, device="cpu")
 
@@ -118,7 +118,7 @@ def test_unknown_gpu_has_no_peak():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "systems.benchmark", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "systems.bench.benchmark", *args], capture_output=True, text=True)
 
 
 def test_cli_prints_json_records(tmp_path):
@@ -150,7 +150,7 @@ def test_cli_rejects_unknown_choice():
 
 
 def test_compile_scope_blocks_compiles_each_block_lazily():
-    from systems.benchmark import StepRunner
+    from systems.bench.benchmark import StepRunner
 
     cfg = BenchmarkConfig(model="debug", context_length=16, batch_size=1, compile=True, compile_scope="blocks",
                           device="cpu")

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from systems.distributed.ddp import (DDPBucketed, DDPIndividualParameters, assign_buckets,
+from systems.parallel.ddp import (DDPBucketed, DDPIndividualParameters, assign_buckets,
                                      make_ddp)
-from systems.distributed.launch import spawn
+from systems.parallel.launch import spawn
 
 WORLD_SIZE = 2
 STEPS = 4
@@ -209,7 +209,7 @@ def test_unknown_variant():
 
 @pytest.mark.slow
 def test_notebook_07_smoke(tmp_path):
-    from systems.results import read_records
+    from systems.measure.results import read_records
     from systems.workbook import run_notebooks
 
     (run,) = run_notebooks(only=["07"], profile="smoke", out_dir=tmp_path, report=False, progress=False)
@@ -228,7 +228,7 @@ def test_overlap_stats_from_a_gpu_trace(tmp_path, trace_event):
     import gzip
     import json
 
-    from systems.distributed.overlap import overlap_stats, trace_intervals
+    from systems.measure.trace import overlap_stats, trace_intervals
 
     ev = trace_event
     events = [
@@ -259,7 +259,7 @@ def test_gpu_step_annotations_on_two_streams_count_once(tmp_path, trace_event):
     External id. They are one step, not two (else every per-step number is halved)."""
     import json
 
-    from systems.distributed.overlap import overlap_stats, trace_intervals
+    from systems.measure.trace import overlap_stats, trace_intervals
 
     ev = trace_event
     events = [
@@ -322,8 +322,8 @@ def test_ddp_benchmark_compiled_setting_runs_after_eager(tmp_path):
     """A compiled setting reuses the eager setting's variants on the same model with its blocks
     compiled: rows carry (precision, compiled, setting), each setting has its own nosync baseline,
     and the DDP hooks still see every gradient (the bucketed run would hang or raise otherwise)."""
-    from systems.distributed.ddp_bench import DDPBenchConfig, run_ddp_benchmark
-    from systems.results import read_records
+    from systems.bench.ddp import DDPBenchConfig, run_ddp_benchmark
+    from systems.measure.results import read_records
 
     cfg = DDPBenchConfig(model="debug", context_length=32, global_batch=2, precisions=("fp32",),
                          compiled_precisions=("fp32",), variants=("nosync", "bucketed:0.05", "torch_ddp"),
@@ -342,7 +342,7 @@ def test_ddp_benchmark_compiled_setting_runs_after_eager(tmp_path):
 
 
 def test_ddp_bench_config_rejects_unknown_compiled_precision():
-    from systems.distributed.ddp_bench import DDPBenchConfig
+    from systems.bench.ddp import DDPBenchConfig
 
     with pytest.raises(ValueError, match="precisions must be among"):
         DDPBenchConfig(compiled_precisions=("fp8",))
@@ -350,7 +350,7 @@ def test_ddp_bench_config_rejects_unknown_compiled_precision():
         DDPBenchConfig(compile_mode="reduce-overhead")
     with pytest.raises(ValueError, match="<MiB>/<last MiB>"):  # refused before any rank starts
         DDPBenchConfig(variants=("bucketed_tail:1000",))
-    proc = subprocess.run([sys.executable, "-m", "systems.distributed.ddp_bench", "--tail-buckets-mb", "1000"],
+    proc = subprocess.run([sys.executable, "-m", "systems.bench.ddp", "--tail-buckets-mb", "1000"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "--tail-buckets-mb" in proc.stderr
 
@@ -360,7 +360,7 @@ def test_ddp_commentary_tells_slowed_computation_from_exposed_communication():
     cost is communication left exposed or computation slowed by communication running beside it."""
     import pandas as pd
 
-    from systems.distributed.report import ddp_commentary
+    from systems.report.distributed import ddp_commentary
 
     def rows(setting, best_ms):
         common = dict(setting=setting, precision="bf16", n_buckets=None, step_ms_p10=None, step_ms_p90=None)
@@ -380,7 +380,7 @@ def test_ddp_commentary_tells_slowed_computation_from_exposed_communication():
     assert "communication left exposed" in line_b
     assert "0.923x torch DDP" in line_a
 
-    from systems.distributed.report import ddp_table, ddp_targets
+    from systems.report.distributed import ddp_table, ddp_targets
 
     targets = ddp_targets(ddp_table(ddp.assign(step_ms_p10=120.0, step_ms_p90=120.0, fwd_bwd_ms=0.0,
                                                sync_wait_ms=0.0, optimizer_ms=0.0, first_step_s=float("nan"))),

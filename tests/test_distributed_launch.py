@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from systems.distributed import launch
-from systems.distributed.launch import DistributedRunError, find_free_port, spawn
+from systems.parallel import launch
+from systems.parallel.launch import DistributedRunError, find_free_port, spawn
 
 
 def _sum_ranks(ctx, offset):

@@ -1,6 +1,6 @@
 """The environment stamp every result row carries."""
 
-from systems import env
+from systems.measure import env
 
 
 def test_git_commit_prefers_the_runner_supplied_hash(monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import torch
-    from systems import flash_tuning as t
+    from systems.bench import flash_tuning as t
     from systems.attention.flash_triton import flash_backward_triton, flash_forward_triton
 
     x = t.make_inputs(batch=2, seq=48, d=16, dtype="fp16", device="cpu")

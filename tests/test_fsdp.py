@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 from systems.config import get_config
-from systems.distributed.fsdp import FSDP
-from systems.distributed.launch import spawn
+from systems.parallel.fsdp import FSDP
+from systems.parallel.launch import spawn
 from systems.model import Embedding, Linear, RMSNorm, TransformerLM
 from systems.optim import AdamW, cross_entropy
 
@@ -208,7 +208,7 @@ def test_gpu_trace_timeline_merges_the_step_across_streams(tmp_path, trace_event
     first); the step is their union. Forward gathers pair with units in issue order."""
     import json
 
-    from systems.distributed.fsdp_bench import gather_timing, trace_timeline
+    from systems.bench.fsdp import gather_timing, trace_timeline
 
     ev = trace_event
     events = [
@@ -237,7 +237,7 @@ def test_optimizer_state_bytes_counts_local_shards():
     """FSDP2's AdamW moments are DTensors whose numel() is global; only the local shard is held."""
     from types import SimpleNamespace
 
-    from systems.distributed.fsdp_bench import optimizer_state_bytes
+    from systems.bench.fsdp import optimizer_state_bytes
 
     class GlobalView(torch.Tensor):  # stands in for a DTensor sharded over 2 ranks
         def to_local(self):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from systems.config import get_config
-from systems.distributed import leaderboard as lb
-from systems.distributed.launch import spawn
+from systems.bench import leaderboard as lb
+from systems.parallel.launch import spawn
 
 CFG = dict(model="debug", context_length=32, global_batch=4, precision="fp32", lr=1e-2, bucket_size_mb=0.05,
            out_path=None)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from systems import memory
-from systems.benchmark import build_parser, configs_from_args
+from systems.measure import memory
+from systems.bench.benchmark import build_parser, configs_from_args
 from systems.config import get_config
 from systems.model import TransformerLM
 from systems.optim import cross_entropy
@@ -195,7 +195,7 @@ def test_checkpointing_rejects_bad_group_size():
 
 
 def test_cpu_snapshot_of_a_harness_train_step_has_the_three_phases(tmp_path):
-    from systems.benchmark import BenchmarkConfig, run_benchmark
+    from systems.bench.benchmark import BenchmarkConfig, run_benchmark
 
     cfg = BenchmarkConfig(model="debug", context_length=32, batch_size=2, warmup_steps=1, measure_steps=1,
                           mode="train_step", device="cpu")

@@ -1,12 +1,12 @@
-"""Tests for systems.mixed_precision: accumulation values, the autocast dtype probe, the LayerNorm
+"""Tests for systems.bench.precision: accumulation values, the autocast dtype probe, the LayerNorm
 experiment, the sweep helpers, and notebook 03 in smoke mode."""
 
 import pandas as pd
 import pytest
 import torch
 
-from systems import mixed_precision as mp
-from systems.benchmark import MODES
+from systems.bench import precision as mp
+from systems.bench.benchmark import MODES
 
 
 def test_accumulation_reproduces_handout_values():
@@ -139,7 +139,7 @@ def test_precision_sweep_configs_and_speedup_table():
 
 
 def test_harness_bf16_sweep_runs_on_cpu(tmp_path):
-    from systems.benchmark import run_sweep
+    from systems.bench.benchmark import run_sweep
 
     configs = mp.precision_sweep_configs(["debug"], modes=("forward",), context_length=16, batch_size=1,
                                          default_steps=(0, 1), device="cpu")

@@ -16,7 +16,7 @@ from systems.config import get_config
 from systems.kernels.fused_adamw import FusedAdamW
 from systems.model import TransformerLM
 from systems.optim import AdamW, cross_entropy
-from systems.optimizer_in_backward import OptimizerInBackward, block_groups, priority_stream
+from systems.train import OptimizerInBackward, block_groups, priority_stream
 from systems.testing import have_triton, interpreting, run_interpreter_cases
 
 INTERPRETING = interpreting()

@@ -1,4 +1,4 @@
-"""Each closed form in systems.parallel_math against an independent count: ring collectives simulated
+"""Each closed form in systems.analysis.parallel_math against an independent count: ring collectives simulated
 step by step on numpy arrays, FLOPs counted by torch's FlopCounterMode on real tensors, saved
 activations counted with autograd's saved-tensor hooks, optimizer state read from torch.optim.AdamW,
 the DDP bucket schedule replayed as a discrete-event simulation, and the device bounds found by
@@ -16,7 +16,7 @@ import sympy as sp
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from systems import parallel_math as pm
+from systems.analysis import parallel_math as pm
 
 # ------------------------------------------------------------------ ring simulations
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from systems import profiling as P
-from systems.benchmark import BenchmarkConfig
+from systems.measure import profiler as P
+from systems.bench.benchmark import BenchmarkConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nsys"
 

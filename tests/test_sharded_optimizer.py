@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from systems.distributed.launch import all_gather_objects, spawn
-from systems.distributed.sharded_optimizer import ShardedOptimizer, balanced_assignment
+from systems.parallel.launch import all_gather_objects, spawn
+from systems.parallel.sharded_optimizer import ShardedOptimizer, balanced_assignment
 from systems.optim import AdamW
 
 WORLD_SIZE = 2

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from systems import train_step as ts
+from systems.bench import train_step as ts
 from systems.config import get_config
-from systems.results import ResultWriter, read_records
+from systems.measure.results import ResultWriter, read_records
 
 
 def _built(variant: str, **kw):
@@ -112,7 +112,7 @@ def test_measure_reports_phases_that_add_up(variant, tmp_path):
 
 def test_overlap_variant_builds_one_optimizer_per_block_and_measures(monkeypatch):
     from systems.kernels.fused_adamw import FusedAdamW
-    from systems.optimizer_in_backward import OptimizerInBackward
+    from systems.train import OptimizerInBackward
 
     model, opt, _ = _built("ours_overlap")
     assert isinstance(opt, OptimizerInBackward)
@@ -147,7 +147,7 @@ def test_bad_input_is_a_clear_error():
         ts.StepConfig(variant="warp_drive")
     with pytest.raises(ValueError, match="warmup"):
         ts.StepConfig(warmup=0)
-    proc = subprocess.run([sys.executable, "-m", "systems.train_step", "--variants", "warp_drive"],
+    proc = subprocess.run([sys.executable, "-m", "systems.bench.train_step", "--variants", "warp_drive"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from systems import workbook
-from systems.env import REPO_ROOT
+from systems.measure.env import REPO_ROOT
 
 
 def test_notebooks_are_output_free_jupytext_scripts():

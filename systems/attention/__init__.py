@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch
 
-from .flash_pytorch import FlashAttentionPytorch, flash_attention_pytorch
-from .naive import naive_attention, sdpa_attention
+from systems.attention.flash_pytorch import FlashAttentionPytorch, flash_attention_pytorch
+from systems.attention.naive import naive_attention, sdpa_attention
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -18,7 +18,7 @@ AttentionFn = Callable[..., torch.Tensor]
 def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     """The Triton FlashAttention-2 backend; imported on first use so a machine without triton
     can still import systems.attention (and use the other backends)."""
-    from .flash_triton import flash_attention_triton as impl
+    from systems.attention.flash_triton import flash_attention_triton as impl
 
     return impl(q, k, v, is_causal=is_causal)
 
@@ -38,7 +38,7 @@ BACKENDS: dict[str, AttentionFn] = {
 def __getattr__(name: str):
     # FlashAttentionTriton lives behind a lazy import: `import triton` is slow and optional
     if name == "FlashAttentionTriton":
-        from .flash_triton import FlashAttentionTriton
+        from systems.attention.flash_triton import FlashAttentionTriton
 
         return FlashAttentionTriton
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from ..devices import triton_interpreting
-from .flash_pytorch import backward_reference, check_inputs
+from systems.measure.devices import triton_interpreting
+from systems.attention.flash_pytorch import backward_reference, check_inputs
 
 LOG2E = 1.4426950408889634  # scores are scaled by sm_scale * log2(e) so the kernels can use exp2
 _LOG2E = tl.constexpr(LOG2E)
@@ -267,7 +267,7 @@ def autotuning() -> bool:
 # Per kernel: configs for 16-bit inputs and for fp32 inputs (fp32 tiles hold twice the bytes
 # and its ieee dots run on CUDA cores, so smaller tiles win and big ones spill). The lists are
 # short on purpose: each config costs a compile per (head dim, dtype, causal). The 16-bit ones
-# are the winners of systems.flash_tuning's 8 candidates per kernel on an H100 (bf16, causal,
+# are the winners of systems.bench.flash_tuning's 8 candidates per kernel on an H100 (bf16, causal,
 # seq 1k-64k x d 64/128 and the leaderboard shape; results/06_flash_attention_tuning.jsonl):
 # 64-row tiles win up to 16k, 128-row query tiles (and 64x128 dK/dV tiles) at 64k with d=128.
 # Under the interpreter there is one small config each: multi-config autotuning benchmarks
@@ -326,7 +326,7 @@ else:
         },
         # The TMA kernels: the streamed tiles are copied into shared memory by the TMA engine instead
         # of by every thread's address arithmetic and loads, which leaves registers for larger tiles.
-        # systems.flash_tuning's search over 8 candidates each on an H100 (leaderboard shape, notes
+        # systems.bench.flash_tuning's search over 8 candidates each on an H100 (leaderboard shape, notes
         # entry 5, results/06_flash_tma_tuning.jsonl) found the larger ones slower: 128x128 over 8
         # warps lost by 9% (fwd), 12% (dK/dV) and 12% (dQ) to 64-row tiles with 4 warps. So each list
         # holds two: the search's winner at the leaderboard shape, and the pointer kernel's 128-row
@@ -877,7 +877,7 @@ def _dims(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
 
 def _launch(kernel, grid, args: tuple, meta: dict, config: dict | None) -> None:
     """The autotuned kernel, or with ``config`` (its tile sizes, num_warps and num_stages) the jit'ed
-    kernel under it, bypassing the autotuner (what systems.flash_tuning measures candidates with)."""
+    kernel under it, bypassing the autotuner (what systems.bench.flash_tuning measures candidates with)."""
     if config is not None:
         kernel.fn[grid](*args, **meta, **config)
         return

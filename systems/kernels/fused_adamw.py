@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..devices import triton_interpreting
-from ..optim import AdamW, adamw_foreach_, advance_state
+from systems.measure.devices import triton_interpreting
+from systems.optim import AdamW, adamw_foreach_, advance_state
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # parameter and gradient dtypes the kernel takes
 COPY_DTYPES = (torch.bfloat16, torch.float16)  # low-precision copies

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..devices import triton_interpreting
+from systems.measure.devices import triton_interpreting
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)

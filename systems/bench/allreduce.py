@@ -1,0 +1,248 @@
+"""distributed_communication_single_node: all-reduce latency and bandwidth vs size and world size.
+
+For each (backend, world size) one group of ranks is started; it all-reduces fp32 tensors of each
+size: warm-up calls and a synchronisation, then timed calls, each after a barrier (so ranks start
+together) and timed to its completion (CUDA events on GPU, wall time on CPU). Every rank's times
+are gathered on rank 0 with all_gather_object.
+
+Bandwidths follow nccl-tests: algbw = size / time; busbw = algbw * 2 (n - 1) / n, the traffic
+each link of a ring all-reduce carries, comparable across world sizes and with link peaks.
+
+    python -m systems.bench.allreduce --backend gloo --world-sizes 2 --sizes-mb 1 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from systems.measure.devices import median_p10_p90
+from systems.measure.results import ResultWriter
+from systems.parallel.launch import DistContext, all_gather_objects, resolve_backend, spawn
+
+MB = 1_000_000  # the handout's 1 MB ... 1 GB are decimal sizes
+HANDOUT_SIZES_BYTES = (1 * MB, 10 * MB, 100 * MB, 1000 * MB)
+HANDOUT_WORLD_SIZES = (2, 4, 6)
+WARMUP = 5
+
+
+@dataclass(frozen=True)
+class Case:
+    backend: str
+    world_size: int
+    size_bytes: int
+
+
+@dataclass
+class Plan:
+    """What a machine can run, and why the rest is left out."""
+
+    run: list[Case]
+    not_run: list[tuple[Case, str]]
+
+
+def plan_cases(*, backends: Sequence[str], world_sizes: Sequence[int] = HANDOUT_WORLD_SIZES,
+               sizes_bytes: Sequence[int] = HANDOUT_SIZES_BYTES, n_gpus: int | None = None,
+               max_gloo_world_size: int | None = None, max_gloo_bytes: int | None = None) -> Plan:
+    """Split the handout grid into runnable cases and (case, reason) pairs.
+
+    nccl runs one process per GPU, so a world size above the GPU count is not run. gloo limits are
+    the caller's budget for a CPU run (e.g. a 2-core smoke box); None means no limit.
+    """
+    if n_gpus is None:
+        n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    plan = Plan(run=[], not_run=[])
+    for backend in backends:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        for ws in world_sizes:
+            for size in sizes_bytes:
+                case = Case(backend, int(ws), int(size))
+                reason = None
+                if backend == "nccl" and ws > n_gpus:
+                    reason = f"needs {ws} GPUs (one process per GPU), this machine has {n_gpus}"
+                elif backend == "gloo" and max_gloo_world_size is not None and ws > max_gloo_world_size:
+                    reason = f"gloo world size capped at {max_gloo_world_size} for this profile's CPU budget"
+                elif backend == "gloo" and max_gloo_bytes is not None and size > max_gloo_bytes:
+                    reason = f"gloo sizes capped at {max_gloo_bytes / MB:g} MB for this profile's CPU budget"
+                if reason:
+                    plan.not_run.append((case, reason))
+                else:
+                    plan.run.append(case)
+    return plan
+
+
+def bus_bandwidth_factor(world_size: int) -> float:
+    return 2 * (world_size - 1) / world_size
+
+
+def _iters_for(warm_s: float, *, budget_s: float, min_iters: int, max_iters: int) -> int:
+    return int(max(min_iters, min(max_iters, budget_s / max(warm_s, 1e-9))))
+
+
+def _bench_worker(ctx: DistContext, sizes_bytes: list[int], budget_s: float, min_iters: int,
+                  max_iters: int) -> list[dict]:
+    """One rank: every size at this world size. Returns the rows (on rank 0; [] elsewhere)."""
+    rows = []
+    for size in sizes_bytes:
+        numel = size // 4
+        data = torch.full((numel,), float(ctx.rank + 1), dtype=torch.float32, device=ctx.device)
+        ctx.barrier()
+        start = time.perf_counter()
+        for _ in range(WARMUP):
+            dist.all_reduce(data)
+        ctx.sync()
+        # iteration count from the slowest rank's warm-up, so every rank runs the same number
+        warm = torch.tensor([(time.perf_counter() - start) / WARMUP], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(warm, op=dist.ReduceOp.MAX)
+        iters = _iters_for(warm.item(), budget_s=budget_s, min_iters=min_iters, max_iters=max_iters)
+        # refilled before each call so values stay finite; the last call is checked against the
+        # known sum 1 + 2 + ... + n
+        data.fill_(float(ctx.rank + 1))
+        times = []
+        for _ in range(iters):
+            ctx.barrier()
+            times.append(_timed_all_reduce(data, ctx))
+            data.fill_(float(ctx.rank + 1))
+        dist.all_reduce(data)
+        expected = ctx.world_size * (ctx.world_size + 1) / 2
+        ok = bool(torch.allclose(data[:: max(1, numel // 1024)], torch.tensor(expected, device=ctx.device)))
+        gathered = all_gather_objects({"rank": ctx.rank, "times": times, "ok": ok})
+        del data
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if ctx.is_main:
+            rows.append(summarise(gathered, backend=ctx.backend, device=_device_name(ctx),
+                                  world_size=ctx.world_size, size_bytes=size))
+    return rows
+
+
+def _timed_all_reduce(data: torch.Tensor, ctx: DistContext) -> float:
+    """Seconds one all-reduce takes on this rank.
+
+    GPU: CUDA events on the current stream around the call (the blocking all_reduce makes the
+    stream wait for NCCL's), so CPU launch and synchronisation latency, tens of microseconds and
+    comparable to a 1 MB NVLink all-reduce, stay out. CPU: wall time, gloo runs synchronously.
+    """
+    if ctx.device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dist.all_reduce(data)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    dist.all_reduce(data)
+    return time.perf_counter() - t0
+
+
+def _device_name(ctx: DistContext) -> str:
+    return torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+
+
+def summarise(gathered: list[dict], *, backend: str, device: str, world_size: int, size_bytes: int) -> dict:
+    """One row from every rank's per-iteration times.
+
+    The collective ends for everyone only when the slowest rank is done, so each iteration's time
+    is the maximum over ranks; time_ms is the median of those. Spread: the 10th-90th percentile of
+    that per-iteration time, and the median gap between the fastest and slowest rank.
+    """
+    per_rank = [g["times"] for g in gathered]
+    n_iters = min(len(t) for t in per_rank)
+    per_iter = [max(t[i] for t in per_rank) for i in range(n_iters)]
+    gap = [max(t[i] for t in per_rank) - min(t[i] for t in per_rank) for i in range(n_iters)]
+    median_s, p10_s, p90_s = median_p10_p90(per_iter)
+    algbw = size_bytes / median_s / 1e9
+    return {
+        "backend": backend, "device": device, "world_size": world_size, "size_bytes": size_bytes,
+        "size_mb": size_bytes / MB, "dtype": "float32", "iters": n_iters, "warmup": WARMUP,
+        "time_ms": median_s * 1e3, "time_ms_p10": p10_s * 1e3, "time_ms_p90": p90_s * 1e3,
+        "time_ms_min": min(min(t) for t in per_rank) * 1e3, "time_ms_max": max(max(t) for t in per_rank) * 1e3,
+        "rank_spread_ms": statistics.median(gap) * 1e3,
+        "algbw_GBps": algbw, "busbw_GBps": algbw * bus_bandwidth_factor(world_size),
+        "correct": all(g["ok"] for g in gathered), "status": "ok",
+    }
+
+
+def not_run_row(case: Case, reason: str) -> dict:
+    return {"backend": case.backend, "device": "cuda" if case.backend == "nccl" else "cpu",
+            "world_size": case.world_size, "size_bytes": case.size_bytes, "size_mb": case.size_bytes / MB,
+            "dtype": "float32", "time_ms": None, "algbw_GBps": None, "busbw_GBps": None,
+            "status": "not_run", "reason": reason}
+
+
+def run_benchmark(plan: Plan, out_path: str | Path, *, budget_s: float = 2.0, min_iters: int = 5,
+                  max_iters: int = 50, timeout_s: float = 300.0, progress: bool = True) -> list[dict]:
+    """Run a plan: one spawn per (backend, world size); rows written to out_path as they come."""
+    writer = ResultWriter(out_path)
+    rows = [writer.write(not_run_row(case, reason)) for case, reason in plan.not_run]
+    groups: dict[tuple[str, int], list[int]] = {}
+    for case in plan.run:
+        groups.setdefault((case.backend, case.world_size), []).append(case.size_bytes)
+    for (backend, ws), sizes in groups.items():
+        if progress:
+            print(f"all-reduce: {backend} world size {ws}, sizes {[s / MB for s in sizes]} MB", flush=True)
+        per_rank = spawn(_bench_worker, ws, backend, args=(sorted(sizes), budget_s, min_iters, max_iters),
+                         timeout_s=timeout_s)
+        for row in per_rank[0]:
+            rows.append(writer.write(row))
+    return rows
+
+
+def fit_latency_bandwidth(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, float]:
+    """Least-squares fit of t = o + s / w (the alpha-beta model): (o seconds, w bytes/s algbw)."""
+    import numpy as np
+
+    s, t = np.asarray(sizes_bytes, float), np.asarray(times_s, float)
+    if len(s) < 2 or len(set(s.tolist())) < 2:
+        raise ValueError("need at least two distinct sizes to fit latency and bandwidth")
+    slope, intercept = np.polyfit(s, t, 1)
+    return max(float(intercept), 0.0), float(1.0 / slope)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m systems.bench.allreduce", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", nargs="+", default=["auto"], help="gloo, nccl or auto")
+    parser.add_argument("--world-sizes", nargs="+", type=int, default=list(HANDOUT_WORLD_SIZES))
+    parser.add_argument("--sizes-mb", nargs="+", type=float, default=[s / MB for s in HANDOUT_SIZES_BYTES])
+    parser.add_argument("--max-gloo-world-size", type=int, default=None)
+    parser.add_argument("--max-gloo-mb", type=float, default=None)
+    parser.add_argument("--out", default="results/07_distributed_allreduce.jsonl")
+    parser.add_argument("--figure", help="also save the time / bus-bandwidth figure of this run here (.png)")
+    args = parser.parse_args(argv)
+    plan = plan_cases(backends=[resolve_backend(b) for b in args.backend], world_sizes=args.world_sizes,
+                      sizes_bytes=[int(m * MB) for m in args.sizes_mb],
+                      max_gloo_world_size=args.max_gloo_world_size,
+                      max_gloo_bytes=None if args.max_gloo_mb is None else int(args.max_gloo_mb * MB))
+    rows = run_benchmark(plan, args.out)
+    for row in rows:
+        if row["status"] == "ok":
+            print(f"{row['backend']} n={row['world_size']} {row['size_mb']:>7g} MB: {row['time_ms']:9.3f} ms  "
+                  f"algbw {row['algbw_GBps']:7.2f} GB/s  busbw {row['busbw_GBps']:7.2f} GB/s")
+        else:
+            print(f"{row['backend']} n={row['world_size']} {row['size_mb']:>7g} MB: not run ({row['reason']})")
+    if args.figure:
+        import pandas as pd
+
+        from systems.report.distributed import plot_allreduce
+
+        env = rows[0]["env"] if rows else {}
+        where = env.get("gpu") or f"{os.cpu_count()} CPU cores"
+        fig = plot_allreduce(pd.DataFrame(rows), title=f"all-reduce, fp32, on {where} ({env.get('date', '')[:10]})")
+        Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.figure, dpi=120, bbox_inches="tight")
+        print(f"figure: {args.figure}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,385 @@
+"""Benchmark the DDP variants against torch's DistributedDataParallel in one run.
+
+Per precision (fp32; bf16 autocast with fp32 master weights) and variant, every rank trains the
+same model on its share of the global batch with our AdamW. Variants, timed in this order:
+
+- ``nosync``: no gradient communication at all, the computation-only baseline;
+- ``naive``, ``flat``, ``overlap`` (per-parameter async), ``bucketed:<MiB>``;
+- ``bucketed_tail:<MiB>/<last MiB>`` (only when asked for): bucketed, with the last bucket (the
+  first parameters, reduced after backward ends) capped separately;
+- ``bucketed_lp:<MiB>`` (only when asked for): bucketed, all-reducing the gradients in bf16;
+- ``torch_ddp``: torch.nn.parallel.DistributedDataParallel with its defaults, last (it keeps
+  hooks on the parameters until it is deleted).
+
+Per step (max over ranks, median over steps): wall time, and with device events the time from the
+end of backward to the end of ``finish_gradient_synchronization()`` (the wait for communication
+left after backward). Communication overhead = step time - the nosync step time of the same
+precision, the cost of communicating whatever is or is not overlapped; it is the one measure
+that also applies to torch DDP, whose waiting happens inside backward.
+
+Then naive, overlap and the fastest of our variants are profiled (torch.profiler, rank 0) and the
+traces analysed for overlap (systems.measure.trace).
+
+Each (precision, compiled) pair is one *setting*. ``compiled_precisions`` adds settings that run
+after the eager ones with every Transformer block compiled (``torch.compile`` per block, applied
+from outside the model; the DDP wrappers' hooks live on the parameters, outside the compiled
+graphs). It exists because the eager bf16 xl step is host-bound: the GPU idles between kernels
+while Python launches them, communication kernels fill those gaps, and the trace counts them as
+exposed although computation was not waiting for them. Compiled blocks launch a few fused kernels
+per block, so the step becomes GPU-bound and overlap is measured on a busy GPU.
+
+    python -m systems.bench.ddp                  # 2 GPUs, NCCL, xl, < 7 min on 2xH200
+    python -m systems.bench.ddp --model debug --context-length 128 --backend gloo
+    torchrun --nproc-per-node 2 -m systems.bench.ddp   # same, env:// rendezvous
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from systems.bench.benchmark import compile_blocks
+from systems.config import get_config
+from systems.model import TransformerLM
+from systems.optim import AdamW, cross_entropy
+from systems.measure.devices import DeviceMarks, median_p10_p90, release_memory
+from systems.measure.results import ResultWriter
+from systems.parallel.ddp import make_ddp
+from systems.parallel.launch import (DistContext, add_benchmark_arguments, all_gather_objects, launch, resolve_backend,
+                     under_torchrun)
+from systems.measure.trace import STEP_MARK, overlap_stats, trace_intervals
+
+PRECISIONS = ("fp32", "bf16")
+VARIANT_KINDS = ("nosync", "naive", "flat", "overlap", "bucketed", "bucketed_tail", "bucketed_lp", "torch_ddp")
+HANDOUT_BUCKETS_MB = (1.0, 10.0, 100.0, 1000.0)
+
+
+@dataclass
+class DDPBenchConfig:
+    model: str = "xl"
+    context_length: int = 512
+    global_batch: int = 4
+    precisions: tuple[str, ...] = PRECISIONS
+    # precisions run again, after the eager settings, with every block compiled
+    compiled_precisions: tuple[str, ...] = ()
+    compile_mode: str | None = None  # torch.compile's mode for the compiled settings
+    bucket_sizes_mb: tuple[float, ...] = HANDOUT_BUCKETS_MB
+    # bucketed variants that all-reduce in bf16 ("bucketed_lp:<MiB>"): half the bytes of fp32 gradients
+    lp_reduce_buckets_mb: tuple[float, ...] = ()
+    # bucketed variants whose last bucket has its own, smaller cap ("bucketed_tail:<MiB>/<last MiB>")
+    tail_buckets_mb: tuple[tuple[float, float], ...] = ()
+    include_torch_ddp: bool = True
+    warmup: int = 3
+    steps: int = 10
+    profile: bool = True
+    profile_steps: int = 2
+    attn_impl: str | None = None  # None: the model config's default
+    tf32: bool = False
+    lr: float = 1e-5
+    seed: int = 0
+    out_path: str = "results/07_distributed_ddp.jsonl"
+    overlap_path: str = "results/07_distributed_overlap.jsonl"
+    trace_dir: str = "results/07_distributed_traces"
+    variants: tuple[str, ...] = field(default=())  # filled by variant_names() when empty
+
+    def __post_init__(self):
+        bad = [p for p in (*self.precisions, *self.compiled_precisions) if p not in PRECISIONS]
+        if bad:
+            raise ValueError(f"precisions must be among {PRECISIONS}, got {bad}")
+        if any(not b > 0 for b in self.bucket_sizes_mb):
+            raise ValueError(f"bucket sizes must be positive MiB values, got {self.bucket_sizes_mb}")
+        if self.warmup < 1 or self.steps < 1:
+            raise ValueError(f"need warmup >= 1 and steps >= 1, got {self.warmup} and {self.steps}")
+        if not self.variants:
+            names = ["nosync", "naive", "flat", "overlap", *[f"bucketed:{b:g}" for b in self.bucket_sizes_mb],
+                     *[f"bucketed_tail:{b:g}/{t:g}" for b, t in self.tail_buckets_mb],
+                     *[f"bucketed_lp:{b:g}" for b in self.lp_reduce_buckets_mb]]
+            self.variants = tuple(names + (["torch_ddp"] if self.include_torch_ddp else []))
+        unknown = [v for v in self.variants if v.split(":")[0] not in VARIANT_KINDS]
+        if unknown:
+            raise ValueError(f"unknown variants {unknown}")
+        for v in self.variants:  # a malformed bucketed argument fails here, before any rank starts
+            kind, _, arg = v.partition(":")
+            if kind.startswith("bucketed"):
+                bucketed_options(kind, arg)
+        if self.compile_mode is not None and not self.compiled_precisions:
+            raise ValueError("compile_mode applies to the compiled settings: set compiled_precisions too")
+        if "torch_ddp" in self.variants and self.variants[-1] != "torch_ddp":
+            raise ValueError("torch_ddp must be the last variant (its hooks stay until it is freed)")
+
+    def settings(self) -> list[tuple[str, bool]]:
+        """(precision, compiled) in run order: eager first, since compiling cannot be undone cheaply."""
+        return [(p, False) for p in self.precisions] + [(p, True) for p in self.compiled_precisions]
+
+
+def parse_tail_variant(arg: str) -> tuple[float, float]:
+    """"1000/1" -> (1000.0, 1.0): the bucket cap and the last bucket's cap, in MiB."""
+    cap, sep, last = arg.partition("/")
+    if not sep:
+        raise ValueError(f"bucketed_tail needs <MiB>/<last MiB>, got {arg!r}")
+    return float(cap), float(last)
+
+
+def bucketed_options(kind: str, arg: str) -> dict:
+    """DDPBucketed's keyword arguments for a bucketed variant's kind and argument."""
+    if kind == "bucketed_tail":
+        cap, last = parse_tail_variant(arg)
+        return {"bucket_size_mb": cap, "last_bucket_mb": last}
+    if kind == "bucketed_lp":
+        return {"bucket_size_mb": float(arg), "reduce_dtype": torch.bfloat16}
+    return {"bucket_size_mb": float(arg)}
+
+
+def setting_name(precision: str, compiled: bool) -> str:
+    return f"{precision}+compile" if compiled else precision
+
+
+class _Runner:
+    """A wrapper around the shared model, built per variant and torn down after it."""
+
+    def __init__(self, name: str, model: torch.nn.Module, ctx: DistContext):
+        self.name, self.model = name, model
+        kind, _, arg = name.partition(":")
+        self.ddp = None
+        self.n_buckets = None
+        self.options = bucketed_options(kind, arg) if kind.startswith("bucketed") else {}
+        if kind == "nosync":
+            self.forward = model
+        elif kind == "torch_ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+            self.ddp = DistributedDataParallel(model, device_ids=ids)
+            self.forward = self.ddp
+        else:
+            # every bucketed kind is DDPBucketed with its own options
+            self.ddp = make_ddp("bucketed" if kind.startswith("bucketed") else kind, model, **self.options)
+            self.forward = self.ddp
+            self.n_buckets = getattr(self.ddp, "n_buckets", None)
+        self.ours = kind not in ("nosync", "torch_ddp")
+
+    def start(self) -> None:
+        if self.ours:
+            self.ddp.on_train_batch_start()
+
+    def finish(self) -> None:
+        if self.ours:
+            self.ddp.finish_gradient_synchronization()
+
+    def close(self) -> None:
+        if self.ours:
+            self.ddp.remove_hooks()
+        self.ddp = self.forward = None
+
+
+def _train_step(runner: _Runner, opt, tokens, targets, autocast_dtype, marks: DeviceMarks) -> None:
+    opt.zero_grad(set_to_none=True)
+    marks.mark("start")
+    runner.start()
+    autocast = (torch.autocast(device_type=tokens.device.type, dtype=autocast_dtype)
+                if autocast_dtype is not None else contextlib.nullcontext())
+    with autocast:
+        loss = cross_entropy(runner.forward(tokens), targets)
+    loss.backward()
+    marks.mark("backward")
+    runner.finish()
+    marks.mark("synced")
+    opt.step()
+    marks.mark("end")
+
+
+def _profile(runner, opt, tokens, targets, autocast_dtype, ctx: DistContext, steps: int, path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    marks = DeviceMarks(ctx.device)
+    ctx.barrier()
+    # only rank 0 records; every rank runs the same steps so the collectives still pair up
+    if ctx.is_main:
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                with record_function(STEP_MARK):
+                    _train_step(runner, opt, tokens, targets, autocast_dtype, marks)
+            ctx.sync()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+    else:
+        for _ in range(steps):
+            _train_step(runner, opt, tokens, targets, autocast_dtype, marks)
+    ctx.barrier()
+
+
+def bench_worker(ctx: DistContext, config: dict) -> dict:
+    """One rank of the benchmark. Rank 0 writes the rows as they are measured and returns them."""
+    cfg = DDPBenchConfig(**config)
+    if cfg.global_batch % ctx.world_size:
+        raise ValueError(f"global batch {cfg.global_batch} does not split over {ctx.world_size} ranks")
+    local_batch = cfg.global_batch // ctx.world_size
+    if ctx.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
+    overrides = {"attn_impl": cfg.attn_impl} if cfg.attn_impl else {}
+    model_cfg = get_config(cfg.model, **overrides)
+    if cfg.context_length > model_cfg.context_length:
+        raise ValueError(f"context {cfg.context_length} exceeds the {cfg.model} model's {model_cfg.context_length}")
+    torch.manual_seed(cfg.seed)  # same init everywhere; the wrappers broadcast rank 0's anyway
+    model = TransformerLM(model_cfg, device=ctx.device)
+    opt = AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
+    data = torch.randint(0, model_cfg.vocab_size, (cfg.global_batch, cfg.context_length + 1), generator=gen)
+    shard = data[ctx.rank * local_batch:(ctx.rank + 1) * local_batch].to(ctx.device)
+    tokens, targets = shard[:, :-1].contiguous(), shard[:, 1:].contiguous()
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+    writer = ResultWriter(cfg.out_path) if ctx.is_main else None
+    overlap_writer = ResultWriter(cfg.overlap_path) if ctx.is_main and cfg.profile else None
+    rows, overlap_rows = [], []
+    common = {"backend": ctx.backend, "world_size": ctx.world_size, "model": cfg.model,
+              "n_params": model_cfg.n_params, "grad_bytes": grad_bytes, "context_length": cfg.context_length,
+              "global_batch": cfg.global_batch, "local_batch": local_batch, "tf32": cfg.tf32,
+              "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
+
+    compiled_yet = False
+    for precision, compiled in cfg.settings():
+        setting = setting_name(precision, compiled)
+        if compiled and not compiled_yet:
+            compile_blocks(model.layers, mode=cfg.compile_mode)
+            compiled_yet = True
+        autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+        baseline_ms = None
+        timed: dict[str, float] = {}
+        for name in cfg.variants:
+            runner = _Runner(name, model, ctx)
+            marks = DeviceMarks(ctx.device)
+            t0 = time.perf_counter()
+            for i in range(cfg.warmup):
+                _train_step(runner, opt, tokens, targets, autocast_dtype, marks)
+                if i == 0:
+                    ctx.sync()  # the first step alone: it holds any compilation
+                    first_step_s = time.perf_counter() - t0
+            ctx.barrier()
+            samples = []
+            for _ in range(cfg.steps):
+                t0 = time.perf_counter()
+                _train_step(runner, opt, tokens, targets, autocast_dtype, marks)
+                ctx.sync()
+                samples.append({"step_ms": (time.perf_counter() - t0) * 1e3,
+                                "fwd_bwd_ms": marks.ms("start", "backward"),
+                                "sync_wait_ms": marks.ms("backward", "synced"),
+                                "optimizer_ms": marks.ms("synced", "end")})
+            gathered = all_gather_objects(samples)
+            n_buckets, options = runner.n_buckets, runner.options
+            runner.close()
+            del runner
+            opt.zero_grad(set_to_none=True)  # drop grads that live in bucket buffers
+            release_memory(ctx.device)
+            row = summarise_steps(gathered)
+            if name == "nosync":
+                baseline_ms = row["step_ms"]
+            timed[name] = row["step_ms"]
+            overhead = None if baseline_ms is None else row["step_ms"] - baseline_ms
+            row = {**common, "precision": precision, "compiled": compiled, "setting": setting,
+                   "compile_mode": cfg.compile_mode if compiled else None,
+                   "variant": name, "kind": name.partition(":")[0], "first_step_s": first_step_s,
+                   "bucket_size_mb": options.get("bucket_size_mb"), "last_bucket_mb": options.get("last_bucket_mb"),
+                   "n_buckets": n_buckets,
+                   **row, "baseline_step_ms": baseline_ms, "comm_overhead_ms": overhead,
+                   "comm_share": None if overhead is None else overhead / row["step_ms"],
+                   "tokens_per_s": cfg.global_batch * cfg.context_length / (row["step_ms"] / 1e3),
+                   "status": "ok"}
+            if ctx.is_main:
+                rows.append(writer.write(row))
+                print(f"[{setting}] {name:>16}: {row['step_ms']:8.2f} ms/step "
+                      f"(sync wait {row['sync_wait_ms']:.2f} ms)", flush=True)
+
+        if cfg.profile:
+            ours = {v: t for v, t in timed.items() if v not in ("nosync", "torch_ddp")}
+            best = min(ours, key=ours.get) if ours else None
+            to_profile = [v for v in ("naive", "overlap") if v in cfg.variants]
+            if best and best not in to_profile:
+                to_profile.append(best)
+            for name in to_profile:
+                runner = _Runner(name, model, ctx)
+                for _ in range(cfg.warmup):
+                    _train_step(runner, opt, tokens, targets, autocast_dtype, DeviceMarks(ctx.device))
+                path = Path(cfg.trace_dir) / f"ddp_{setting.replace('+', '_')}_{name.replace(':', '')}_rank0.json.gz"
+                _profile(runner, opt, tokens, targets, autocast_dtype, ctx, cfg.profile_steps, path)
+                runner.close()
+                del runner
+                opt.zero_grad(set_to_none=True)
+                release_memory(ctx.device)
+                if ctx.is_main:
+                    stats = overlap_stats(trace_intervals(path))
+                    overlap_rows.append(overlap_writer.write({
+                        **common, "precision": precision, "compiled": compiled, "setting": setting,
+                        "compile_mode": cfg.compile_mode if compiled else None, "variant": name,
+                        "trace": str(path), **stats, "step_ms": timed.get(name), "status": "ok"}))
+                    print(f"[{setting}] profiled {name}: overlap {stats['overlap_pct'] or 0:.1f}% "
+                          f"exposed comm {stats['exposed_comm_ms']:.2f} ms/step", flush=True)
+    return {"rows": rows, "overlap": overlap_rows} if ctx.is_main else {}
+
+
+def summarise_steps(gathered: list[list[dict]]) -> dict:
+    """Per step the slowest rank (the step ends for all when it does); medians over steps."""
+    n = min(len(s) for s in gathered)
+    out = {}
+    for key in gathered[0][0]:
+        per_step = [max(rank[i][key] for rank in gathered) for i in range(n)]
+        out[key], p10, p90 = median_p10_p90(per_step)
+        if key == "step_ms":
+            out["step_ms_p10"], out["step_ms_p90"] = p10, p90
+    out["steps"] = n
+    return out
+
+
+def run_ddp_benchmark(config: DDPBenchConfig, *, world_size: int = 2, backend: str = "auto",
+                      timeout_s: float = 600.0) -> dict:
+    """Start ``world_size`` ranks (spawn, or this process under torchrun) and run the benchmark."""
+    results = launch(bench_worker, world_size, backend, args=(asdict(config),), timeout_s=timeout_s)
+    return results[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = DDPBenchConfig()
+    parser = argparse.ArgumentParser(prog="python -m systems.bench.ddp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_benchmark_arguments(parser, d, precisions=PRECISIONS)
+    parser.add_argument("--bucket-sizes-mb", nargs="+", type=float, default=list(d.bucket_sizes_mb))
+    parser.add_argument("--tail-buckets-mb", nargs="*", default=[], type=parse_tail_variant,
+                        help="also run bucketed DDP with a separately capped last bucket: <MiB>/<last MiB> ...")
+    parser.add_argument("--lp-reduce-buckets-mb", nargs="*", type=float, default=[],
+                        help="also run bucketed DDP all-reducing in bf16 with these bucket sizes")
+    parser.add_argument("--compiled-precisions", nargs="*", default=[], choices=PRECISIONS,
+                        help="run these precisions again with every Transformer block compiled")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled settings")
+    parser.add_argument("--no-torch-ddp", action="store_true")
+    parser.add_argument("--profile-steps", type=int, default=d.profile_steps)
+    parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in the fp32 runs")
+    args = parser.parse_args(argv)
+    out = Path(args.out_dir)
+    config = DDPBenchConfig(
+        model=args.model, context_length=args.context_length, global_batch=args.global_batch,
+        precisions=tuple(args.precisions), compiled_precisions=tuple(args.compiled_precisions),
+        bucket_sizes_mb=tuple(args.bucket_sizes_mb),
+        lp_reduce_buckets_mb=tuple(args.lp_reduce_buckets_mb),
+        tail_buckets_mb=tuple(args.tail_buckets_mb),
+        compile_mode=args.compile_mode,
+        include_torch_ddp=not args.no_torch_ddp, warmup=args.warmup, steps=args.steps,
+        profile=not args.no_profile, profile_steps=args.profile_steps, attn_impl=args.attn_impl,
+        tf32=args.tf32, out_path=str(out / "07_distributed_ddp.jsonl"),
+        overlap_path=str(out / "07_distributed_overlap.jsonl"), trace_dir=str(out / "07_distributed_traces"))
+    start = time.perf_counter()
+    result = run_ddp_benchmark(config, world_size=args.world_size, backend=args.backend, timeout_s=args.timeout_s)
+    if result:  # rank 0 (the only rank under spawn; one of several under torchrun)
+        print(f"done in {time.perf_counter() - start:.0f} s ({resolve_backend(args.backend)}"
+              f"{', torchrun' if under_torchrun() else ''}); rows in {config.out_path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,486 @@
+"""Tile-size exploration for the FlashAttention-2 Triton kernels, one kernel at a time.
+
+The autotuner inside ``systems.attention.flash_triton`` picks among a short list of configs
+per (sequence bucket, head dim, causal, dtype); this tool measures a longer list of candidates
+for each kernel (forward, dK/dV, dQ, and the whole atomic backward) directly, next to torch SDPA's
+flash and cuDNN backends at the same shapes, so the short list can be chosen from data. It launches
+the kernels with explicit tile sizes, bypassing the autotuner, and writes one row per (shape,
+kernel, candidate) as it goes.
+
+    python -m systems.bench.flash_tuning --out results/06_flash_attention_tuning.jsonl
+
+``--compare-backward`` instead checks the Triton variants ("split", "atomic" and the TMA-descriptor
+forward + split pair) against a float64 reference, then times them through the public function
+(forward, backward, forward + backward) and as bare kernel launches, next to SDPA cuDNN and SDPA
+flash in the same process (``--paths`` picks a subset):
+
+    python -m systems.bench.flash_tuning --compare-backward --out results/06_flash_backward_compare.jsonl
+    python -m systems.bench.flash_tuning --compare-backward --paths triton_split,triton_tma,sdpa_cudnn \
+        --shape 1,16,16384,64 --out results/06_flash_tma_compare.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from systems.measure.devices import DTYPES, release_memory
+from systems.measure.results import ResultWriter
+
+# (block_m, block_n, num_warps, num_stages[, extra meta-parameters]); for dK/dV block_m is the
+# streamed query tile and block_n the resident key tile, for dQ block_m is the resident query tile.
+CANDIDATES: dict[str, list[tuple[int, int, int, int]]] = {
+    "fwd": [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3),
+            (128, 128, 8, 2), (128, 32, 4, 4), (64, 32, 4, 4)],
+    "dkdv": [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3),
+             (64, 128, 8, 2), (16, 64, 4, 4), (16, 128, 4, 4)],
+    "dq": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 4),
+           (128, 128, 8, 2), (64, 32, 4, 4), (32, 64, 4, 3)],
+    # block_m the streamed query tile, block_n the resident key tile (which sets the atomic traffic);
+    # each with the dQ add deferred by one query tile (the kernel's default) or not
+    "atomic": [(64, 128, 8, 3), (64, 128, 8, 3, {"DEFER_DQ_ADD": False}), (64, 64, 4, 3),
+               (64, 64, 4, 3, {"DEFER_DQ_ADD": False}), (64, 128, 8, 2), (64, 128, 8, 4), (32, 128, 8, 3),
+               (128, 64, 8, 3)],
+    # the TMA-descriptor kernels (same tile meaning as their pointer twins): the pointer winners and
+    # the 128x128 tiles and deeper pipelines that TMA loads leave registers for
+    "fwd_tma": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3),
+                (64, 64, 4, 4), (128, 128, 8, 4), (128, 64, 8, 5)],
+    "dkdv_tma": [(64, 128, 8, 3), (64, 128, 8, 4), (128, 128, 8, 2), (32, 128, 8, 4), (64, 64, 4, 3),
+                 (32, 64, 4, 3), (64, 128, 8, 2), (128, 128, 8, 3)],
+    "dq_tma": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 4, 4), (64, 64, 4, 3),
+               (128, 32, 8, 4), (128, 128, 8, 3), (64, 128, 4, 3)],
+}
+
+SHAPES = [(1, 1024, 64), (1, 4096, 64), (1, 16384, 64), (1, 65536, 64),
+          (1, 1024, 128), (1, 4096, 128), (1, 16384, 128), (1, 65536, 128),
+          (16, 16384, 64)]  # (batch, seq, head dim); the last is the leaderboard shape
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    lse: torch.Tensor
+    do: torch.Tensor
+    delta: torch.Tensor
+
+
+def make_inputs(*, batch: int, seq: int, d: int, dtype: str, device: str = "cuda") -> Inputs:
+    from systems.attention.flash_triton import flash_forward_triton
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, do = (torch.randn(batch, seq, d, device=device, dtype=DTYPES[dtype], generator=gen) for _ in range(4))
+    o, lse = flash_forward_triton(q, k, v, True)
+    delta = (o.float() * do.float()).sum(-1)
+    return Inputs(q, k, v, o, lse, do, delta)
+
+
+# each kernel's two tile-size meta-parameters, in the (block_m, block_n) order of CANDIDATES
+# meta-parameters a candidate gets unless its fifth element says otherwise
+DEFAULT_META = {"atomic": {"DEFER_DQ_ADD": True}}
+TILE_NAMES = {"fwd": ("BLOCK_M", "BLOCK_N"), "dkdv": ("BLOCK_M1", "BLOCK_N1"), "dq": ("BLOCK_M2", "BLOCK_N2"),
+              "atomic": ("BLOCK_M3", "BLOCK_N3"), "fwd_tma": ("BLOCK_M", "BLOCK_N"),
+              "dkdv_tma": ("BLOCK_M1", "BLOCK_N1"), "dq_tma": ("BLOCK_M2", "BLOCK_N2")}
+# matmul work each kernel really performs, in forwards: the dK/dV and dQ kernels both recompute S
+# and dP (4 + 3 matmuls against the forward's 2); the atomic backward does the five once
+KERNEL_FLOPS = {"fwd": 1.0, "dkdv": 2.0, "dq": 1.5, "atomic": 2.5, "fwd_tma": 1.0, "dkdv_tma": 2.0, "dq_tma": 1.5}
+
+
+def launch(kernel: str, x: Inputs, cfg: tuple, *, is_causal: bool = True):
+    """A zero-argument closure launching ``kernel`` once with the tile sizes of ``cfg``, through
+    the kernel module's own launchers (its outputs are the closure's ``o``, ``dk``/``dv`` or ``dq``).
+    "atomic" is the whole atomic backward (prep kernel, atomic kernel, cast), which replaces both
+    the dQ and the dK/dV kernel; its closure also holds ``dq_acc`` and the ``delta`` it wrote."""
+    from systems.attention import flash_triton as ft
+
+    if kernel not in TILE_NAMES:
+        raise ValueError(f"unknown kernel {kernel!r}; choose one of {list(TILE_NAMES)}")
+    bm, bn, warps, stages = cfg[:4]
+    m_name, n_name = TILE_NAMES[kernel]
+    config = {m_name: bm, n_name: bn, "num_warps": warps, "num_stages": stages, **DEFAULT_META.get(kernel, {}),
+              **(cfg[4] if len(cfg) > 4 else {})}
+    tma = kernel.endswith("_tma")
+    if tma and not ft.tma_usable(x.q, x.k, x.v, x.o, x.do):
+        raise ValueError(f"{kernel}: these inputs cannot be read through TMA descriptors (see tma_usable)")
+    if kernel in ("fwd", "fwd_tma"):
+        o, lse = torch.empty_like(x.q), torch.empty_like(x.lse)
+        return lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, is_causal, config=config, tma=tma)
+    if kernel in ("dkdv", "dkdv_tma"):
+        dk, dv = torch.empty_like(x.k), torch.empty_like(x.v)
+        return lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, x.delta, dk, dv, is_causal, config=config, tma=tma)
+    dq = torch.empty_like(x.q)
+    delta = torch.empty_like(x.delta)  # the dQ kernel writes D; the dK/dV candidates read x.delta
+    if kernel in ("dq", "dq_tma"):
+        return lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, is_causal, config=config, tma=tma)
+    dk, dv = torch.empty_like(x.k), torch.empty_like(x.v)
+    dq_acc = torch.empty(x.q.shape, device=x.q.device, dtype=torch.float32)
+    return lambda: ft.launch_backward_atomic(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq_acc, dq, dk, dv, is_causal,
+                                             config=config)
+
+
+def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_path: str | None = None,
+            rep_ms: float = 30) -> list[dict]:
+    """Every candidate of every kernel at every shape, plus SDPA flash / cuDNN fwd and bwd."""
+    import triton.testing
+
+    from systems.bench.flash import attention_flops, time_attention
+
+    writer = ResultWriter(out_path) if out_path else None
+    rows = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        if writer is not None:
+            writer.write(row)
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+
+    for batch, seq, d in shapes:
+        shape = dict(batch=batch, seq=seq, d=d, dtype=dtype)
+        fwd_flops = attention_flops(batch=batch, n_q=seq, n_k=seq, d=d, is_causal=True, pass_="fwd")
+        for impl in ("sdpa_flash", "sdpa_cudnn"):
+            r = time_attention(impl, batch=batch, heads=1, seq=seq, d=d, dtype=dtype, rep_ms=rep_ms)
+            emit(dict(**shape, kernel="baseline", impl=impl, status=r["status"], fwd_ms=r.get("fwd_ms"),
+                      bwd_ms=r.get("bwd_ms"), e2e_ms=r.get("e2e_ms")))
+        x = make_inputs(batch=batch, seq=seq, d=d, dtype=dtype)
+        for kernel, cands in candidates.items():
+            flops = fwd_flops * KERNEL_FLOPS[kernel]
+            for cfg in cands:
+                row = dict(**shape, kernel=kernel, impl="triton", block_m=cfg[0], block_n=cfg[1],
+                           warps=cfg[2], stages=cfg[3], meta={**DEFAULT_META.get(kernel, {}), **(cfg[4:] or [{}])[0]},
+                           status="ok")
+                try:
+                    fn = launch(kernel, x, cfg)
+                    fn()
+                    ms = triton.testing.do_bench(fn, warmup=5, rep=rep_ms, return_mode="median")
+                    row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+                except Exception as exc:  # noqa: BLE001 - out of shared memory etc.: a row, go on
+                    row.update(status="error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+                emit(row)
+        del x
+        release_memory()
+    return rows
+
+
+def host_overhead(*, shapes=((1, 1024, 64), (1, 4096, 128)), dtype: str = "bf16", calls: int = 200,
+                  device: str = "cuda") -> list[dict]:
+    """Host (CPU) time per call of each path, the GPU left to run behind: microseconds to enqueue
+    our public forward, our public forward + backward, one direct forward-kernel launch, and SDPA's
+    forward + backward. When a path's host time exceeds its kernels' device time, the GPU waits
+    and the path's measured latency is the host time (the short-sequence points of the sweep)."""
+    import time
+
+    from systems.attention.flash_triton import flash_attention_triton
+    from systems.bench.flash import get_impl
+
+    rows = []
+    for batch, seq, d in shapes:
+        x = make_inputs(batch=batch, seq=seq, d=d, dtype=dtype, device=device)
+        q, k, v = (t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v))
+        sdpa = get_impl("sdpa_flash")
+        paths = {
+            "public_fwd": lambda: flash_attention_triton(x.q, x.k, x.v, is_causal=True),
+            "public_fwd_bwd": lambda: flash_attention_triton(q, k, v, is_causal=True).backward(x.do),
+            "kernel_fwd": launch("fwd", x, CANDIDATES["fwd"][1]),
+            "sdpa_flash_fwd_bwd": lambda: sdpa(q[None], k[None], v[None], True).backward(x.do[None]),
+        }
+        for name, fn in paths.items():
+            fn()  # compile, autotune, allocate outside the timed loop
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host_s = time.perf_counter() - t0  # enqueue time only: no synchronisation inside
+            if device == "cuda":
+                torch.cuda.synchronize()
+            total_s = time.perf_counter() - t0
+            rows.append(dict(batch=batch, seq=seq, d=d, dtype=dtype, path=name, calls=calls,
+                             host_us_per_call=host_s / calls * 1e6, wall_us_per_call=total_s / calls * 1e6))
+            q.grad = k.grad = v.grad = None
+    return rows
+
+
+# The two Triton backwards side by side (docs/flash_attention_notes.md, entry 4).
+# Points timed, as (batch, heads, seq, d): the leaderboard shape, then batch 1 at three lengths x
+# the sweep target's two head dims
+COMPARE_SHAPES = [(1, 16, 16384, 64), (1, 1, 4096, 64), (1, 1, 16384, 64), (1, 1, 65536, 64),
+                  (1, 1, 4096, 128), (1, 1, 16384, 128), (1, 1, 65536, 128)]
+# (q shape, n_keys, causal) checked before any timing: several heads at d 64, and d 128; both
+# compile the kernels the timings use (a case with a new head dim would cost its own compiles)
+CHECK_CASES = [((2, 3, 1000, 64), 1000, True), ((2, 1024, 128), 1024, True)]
+COMPARE_PATHS = ("triton_split", "triton_atomic", "triton_tma", "sdpa_cudnn", "sdpa_flash")
+# each Triton path's bare launches, as time_backwards names them: the backward as one closure, then
+# its launches one by one ("triton_tma" also times both forwards, its change being in the forward too)
+KERNEL_ROWS = {"triton_split": ("kernels_split", ("part_dq", "part_dkdv")),
+               "triton_atomic": ("kernels_atomic", ("part_prep", "part_atomic", "part_cast")),
+               "triton_tma": ("kernels_tma", ("part_fwd", "part_fwd_tma", "part_dq_tma", "part_dkdv_tma"))}
+PASS_NAMES = ("fwd", "bwd", "e2e")
+
+
+def check_backwards(*, cases=CHECK_CASES, dtype: str = "bf16", device: str = "cuda", tol: float = 3e-2,
+                    paths: tuple[str, ...] = tuple(KERNEL_ROWS)) -> list[dict]:
+    """Max error of O, dQ, dK, dV through each Triton path of ``paths`` against float64 autograd of
+    the direct formula, divided by max(1, max |reference|) as tests/test_flash_attention.py does.
+
+    tol: the tests' bf16 bound (8 mantissa bits, ~4e-3 per rounding; P and dS are rounded to the
+    input dtype before the tensor-core dots). Each row's status is "ok" or "error" (over tol)."""
+    from systems.attention.naive import naive_attention
+    from systems.bench.flash import get_impl
+
+    rows = []
+    for shape_q, n_k, causal in cases:
+        gen = torch.Generator(device=device).manual_seed(n_k)
+        shape_k = (*shape_q[:-2], n_k, shape_q[-1])
+        q, k, v, do = (torch.randn(s, device=device, generator=gen).to(DTYPES[dtype])
+                       for s in (shape_q, shape_k, shape_k, shape_q))
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        ref_o = naive_attention(q64, k64, v64, causal)  # query i sees keys j <= i + (n_k - n_q), as the kernels
+        want = (ref_o, *torch.autograd.grad(ref_o, (q64, k64, v64), do.double()))
+        for path in paths:
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = get_impl(path)(*leaves, causal)
+            got = (out, *torch.autograd.grad(out, leaves, do))
+            errors = {f"err_{name}": ((g.double() - w).abs().max() / w.abs().max().clamp(min=1)).item()
+                      for name, g, w in zip(("o", "dq", "dk", "dv"), got, want)}
+            rows.append(dict(kind="check", shape_q=list(shape_q), n_k=n_k, causal=causal, dtype=dtype, impl=path,
+                             tol=tol, status="ok" if max(errors.values()) <= tol else "error", **errors))
+        del q64, k64, v64, ref_o, want
+    release_memory()
+    return rows
+
+
+def _bench(fn, *, warmup_ms: float, rep_ms: float) -> dict:
+    """Median, 20th and 80th percentile ms of ``fn``; its first call (compiles, autotunes,
+    allocates) runs before do_bench, whose repetition count it would otherwise skew."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    med, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=(0.5, 0.2, 0.8))
+    return dict(ms=med, p20=p20, p80=p80)
+
+
+def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: float = 25, rep_ms: float = 100,
+                   emit=print, paths: tuple[str, ...] = COMPARE_PATHS) -> list[dict]:
+    """Per shape (causal): fwd, bwd and fwd+bwd ms of each of ``paths`` through its public
+    function (attention_bench.time_attention: the backward of a retained graph; do_bench
+    medians), then the Triton paths' backwards as bare kernel launches (no autograd, no allocation:
+    the GPU time the launches themselves take), KERNEL_ROWS names which."""
+    from systems.attention import flash_triton as ft
+    from systems.bench.flash import attention_flops, time_attention
+
+    rows = []
+    for batch, heads, seq, d in shapes:
+        point = dict(batch=batch, heads=heads, seq=seq, d=d, dtype=dtype)
+        bwd_flops = attention_flops(batch=batch * heads, n_q=seq, n_k=seq, d=d, is_causal=True, pass_="bwd")
+        bench = dict(warmup_ms=warmup_ms, rep_ms=rep_ms)
+        for path in paths:
+            row = dict(kind="time", **time_attention(path, batch=batch, heads=heads, seq=seq, d=d, dtype=dtype,
+                                                     **bench))
+            rows.append(row)
+            emit(row)
+
+        x = make_inputs(batch=batch * heads, seq=seq, d=d, dtype=dtype)
+        dq, dk, dv = torch.empty_like(x.q), torch.empty_like(x.k), torch.empty_like(x.v)
+        delta = torch.empty_like(x.delta)
+        dq_acc = torch.empty(x.q.shape, device="cuda", dtype=torch.float32)
+
+        def split():
+            ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True)
+            ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True)
+
+        def atomic():
+            ft.launch_backward_atomic(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq_acc, dq, dk, dv, True)
+
+        tma = ft.tma_usable(x.q, x.k, x.v, x.o, x.do)
+        o, lse = torch.empty_like(x.o), torch.empty_like(x.lse)
+
+        def split_tma():
+            ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma)
+            ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma)
+
+        # and each launch on its own (the atomic kernel re-adds into dq_acc: the sums grow, the time does not)
+        closures = {
+            "kernels_split": split, "kernels_atomic": atomic, "kernels_tma": split_tma,
+            "part_dq": lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True),
+            "part_dkdv": lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True),
+            "part_prep": lambda: ft.launch_bwd_prep(x.o, x.do, delta, dq_acc),
+            "part_atomic": lambda: ft.launch_atomic(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, dq_acc, True),
+            "part_cast": lambda: torch.mul(dq_acc, d ** -0.5, out=dq),
+            "part_fwd": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True),
+            "part_fwd_tma": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True, tma=tma),
+            "part_dq_tma": lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma),
+            "part_dkdv_tma": lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma),
+        }
+        wanted = [KERNEL_ROWS[p][0] for p in paths if p in KERNEL_ROWS]
+        wanted += [part for p in paths if p in KERNEL_ROWS for part in KERNEL_ROWS[p][1]]
+        for name in wanted:
+            fn = closures[name]
+            row = dict(kind="time", **point, impl=name, status="ok")
+            pass_ = "fwd" if name.startswith("part_fwd") else "bwd"
+            row.update({f"{pass_}_{stat}": val for stat, val in _bench(fn, **bench).items()})
+            if name.startswith("kernels_"):
+                row["bwd_tflops"] = bwd_flops / (row["bwd_ms"] * 1e-3) / 1e12
+            if name.endswith("_tma"):
+                row["tma"] = tma  # False: the pointer kernels ran (the inputs cannot take descriptors)
+            rows.append(row)
+            emit(row)
+        x = dq = dk = dv = delta = dq_acc = o = lse = None
+        release_memory()
+    return rows
+
+
+def stored_plans() -> list[dict]:
+    """The kernels' autotuned choices so far, one row per (kernel, dtype, autotune key)."""
+    from systems.attention import flash_triton as ft
+
+    rows = []
+    for key, plan in ft._PLANS.items():
+        name, dtype, *tune_key = key
+        # the tile sizes and the kernel's own options (not the shape-derived meta-parameters)
+        chosen = plan.kwargs
+        tiles = {k: v for k, v in chosen.items() if k.isupper() and k not in ("BLOCK_D", *ft._TUNE_KEY)}
+        rows.append(dict(kind="plan", kernel=name, dtype=str(dtype), **dict(zip(ft._TUNE_KEY, tune_key)), **tiles,
+                         num_warps=chosen.get("num_warps"), num_stages=chosen.get("num_stages")))
+    return rows
+
+
+def compare_table(rows: list[dict]) -> str:
+    """Text table: per shape and pass, each path's median ms and its ratio to SDPA cuDNN's
+    (below 1: faster than cuDNN); then per path and pass the geometric mean over the batch-1
+    points of cuDNN ms / path ms (the sweep target's direction: above 1 is faster)."""
+    import math
+
+    timed = [r for r in rows if r.get("kind") == "time" and r.get("status") == "ok"]
+    shapes = sorted({(r["batch"], r["heads"], r["seq"], r["d"]) for r in timed},
+                    key=lambda s: (s[0] * s[1] == 1, s[3], s[2]))
+    by = {(r["batch"], r["heads"], r["seq"], r["d"], r["impl"]): r for r in timed}
+    present = {r["impl"] for r in timed}
+    impls = [i for i in (*COMPARE_PATHS, *(k for k, _ in KERNEL_ROWS.values())) if i in present]
+    lines = [f"{'shape (b,h,seq,d)':>22} {'pass':>4} " + " ".join(f"{i:>22}" for i in impls)]
+    parts = sorted({r["impl"] for r in timed if r["impl"].startswith("part_")})
+    speedups: dict = {}
+    for shape in shapes:
+        for p in PASS_NAMES:
+            base = by.get((*shape, "sdpa_cudnn"), {}).get(f"{p}_ms")
+            cells = []
+            for impl in impls:
+                ms = by.get((*shape, impl), {}).get(f"{p}_ms")
+                if ms is None:
+                    cells.append(f"{'-':>22}")
+                    continue
+                ratio = f"{ms / base:5.2f}x" if base else "  n/a "
+                cells.append(f"{ms:10.3f} ms {ratio:>8}")
+                if base and shape[0] * shape[1] == 1:
+                    speedups.setdefault((impl, p), []).append(base / ms)
+            lines.append(f"{str(shape):>22} {p:>4} " + " ".join(cells))
+        if parts:  # the backward's launches one by one
+            lines.append(f"{'':>22} bwd launches: " + ", ".join(
+                f"{i[5:]} {by[(*shape, i)].get('bwd_ms') or by[(*shape, i)].get('fwd_ms'):.3f} ms"
+                for i in parts if (*shape, i) in by))
+    lines.append("geometric mean over the batch-1 points of cuDNN ms / path ms (> 1: faster than cuDNN):")
+    for (impl, p), vals in sorted(speedups.items()):
+        gm = math.exp(sum(math.log(x) for x in vals) / len(vals))
+        lines.append(f"  {impl:>16} {p:>4}: {gm:.3f} over {len(vals)} points")
+    return "\n".join(lines)
+
+
+def compare_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", check: bool = True, warmup_ms: float = 25,
+                      rep_ms: float = 100, out_path: str | None = None,
+                      paths: tuple[str, ...] = COMPARE_PATHS) -> list[dict]:
+    """check_backwards (unless ``check`` is False), then time_backwards and stored_plans, each row
+    written to ``out_path`` as it is produced; prints compare_table at the end."""
+    writer = ResultWriter(out_path) if out_path else None
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        if writer is not None:
+            writer.write(row)
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+
+    if check:
+        for row in check_backwards(dtype=dtype, paths=tuple(p for p in paths if p in KERNEL_ROWS)):
+            emit(row)
+    time_backwards(shapes=shapes, dtype=dtype, warmup_ms=warmup_ms, rep_ms=rep_ms, emit=emit, paths=paths)
+    for row in stored_plans():
+        emit(row)
+    print(compare_table(rows), flush=True)
+    return rows
+
+
+def best_configs(rows: list[dict]) -> dict:
+    """(kernel, batch, seq, d) -> the fastest candidate's (block_m, block_n, warps, stages[, meta]) and ms."""
+    best: dict = {}
+    for r in rows:
+        if r.get("impl") != "triton" or r.get("status") != "ok":
+            continue
+        key = (r["kernel"], r["batch"], r["seq"], r["d"])
+        if key not in best or r["ms"] < best[key][1]:
+            extra = (r["meta"],) if r.get("meta") else ()
+            best[key] = ((r["block_m"], r["block_n"], r["warps"], r["stages"], *extra), r["ms"])
+    return best
+
+
+def _shape_arg(text: str) -> tuple[int, int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"a shape is four positive integers B,H,SEQ,D, got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="results/06_flash_attention_tuning.jsonl")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--rep-ms", type=float, default=30)
+    parser.add_argument("--host-overhead", action="store_true",
+                        help="only measure the host time per call of each path (see host_overhead)")
+    parser.add_argument("--compare-backward", action="store_true",
+                        help="check and time the Triton variants (split, atomic, TMA) against SDPA (compare_backwards)")
+    parser.add_argument("--no-check", action="store_true", help="--compare-backward without the correctness check")
+    parser.add_argument("--paths", default=",".join(COMPARE_PATHS),
+                        help=f"comma-separated paths --compare-backward checks and times, of {list(COMPARE_PATHS)}")
+    parser.add_argument("--shape", action="append", type=_shape_arg, metavar="B,H,SEQ,D",
+                        help="a point to measure (repeatable); default: COMPARE_SHAPES for --compare-backward, "
+                             "SHAPES for the exploration (where B x H is the batch)")
+    parser.add_argument("--kernels", default=",".join(CANDIDATES),
+                        help=f"comma-separated kernels whose candidates the exploration times, of {list(CANDIDATES)}")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("the exploration times GPU kernels and needs CUDA")
+    if args.compare_backward:
+        paths = tuple(args.paths.split(","))
+        unknown = sorted(set(paths) - set(COMPARE_PATHS))
+        if unknown:
+            parser.error(f"unknown paths {unknown}; choose from {list(COMPARE_PATHS)}")
+        compare_backwards(shapes=args.shape or COMPARE_SHAPES, dtype=args.dtype, check=not args.no_check,
+                          rep_ms=args.rep_ms, out_path=args.out, paths=paths)
+        return 0
+    if args.host_overhead:
+        writer = ResultWriter(args.out)
+        for row in host_overhead(dtype=args.dtype):
+            writer.write(row)
+            print(f"{row['path']:>20} seq {row['seq']:6d} d {row['d']:3d}: host {row['host_us_per_call']:8.1f} us, "
+                  f"wall {row['wall_us_per_call']:8.1f} us per call")
+        return 0
+    kernels = args.kernels.split(",")
+    unknown = sorted(set(kernels) - set(CANDIDATES))
+    if unknown:
+        parser.error(f"unknown kernels {unknown}; choose from {list(CANDIDATES)}")
+    shapes = [(b * h, seq, d) for b, h, seq, d in args.shape] if args.shape else SHAPES
+    rows = explore(shapes=shapes, candidates={k: CANDIDATES[k] for k in kernels}, dtype=args.dtype,
+                   out_path=args.out, rep_ms=args.rep_ms)
+    for (kernel, batch, seq, d), (cfg, ms) in sorted(best_configs(rows).items(),
+                                                     key=lambda kv: (kv[0][0], kv[0][3], kv[0][1], kv[0][2])):
+        print(f"best {kernel:5s} batch {batch:2d} seq {seq:6d} d {d:3d}: {cfg} {ms:.4f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

@@ -1,0 +1,140 @@
+"""The fused training-step kernels against the unfused paths they replace, in one run.
+
+- optimizer: one AdamW step over parameters shaped like a model preset's (our per-parameter
+  loop, our multi-tensor ``foreach`` path, the Triton ``FusedAdamW`` with and without a bf16
+  weight copy, and torch's ``AdamW(fused=True)``): median ms and the effective bandwidth of the
+  bytes each element must move at least (p, m, v read and written, g read, the copy written).
+- loss: LM head + cross-entropy, forward + backward under bf16 autocast, unfused
+  (``cross_entropy(h @ W.T)``) against ``linear_cross_entropy``: median ms and peak memory
+  above the inputs.
+
+    python -m systems.bench.fused --model 2.7B --out results/10_fused_kernels.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from systems.config import get_config
+from systems.measure.devices import release_memory
+from systems.measure.results import ResultWriter
+
+GIB = 2**30
+
+
+def _bench(fn, *, rep_ms: float) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=3 * rep_ms / 10, rep=rep_ms, return_mode="median")
+
+
+def preset_param_shapes(model: str) -> list[tuple[int, ...]]:
+    """The parameter shapes of a TransformerLM preset, built on the meta device (no memory)."""
+    from systems.model import TransformerLM
+
+    with torch.device("meta"):
+        lm = TransformerLM(get_config(model))
+    return [tuple(p.shape) for p in lm.parameters()]
+
+
+def optimizer_rows(*, model: str, rep_ms: float = 400, device: str = "cuda") -> list[dict]:
+    from systems.kernels.fused_adamw import FusedAdamW
+    from systems.optim import AdamW
+
+    shapes = preset_param_shapes(model)
+    n = sum(torch.Size(s).numel() for s in shapes)
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
+    variants = {
+        "ours_loop": (lambda: AdamW(params, lr=1e-4, foreach=False), 28),
+        "ours_foreach": (lambda: AdamW(params, lr=1e-4, foreach=True), 28),
+        "fused_triton": (lambda: FusedAdamW(params, lr=1e-4), 28),
+        "fused_triton+bf16_copy": (lambda: FusedAdamW(
+            params, lr=1e-4, low_precision_copies={p: torch.empty_like(p, dtype=torch.bfloat16) for p in params}), 30),
+        "torch_fused": (lambda: torch.optim.AdamW(params, lr=1e-4, fused=True), 28),
+    }
+    rows = []
+    for name, (make, bytes_per_elt) in variants.items():
+        row = dict(bench="optimizer", model=model, variant=name, n_params=n, status="ok")
+        opt = None
+        try:
+            opt = make()
+            opt.step()  # creates the state outside the timed region
+            ms = _bench(opt.step, rep_ms=rep_ms)
+            row.update(ms=ms, min_bytes=bytes_per_elt * n, gbps=bytes_per_elt * n / (ms * 1e-3) / 1e9)
+        except torch.OutOfMemoryError:
+            row["status"] = "oom"
+        finally:
+            opt = None
+            release_memory()
+        rows.append(row)
+    return rows
+
+
+def loss_rows(*, tokens: int, d_model: int, vocab: int, rep_ms: float = 300, device: str = "cuda") -> list[dict]:
+    from systems.kernels.fused_linear_ce import linear_cross_entropy
+    from systems.optim import cross_entropy
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = (torch.randn(tokens, d_model, device=device, generator=gen) * 0.5).requires_grad_()
+    weight = (torch.randn(vocab, d_model, device=device, generator=gen) * d_model ** -0.5).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
+    impls = {
+        "unfused": lambda: cross_entropy(hidden @ weight.T, targets),
+        "fused": lambda: linear_cross_entropy(hidden, weight, targets, check_targets=False),
+    }
+    flops = 6 * tokens * d_model * vocab  # forward matmul + the two gradient matmuls
+    rows = []
+    for name, loss_fn in impls.items():
+        row = dict(bench="loss", variant=name, tokens=tokens, d_model=d_model, vocab=vocab, status="ok")
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = loss_fn()
+            loss.backward()
+
+        try:
+            step()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
+            ms = _bench(step, rep_ms=rep_ms)
+            row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+        except torch.OutOfMemoryError:
+            row["status"] = "oom"
+        finally:
+            hidden.grad = weight.grad = None
+            release_memory()
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="2.7B", help="preset whose parameter shapes the optimizer updates")
+    parser.add_argument("--out", default="results/10_fused_kernels.jsonl")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("the fused kernels are timed on a GPU; none is visible")
+    writer = ResultWriter(args.out)
+    cfg8b = get_config("8B")
+    cases = [dict(tokens=4 * 512, d_model=get_config(args.model).d_model, vocab=get_config(args.model).vocab_size),
+             dict(tokens=32768, d_model=cfg8b.d_model, vocab=cfg8b.vocab_size)]
+    rows = optimizer_rows(model=args.model)
+    for case in cases:
+        rows += loss_rows(**case)
+    for row in rows:
+        writer.write(row)
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
