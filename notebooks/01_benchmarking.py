@@ -75,7 +75,7 @@ nb.md("**Answer (b).** " + backward_forward_answer(train) + "\n\n" + "\n".join(l
 # cuBLAS handles and the allocator are all new), as it would be in a standalone script.
 
 # %%
-warm = run_sweep([BenchmarkConfig(model=s, mode="train_step", warmup_steps=w, **common)
+warm = run_sweep([BenchmarkConfig(model=s, mode="train_step", warmup=w, **common)
                   for s in sizes for w in (0, 1, 2)], out_path=ctx.result_path("warmup"), isolate=True)
 wt = warmup_table(warm)
 nb.show(wt, caption="Measured-step statistics by number of warm-up steps (each run a fresh process)")

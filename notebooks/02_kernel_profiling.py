@@ -28,7 +28,10 @@ out_dir = "build/smoke"  # the runner injects this
 import pandas as pd
 
 from systems.report import notebook as nb
+from systems.bench import profile as bench_profile
+from systems.measure import flops
 from systems.measure import profiler as profiling
+from systems.report import kernel_profiling
 from systems.bench.benchmark import BenchmarkConfig
 from systems.measure.results import ResultWriter
 
@@ -53,10 +56,10 @@ else:
 MODES = ["forward", "train_step"]
 
 configs = [(label, BenchmarkConfig(model=model, model_overrides=over, context_length=c, batch_size=BATCH,
-                                   warmup_steps=WARMUP, measure_steps=MEASURE, mode=mode))
+                                   warmup=WARMUP, steps=MEASURE, mode=mode))
            for label, (model, over) in SIZES.items() for c in CONTEXTS for mode in MODES]
 timeline_key = (list(SIZES)[0], CONTEXTS[0], "train_step")
-summary, results = profiling.profile_sweep(
+summary, results = bench_profile.profile_sweep(
     configs, profile_steps=PROFILE_STEPS, writer=ResultWriter(ctx.result_path("summary")),
     keep_trace=timeline_key, trace_dir=ctx.out_dir / "traces")
 ok = summary[summary["status"] == "ok"].copy()
@@ -201,7 +204,7 @@ nb.md(
 # %% [markdown]
 # ## (e) Softmax against the two attention matmuls
 # FLOPs are analytic: each of QKᵀ and PV costs 2·B·H·T²·d_head per layer; the softmax
-# `profiling.SOFTMAX_FLOPS_PER_ELEMENT` FLOPs per score element (max, subtract, exp, sum, divide).
+# `flops.SOFTMAX_FLOPS_PER_ELEMENT` FLOPs per score element (max, subtract, exp, sum, divide).
 # Runtime is the kernel time in the forward pass's `softmax` range against the matmul kernels in
 # the `attention scores` and `final matmul` ranges.
 
@@ -231,7 +234,7 @@ nb.md(
 
 # %%
 trace = ctx.out_dir / "traces" / f"{timeline_key[0]}_{timeline_key[1]}_{timeline_key[2]}.json.gz"
-fig = profiling.plot_step_timeline(trace, title=f"one train step, {timeline_key[0]} @ {timeline_key[1]} tokens: "
+fig = kernel_profiling.plot_step_timeline(trace, title=f"one train step, {timeline_key[0]} @ {timeline_key[1]} tokens: "
                                                 f"{device_word} by category")
 nb.save_figure(fig, ctx, "train_step_timeline")
 
@@ -244,8 +247,8 @@ nb.save_figure(fig, ctx, "train_step_timeline")
 if ctx.full and profiling.nsys_available():
     label, (model, over) = next(iter(SIZES.items()))
     nsys_cfg = BenchmarkConfig(model=model, model_overrides=over, context_length=CONTEXTS[0], batch_size=BATCH,
-                               warmup_steps=WARMUP, mode="train_step")
-    nsys_table = profiling.run_nsys(nsys_cfg, ctx.out_dir / "traces" / "nsys", steps=PROFILE_STEPS)
+                               warmup=WARMUP, mode="train_step")
+    nsys_table = bench_profile.run_nsys(nsys_cfg, ctx.out_dir / "traces" / "nsys", steps=PROFILE_STEPS)
     nb.show(nsys_table.head(10).drop(columns="name"), caption="nsys cuda_gpu_kern_sum, one train step")
 else:
     nb.md("`nsys` is not on PATH here (or this is the smoke profile): the Nsight path was skipped.")

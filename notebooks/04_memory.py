@@ -32,7 +32,9 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from systems.bench import memory as bench_memory
 from systems.measure import memory
+from systems.parallel import checkpoint as checkpointing
 from systems.report import notebook as nb
 from systems.bench.benchmark import BenchmarkConfig, run_benchmark
 from systems.config import get_config
@@ -89,8 +91,8 @@ writer = ResultWriter(ctx.result_path("peaks"))
 rows, snapshots = [], {}
 points = [(p, m, c) for p in PRECISIONS for m in MODES for c in CONTEXTS]
 for precision, mode, context in tqdm(points, desc="peak memory"):
-    cfg = BenchmarkConfig(model=MODEL, context_length=context, batch_size=BATCH, warmup_steps=WARMUP,
-                          measure_steps=MEASURE, mode=mode, precision=precision, device=dev)
+    cfg = BenchmarkConfig(model=MODEL, context_length=context, batch_size=BATCH, warmup=WARMUP,
+                          steps=MEASURE, mode=mode, precision=precision, device=dev)
     path = snap_dir / f"{MODEL}_{mode}_{precision}_ctx{context}.pickle"
     path.unlink(missing_ok=True)
     want_snapshot = precision == "fp32" and context in SNAPSHOT_CONTEXTS
@@ -272,7 +274,7 @@ release_memory()
 # %%
 nest_cfg = get_config("debug", **NESTED_OVERRIDES)
 N = nest_cfg.n_layers
-strategies = [("none", None), (f"one level, k = √N = {memory.sqrt_group_size(N)}", ("group", memory.sqrt_group_size(N))),
+strategies = [("none", None), (f"one level, k = √N = {checkpointing.sqrt_group_size(N)}", ("group", checkpointing.sqrt_group_size(N))),
               ("nested, branching 2", ("nested", 2)), ("nested, branching 4", ("nested", 4))]
 nest_writer = ResultWriter(ctx.result_path("nested_checkpointing"))
 nest_rows = []
@@ -281,17 +283,17 @@ nest_model = TransformerLM(nest_cfg, device=dev)
 inputs = torch.randint(0, nest_cfg.vocab_size, (NESTED_BATCH, NESTED_CONTEXT), device=dev)
 targets = torch.randint(0, nest_cfg.vocab_size, (NESTED_BATCH, NESTED_CONTEXT), device=dev)
 for label, how in strategies:
-    memory.remove_activation_checkpointing(nest_model)
+    checkpointing.remove_activation_checkpointing(nest_model)
     if how and how[0] == "group":
-        memory.apply_activation_checkpointing(nest_model, how[1])
+        checkpointing.apply_activation_checkpointing(nest_model, how[1])
     elif how:
-        memory.apply_nested_checkpointing(nest_model, branching=how[1])
-    with memory.count_block_forwards(nest_model) as calls:
-        m = memory.measure_train_step(nest_model, inputs, targets, warmup=0, steps=1)
+        checkpointing.apply_nested_checkpointing(nest_model, branching=how[1])
+    with checkpointing.count_block_forwards(nest_model) as calls:
+        m = bench_memory.measure_train_step(nest_model, inputs, targets, warmup=0, steps=1)
     nest_rows.append(nest_writer.write({"strategy": label, "n_layers": N, "block_forwards": sum(calls.values()),
                                         "forwards_per_block": sum(calls.values()) / N,
                                         "peak_rise_mib": m["rise_mib"], "step_ms": m["step_s"] * 1e3}))
-memory.remove_activation_checkpointing(nest_model)
+checkpointing.remove_activation_checkpointing(nest_model)
 nested = pd.DataFrame(nest_rows).drop(columns=["env"])
 nb.show(nested, caption=f"debug model with N = {N} blocks, batch {NESTED_BATCH} x ctx {NESTED_CONTEXT}: "
         "activation memory (peak rise above the step's start) and block forwards")
@@ -326,12 +328,12 @@ try:
     ck_in = torch.randint(0, ck_cfg.vocab_size, (CKPT_BATCH, CKPT_CONTEXT), device=dev)
     ck_tg = torch.randint(0, ck_cfg.vocab_size, (CKPT_BATCH, CKPT_CONTEXT), device=dev)
     for k in tqdm(group_sizes, desc="checkpoint group size"):
-        memory.remove_activation_checkpointing(ck_model)
-        memory.apply_activation_checkpointing(ck_model, k)
+        checkpointing.remove_activation_checkpointing(ck_model)
+        checkpointing.apply_activation_checkpointing(ck_model, k)
         row = {"model": CKPT_MODEL, "batch_size": CKPT_BATCH, "context_length": CKPT_CONTEXT, "group_size": k,
                "n_groups": math.ceil(ck_cfg.n_layers / k), "status": "ok"}
         try:
-            m = memory.measure_train_step(ck_model, ck_in, ck_tg, optimizer=opt, warmup=CKPT_WARMUP, steps=MEASURE)
+            m = bench_memory.measure_train_step(ck_model, ck_in, ck_tg, optimizer=opt, warmup=CKPT_WARMUP, steps=MEASURE)
             row.update(peak_gib=m["peak_gib"], step_ms=m["step_s"] * 1e3)
         except torch.OutOfMemoryError as exc:
             row.update(status="oom", error=str(exc).splitlines()[0][:200])

@@ -273,7 +273,7 @@ else:
     # Inductor's CPU compile of even the debug model takes tens of seconds: smoke runs eager only
     sizes = model_sizes or ["debug"]
     model_rows = run_model_compile_sweep(sizes, context_length=64, batch_size=4, modes=("train_step", "forward"),
-                                         tf32=False, device="cpu", compile=False, warmup_steps=1, measure_steps=2,
+                                         tf32=False, device="cpu", compile_scope=None, warmup=1, steps=2,
                                          out_path=ctx.result_path("model_compile"))
 mtab = model_compile_table(model_rows)
 nb.show(mtab, caption=f"whole model, eager vs torch.compile (scope: {compile_scope}), on {ctx.gpu}")

@@ -100,11 +100,11 @@ nb.md("**Commentary.**\n\n" + report.allreduce_commentary(allreduce) + "\n\n"
 
 # %%
 if ctx.full:
-    ddp_config = DDPBenchConfig(model="xl", context_length=512, global_batch=4, lp_reduce_buckets_mb=(1000.0,),
+    ddp_config = DDPBenchConfig(model="xl", context_length=512, batch_size=4, lp_reduce_buckets_mb=(1000.0,),
                                 tail_buckets_mb=((1000.0, 1.0),), compiled_precisions=("bf16",),
                                 compile_mode="reduce-overhead")
 else:
-    ddp_config = DDPBenchConfig(model="debug", context_length=64, global_batch=4, bucket_sizes_mb=(0.05, 0.2, 1.0),
+    ddp_config = DDPBenchConfig(model="debug", context_length=64, batch_size=4, bucket_sizes_mb=(0.05, 0.2, 1.0),
                                 lp_reduce_buckets_mb=(1.0,), warmup=1, steps=3, profile_steps=1)
 ddp_config.out_path = str(ctx.result_path("ddp"))
 ddp_config.overlap_path = str(ctx.result_path("overlap"))
@@ -114,7 +114,7 @@ ddp = read_results(ctx.result_path("ddp"))
 overlap = read_results(ctx.result_path("overlap"))
 table = report.ddp_table(ddp)
 nb.show(table, caption=f"{ddp_config.model}, context {ddp_config.context_length}, global batch "
-                       f"{ddp_config.global_batch} on {ddp_world_size} ranks ({ddp_backend}, {ctx.gpu}); "
+                       f"{ddp_config.batch_size} on {ddp_world_size} ranks ({ddp_backend}, {ctx.gpu}); "
                        "vs_torch_ddp = step time / torch DDP's")
 
 # %%

@@ -28,7 +28,9 @@ import pandas as pd
 import torch
 
 from systems.report import notebook as nb
+from systems.analysis import sharding
 from systems.bench import fsdp as fsdp_bench
+from systems.report import sharding_fsdp as sharding_report
 from systems.measure.results import read_results
 
 ctx = nb.setup(name="08_sharding_fsdp", profile=profile, out_dir=out_dir)
@@ -36,15 +38,15 @@ if ctx.full:
     if torch.cuda.device_count() < 2:
         raise RuntimeError("the full profile needs at least 2 GPUs (one NCCL rank per GPU)")
     BACKEND = "nccl"
-    config = fsdp_bench.FSDPBenchConfig(model="xl", context_length=512, global_batch=4, warmup=2, steps=5)
+    config = fsdp_bench.FSDPBenchConfig(model="xl", context_length=512, batch_size=4, warmup=2, steps=5)
 else:  # the debug model on 2 CPU processes: same code paths, no allocator statistics
     BACKEND = "gloo"
-    config = fsdp_bench.FSDPBenchConfig(model="debug", context_length=64, global_batch=4, warmup=1, steps=3)
+    config = fsdp_bench.FSDPBenchConfig(model="debug", context_length=64, batch_size=4, warmup=1, steps=3)
 config.opt_path = str(ctx.result_path("optimizer"))
 config.fsdp_path = str(ctx.result_path("fsdp"))
 config.gather_path = str(ctx.result_path("gathers"))
 config.trace_dir = str(ctx.results / "08_sharding_fsdp_traces")
-nb.md(f"Model **{config.model}**, context {config.context_length}, global batch {config.global_batch} over 2 ranks "
+nb.md(f"Model **{config.model}**, context {config.context_length}, global batch {config.batch_size} over 2 ranks "
       f"(`{BACKEND}`), {config.warmup} warm-up and {config.steps} timed steps per variant; our FSDP prefetches "
       f"{config.prefetch} unit(s) ahead.")
 
@@ -116,9 +118,9 @@ nb.md(text)
 # Per-rank bytes sent per step (ring collectives) and persistent memory per rank for this model on 2 ranks.
 
 # %%
-comm = pd.DataFrame(fsdp_bench.communication_per_step(n_params, 2))
+comm = pd.DataFrame(sharding.communication_per_step(n_params, 2))
 comm["GiB_per_rank"] = comm.pop("bytes_per_rank") / 2**30
-mem = pd.DataFrame(fsdp_bench.memory_per_rank(n_params, 2))
+mem = pd.DataFrame(sharding.memory_per_rank(n_params, 2))
 mem[["params", "grads", "opt_state"]] = mem[["params", "grads", "opt_state"]] / 2**30
 mem["total_GiB"] = mem[["params", "grads", "opt_state"]].sum(axis=1)
 nb.show(comm, caption="communication per step (GiB sent per rank)")
@@ -203,10 +205,10 @@ if len(gather_df):
     timeline = fsdp_bench.trace_timeline(gather_df[gather_df["precision"] == precision0]["trace"].iloc[0])
     fig, axes = plt.subplots(2, 1, figsize=(12, 5.5))
     fwd_end = timeline["units"][-1][2] if timeline["units"] else None
-    fsdp_bench.plot_timeline(axes[0], timeline, title=f"{precision0}: whole step (ours)")
+    sharding_report.plot_timeline(axes[0], timeline, title=f"{precision0}: whole step (ours)")
     if timeline["units"]:
         n_show = min(5, len(timeline["units"]))
-        fsdp_bench.plot_timeline(axes[1], timeline, title=f"{precision0}: first {n_show} units of the forward",
+        sharding_report.plot_timeline(axes[1], timeline, title=f"{precision0}: first {n_show} units of the forward",
                                  window=(timeline["units"][0][1] - 0.2 * (timeline["units"][n_show - 1][2] - timeline["units"][0][1]),
                                          timeline["units"][n_show - 1][2]))
     fig.tight_layout()

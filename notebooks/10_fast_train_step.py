@@ -43,8 +43,12 @@ import pandas as pd
 import torch
 
 from systems.report import notebook as nb
+from systems.bench import profile as bench_profile
+from systems.measure import flops
 from systems.measure import profiler as profiling
+from systems.report import kernel_profiling
 from systems.bench import train_step as ts
+from systems.report import fast_train_step as fast_report
 from systems.bench import leaderboard as lbd
 from systems.measure.results import ResultWriter, read_records
 
@@ -72,13 +76,13 @@ for model, variants in PLAN.items():
                             peak_flops=peak_tflops * 1e12 if ctx.full else None,  # a CPU has no such peak
                             trace_variant=TRACE[1] if model == TRACE[0] else None, trace_path=trace_path,
                             **STEP)
-table = ts.step_table(rows)
+table = fast_report.step_table(rows)
 nb.show(table, caption=f"Full training step, batch {STEP['batch_size']} x context {STEP['context_length']}, "
                        f"bf16 autocast, {STEP['steps']} timed steps after {STEP['warmup']} warm-up ({ctx.gpu}); "
                        f"MFU of {peak_tflops:g} TFLOP/s")
 
 # %%
-fig = ts.plot_phases(table, title=f"Where a step's time goes, per variant ({ctx.gpu})")
+fig = fast_report.plot_phases(table, title=f"Where a step's time goes, per variant ({ctx.gpu})")
 nb.save_figure(fig, ctx, "phases")
 
 # %%
@@ -118,7 +122,7 @@ nb.md("**Step time against the targets.**\n\n" + "\n".join(lines))
 # saves overall is the overlap.
 
 # %%
-levers = ts.lever_table(table)
+levers = fast_report.lever_table(table)
 nb.show(levers, caption=f"Levers, each against the variant without it, same run ({ctx.gpu})")
 if not levers.empty:
     by = levers.loc[levers.groupby("model")["saved_ms"].idxmax()]
@@ -137,7 +141,7 @@ items = profiling.attribute(items, ranges)
 cats = profiling.category_table(items)
 nb.show(cats, caption=f"{TRACE[0]} `{TRACE[1]}`: kernel time per category in one step ({ctx.gpu})")
 nb.show(profiling.range_table(items, ranges), caption="per phase: wall time and kernel time in the step")
-fig = profiling.plot_step_timeline(trace_path, title=f"{TRACE[0]} `{TRACE[1]}`, one step ({ctx.gpu})")
+fig = kernel_profiling.plot_step_timeline(trace_path, title=f"{TRACE[0]} `{TRACE[1]}`, one step ({ctx.gpu})")
 nb.save_figure(fig, ctx, "timeline")
 
 # %%

@@ -39,18 +39,6 @@ class ModelConfig:
         block = 4 * d * d + 3 * d * f + 2 * d
         return 2 * self.vocab_size * d + self.n_layers * block + d
 
-    def forward_flops(self, batch_size: int, seq_len: int) -> int:
-        """Matmul FLOPs of one forward pass (2 per multiply-add).
-
-        Attention counts the full T x T score and value matmuls, as the naive and
-        SDPA-math paths compute them; elementwise work is left out (it is a few
-        percent and not done on tensor cores).
-        """
-        tokens = batch_size * seq_len
-        d, f = self.d_model, self.d_ff
-        per_layer = 2 * tokens * (4 * d * d + 3 * d * f) + 2 * 2 * batch_size * seq_len * seq_len * d
-        return self.n_layers * per_layer + 2 * tokens * d * self.vocab_size
-
     def with_(self, **changes) -> "ModelConfig":
         """A copy with some fields changed (re-validated)."""
         init_names = {f.name for f in fields(self) if f.init}

@@ -1,7 +1,8 @@
 """The CS336 "basics" Transformer LM: pre-norm blocks, RoPE, SwiGLU, untied head, no biases.
 
-Pure model code: no distributed, compile or profiling logic beyond named ranges
-inside attention (systems.attention).
+Pure model code: no distributed, compile or profiling logic beyond named ranges inside
+attention (systems.attention). Parallelism is applied from outside (systems.parallel.plan); the
+one seam it uses here is ``TransformerLM.layer_runner``, which activation checkpointing sets.
 """
 
 from __future__ import annotations
@@ -129,6 +130,9 @@ class TransformerLM(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, device=device, dtype=dtype) for _ in range(cfg.n_layers))
         self.ln_final = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, device=device, dtype=dtype)
+        # how the blocks run: None runs them one after the other; systems.parallel.checkpoint sets
+        # a runner that calls groups of them under activation checkpointing
+        self.layer_runner = None
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """(batch, seq) token ids -> (batch, seq, vocab) logits."""
@@ -143,9 +147,12 @@ class TransformerLM(nn.Module):
                 f"sequence length {seq_len} exceeds the model's context_length {self.cfg.context_length}"
             )
         positions = torch.arange(seq_len, device=token_ids.device)
-        x = self.token_embeddings(token_ids)
-        for layer in self.layers:
-            x = layer(x, positions)
+        x = self.token_embeddings(token_ids)  # (batch, seq) -> (batch, seq, d_model)
+        if self.layer_runner is None:
+            for layer in self.layers:
+                x = layer(x, positions)
+        else:
+            x = self.layer_runner(self.layers, x, positions)
         return self.ln_final(x)
 
     def n_params(self) -> int:

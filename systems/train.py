@@ -1,4 +1,28 @@
-"""The optimizer step inside the backward pass: each group of parameters is updated as soon as the
+"""The training step every harness runs, the optimizers it steps, and the optimizer inside the backward.
+
+One step, its variants as data:
+
+    step = TrainStep(model, spec=StepSpec(precision="bf16", loss="fused"), optimizer=opt, grad_sync=ddp)
+    loss = step(tokens, targets, marks=Marks(device))
+
+- ``StepSpec``: the mode (forward only, forward + backward, or the full train step), the
+  precision (bf16 / fp16 autocast over the model's weights; fp16 scales the loss), the loss
+  (logits then cross-entropy, or the fused LM head + loss that never materialises the logits),
+  and whether each phase ends with a device synchronisation (host timers, profiles).
+- The model may come wrapped: ``forward`` is what the step calls (a compiled model, a DDP
+  wrapper), ``grad_sync`` the data-parallel wrapper whose ``finish_gradient_synchronization``
+  runs after the backward (``systems.parallel.plan.apply`` returns both).
+- ``OptimizerSpec`` / ``build_optimizer``: our AdamW, the fused Triton AdamW (optionally with bf16
+  matmul weights and fp32 masters), torch's AdamW, sharded over the ranks (ZeRO-1) or stepped
+  inside the backward.
+
+Each phase is a profiler range (``systems.measure.trace.PHASE_RANGES``, inside ``STEP_RANGE``)
+and, given ``marks``, a time mark of the same name, so every harness times and profiles the same
+step the same way. ``phase_ms(marks)`` turns the marks into milliseconds per phase.
+
+The optimizer inside the backward (``OptimizerInBackward``, ``block_groups``,
+``priority_stream``):
+The optimizer step inside the backward pass: each group of parameters is updated as soon as the
 backward has produced all of its gradients, on a side CUDA stream, while the backward goes on.
 
 Why: AdamW reads and writes every parameter, gradient and moment once per step, so it is
@@ -55,10 +79,242 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.profiler import record_function
+
+from systems.measure.devices import DTYPES, sync
+from systems.measure.timer import Marks
+from systems.measure.trace import GRAD_SYNC_RANGE, PHASE_RANGES, STEP_RANGE
+
+MODES = ("forward", "forward_backward", "train_step")
+PRECISIONS = ("fp32", "bf16", "fp16")
+LOSSES = ("logits", "fused", "hf_logits")
+REDUCTIONS = ("mean", "sum")
+OPTIMIZERS = ("ours", "fused", "torch", "torch_fused")
+# the marks a step sets, in order (grad_sync only with a data-parallel wrapper)
+MARKS = ("start", "forward", "backward", "grad_sync", "optimizer")
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What one step does."""
+
+    mode: str = "train_step"  # forward (inference, no grad) | forward_backward | train_step
+    precision: str = "fp32"  # fp32: no autocast; bf16 / fp16: autocast over the model's weights
+    loss: str = "logits"  # logits: model(tokens) then cross-entropy | fused: linear_cross_entropy | hf_logits
+    reduction: str = "mean"  # sum: the handout's leaderboard loss (fused loss only)
+    sync_phases: bool = False  # synchronise the device at the end of each phase
+    grads_to_none: bool = True  # False keeps .grad tensors between steps (views of DDP buckets)
+
+    def __post_init__(self) -> None:
+        _choice("mode", self.mode, MODES)
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("loss", self.loss, LOSSES)
+        _choice("reduction", self.reduction, REDUCTIONS)
+        if self.reduction == "sum" and self.loss != "fused":
+            raise ValueError("reduction='sum' is implemented by the fused loss: set loss='fused'")
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return None if self.precision == "fp32" else DTYPES[self.precision]
+
+
+def compute_loss(spec: StepSpec, model: nn.Module, forward: Callable, tokens: torch.Tensor,
+                 targets: torch.Tensor) -> torch.Tensor:
+    """The step's loss. The fused loss reads ``model.hidden_states`` and the LM head's weight, so it
+    bypasses ``forward``: wrappers whose work lives in ``forward`` itself (torch's DDP, a compiled
+    whole model) need the logits loss."""
+    from systems.optim import cross_entropy
+
+    if spec.loss == "fused":
+        from systems.kernels.fused_linear_ce import linear_cross_entropy
+
+        # the harnesses draw targets in range: skip the range check and its device sync
+        return linear_cross_entropy(model.hidden_states(tokens), model.lm_head.weight, targets,
+                                    reduction=spec.reduction, check_targets=False)
+    if spec.loss == "hf_logits":
+        return cross_entropy(forward(input_ids=tokens).logits, targets)
+    return cross_entropy(forward(tokens), targets)
+
+
+class TrainStep:
+    """One step of ``spec.mode`` on ``model``; ``__call__(tokens, targets, marks=None)``.
+
+    ``optimizer``: anything with ``step()`` and ``zero_grad(set_to_none=)`` (needed by the train
+    step). ``forward``: what computes the logits (default: the model). ``grad_sync``: a
+    data-parallel wrapper: ``finish_gradient_synchronization()`` runs after the backward, and its
+    ``on_train_batch_start()``, where it has one, before the forward. ``context``: a factory of a context
+    manager entered around the forward and again around the backward (e.g. an SDPA backend).
+    """
+
+    def __init__(self, model: nn.Module, *, spec: StepSpec = StepSpec(), optimizer=None,
+                 forward: Callable | None = None, grad_sync=None,
+                 context: Callable[[], ContextManager] | None = None):
+        if spec.mode == "train_step" and optimizer is None:
+            raise ValueError("a train_step needs an optimizer (or use mode='forward_backward')")
+        self.model, self.spec, self.optimizer = model, spec, optimizer
+        self.forward = forward if forward is not None else model
+        self.grad_sync, self.context = grad_sync, context or contextlib.nullcontext
+        self._batch_start = getattr(grad_sync, "on_train_batch_start", None)
+        # the device is the batch's, known at the first call (a sharded model may own no parameter)
+        self.device: torch.device | None = None
+        self.scaler = None
+
+    def _autocast(self) -> ContextManager:
+        dtype = self.spec.autocast_dtype
+        return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+    def _bind(self, device: torch.device) -> None:
+        self.device = device
+        if self.spec.precision == "fp16" and self.spec.mode != "forward":
+            # fp16 gradients underflow without loss scaling; bf16 has fp32's exponent range
+            self.scaler = torch.amp.GradScaler(device.type)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str, marks: Marks | None) -> Iterator[None]:
+        """A named profiler range, closed after a device sync when ``sync_phases`` (so a profile's
+        CPU range holds its kernels and a host clock reads finished work), then a mark."""
+        with record_function(PHASE_RANGES.get(name, GRAD_SYNC_RANGE)):
+            yield
+            if self.spec.sync_phases:
+                sync(self.device)
+        if marks is not None:
+            marks.mark(name)
+
+    def _zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=self.spec.grads_to_none)
+        else:
+            self.model.zero_grad(set_to_none=self.spec.grads_to_none)
+
+    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                 marks: Marks | None = None) -> torch.Tensor:
+        """Returns the loss (detached), or the forward's output in forward mode."""
+        spec = self.spec
+        if self.device != tokens.device:
+            self._bind(tokens.device)
+        with record_function(STEP_RANGE):
+            if marks is not None:
+                marks.mark("start")
+            if spec.mode == "forward":
+                with self._phase("forward", marks), torch.no_grad(), self.context(), self._autocast():
+                    return self.forward(tokens)
+            with self._phase("forward", marks):
+                self._zero_grad()
+                if self._batch_start is not None:
+                    self._batch_start()
+                with self.context(), self._autocast():
+                    loss = compute_loss(spec, self.model, self.forward, tokens, targets)
+            with self._phase("backward", marks), self.context():
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            if self.grad_sync is not None:
+                with self._phase("grad_sync", marks):
+                    self.grad_sync.finish_gradient_synchronization()
+            if spec.mode == "train_step":
+                with self._phase("optimizer", marks):
+                    if self.scaler:
+                        self.scaler.step(self.optimizer)
+                        self.scaler.update()
+                    else:
+                        self.optimizer.step()
+        return loss.detach()
+
+
+def phase_ms(marks: Marks) -> dict[str, float]:
+    """Milliseconds of each phase a step marked ("forward", "backward", "grad_sync",
+    "optimizer") and of the whole "step"."""
+    out, previous = {}, "start"
+    for name in MARKS[1:]:
+        if name in marks:
+            out[name] = marks.ms(previous, name)
+            previous = name
+    out["step"] = marks.ms("start", previous)
+    return out
+
+
+# ----------------------------------------------------------------------------- optimizers
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Which AdamW, and how it is applied."""
+
+    kind: str = "ours"  # ours (systems.optim) | fused (Triton) | torch (foreach) | torch_fused
+    lr: float = 1e-4
+    master_weights: bool = False  # bf16 matmul weights in the model, fp32 masters in the optimizer
+    sharded: bool = False  # ZeRO-1: each rank keeps the state of its share of the parameters
+    in_backward: bool = False  # one optimizer per block, stepped inside the backward
+
+    def __post_init__(self) -> None:
+        _choice("optimizer", self.kind, OPTIMIZERS)
+        if self.master_weights and self.kind != "fused":
+            raise ValueError("master_weights is MasterWeightAdamW, a fused optimizer: set kind='fused'")
+        if self.sharded and self.in_backward:
+            raise ValueError("a sharded optimizer cannot also step inside the backward: choose one")
+
+
+def optimizer_class(kind: str) -> tuple[type, dict]:
+    """The optimizer class of ``kind`` and the keyword arguments that select its implementation."""
+    _choice("optimizer", kind, OPTIMIZERS)
+    if kind == "fused":
+        from systems.kernels.fused_adamw import FusedAdamW
+
+        return FusedAdamW, {}
+    if kind == "ours":
+        from systems.optim import AdamW
+
+        return AdamW, {}
+    return torch.optim.AdamW, ({"fused": True} if kind == "torch_fused" else {"foreach": True})
+
+
+def matmul_weights_of(model: nn.Module) -> list[nn.Parameter]:
+    """The weights autocast casts to bf16 for every use: those of our Linear layers (LM head
+    included). The embedding table is indexed, not multiplied, and the norm gains scale fp32
+    activations, so those stay fp32."""
+    from systems.model import Linear
+
+    return [m.weight for m in model.modules() if isinstance(m, Linear) and m.weight.requires_grad]
+
+
+def build_optimizer(model: nn.Module, spec: OptimizerSpec, *, blocks: Iterable[nn.Module] | None = None):
+    """The optimizer of ``spec`` over ``model``'s trainable parameters. ``blocks``: the groups of
+    the optimizer inside the backward (default ``model.layers``). Build it before compiling:
+    master weights change the model's weight dtypes."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    cls, options = optimizer_class(spec.kind)
+    if spec.master_weights:
+        from systems.kernels.fused_adamw import MasterWeightAdamW
+
+        low = {id(p) for p in matmul_weights_of(model)}
+
+        def make(ps: list[nn.Parameter]):
+            return MasterWeightAdamW(ps, lr=spec.lr, low_precision=[p for p in ps if id(p) in low])
+    else:
+        def make(ps: list[nn.Parameter]):
+            return cls(ps, lr=spec.lr, **options)
+    if spec.in_backward:
+        groups = block_groups(model, blocks=blocks if blocks is not None else model.layers)
+        return OptimizerInBackward(groups, make_optimizer=make)
+    if spec.sharded:
+        from systems.parallel.sharded_optimizer import ShardedOptimizer
+
+        if spec.master_weights:
+            raise ValueError("master weights are not sharded: use sharded=False with master_weights")
+        return ShardedOptimizer(params, cls, lr=spec.lr, **options)
+    return make(params)
+
+
+# ----------------------------------------------------------------------------- the optimizer inside the backward
+
+
 
 
 @dataclass

@@ -176,15 +176,16 @@ def _fake_bench(calls):
     """Stands in for run_benchmark: compiled points report 10 s of compilation per layer in their first
     step (no real compilation); eager 'large' runs out of memory."""
     def bench(cfg):
-        calls.append((cfg.model, cfg.mode, cfg.compile))
+        compiled = cfg.compile != "none"
+        calls.append((cfg.model, cfg.mode, compiled))
         n_layers = cfg.model_config().n_layers
         step = 0.01 * n_layers
-        first = step + (10.0 * n_layers if cfg.compile else 0.1)
+        first = step + (10.0 * n_layers if compiled else 0.1)
         rec = {"model": cfg.model, "mode": cfg.mode, "compile": cfg.compile, "status": "ok",
                "batch_size": cfg.batch_size, "context_length": cfg.context_length,
                "first_step_s": first, "step_median_s": step, "step_mean_s": step,
                "forward_mean_s": step / 3, "backward_mean_s": step / 2}
-        if cfg.model == "large" and not cfg.compile:
+        if cfg.model == "large" and not compiled:
             rec = {**rec, "status": "oom"}
         return rec
     return bench
@@ -196,17 +197,17 @@ def test_model_compile_sweep_budget_and_table(tmp_path):
     recs = run_model_compile_sweep(["small", "medium", "large"], modes=("train_step", "forward"), device="cpu",
                                    budget_s=120, out_path=tmp_path / "m.jsonl", progress=False,
                                    bench_fn=_fake_bench(calls), clock=lambda: float(next(ticks)))
-    status = {(r["model"], r["mode"], r["compile"]): r["status"] for r in recs}
+    status = {(r["model"], r["mode"], r["compile"] != "none"): r["status"] for r in recs}
     # eager: every size; compiled small train_step (50 s) and forward (50 s) run; medium train_step
     # predicted 100 s (24/12 layers x 50 s) on top of 100 s spent > 120 s: skipped, as is medium forward;
     # large compiled is skipped because eager ran out of memory there
     assert status[("small", "train_step", True)] == "ok" and status[("small", "forward", True)] == "ok"
     assert status[("medium", "train_step", True)] == "skipped"
-    assert "budget" in next(r["error"] for r in recs if r["model"] == "medium" and r["compile"])
-    assert "out of memory" in next(r["error"] for r in recs if r["model"] == "large" and r["compile"])
+    assert "budget" in next(r["error"] for r in recs if r["model"] == "medium" and r["compile"] != "none")
+    assert "out of memory" in next(r["error"] for r in recs if r["model"] == "large" and r["compile"] != "none")
     assert ("large", "train_step", True) not in calls
     assert len(read_records(tmp_path / "m.jsonl")) == len(recs) == 12
-    small = next(r for r in recs if r["model"] == "small" and r["compile"] and r["mode"] == "train_step")
+    small = next(r for r in recs if r["model"] == "small" and r["compile"] != "none" and r["mode"] == "train_step")
     assert small["first_step_overhead_s"] == pytest.approx(120.0)
     table = model_compile_table(recs).set_index(["size", "measurement"])
     assert table.loc[("small", "train step"), "speedup"] == pytest.approx(1.0)
@@ -220,7 +221,7 @@ def test_model_compile_sweep_budget_prediction_follows_compile_scope():
         recs = run_model_compile_sweep(["small", "medium"], modes=("forward",), device="cpu", compile_scope=scope,
                                        budget_s=120, progress=False, bench_fn=_fake_bench([]),
                                        clock=lambda: float(next(ticks)))
-        return [r["status"] for r in recs if r["compile"]]
+        return [r["status"] for r in recs if r["compile"] != "none"]
 
     # one graph for the whole model: medium (24 layers) is predicted at 2 x small's 50 s, 150 > 120
     assert compiled_status("model") == ["ok", "skipped"]
@@ -230,7 +231,7 @@ def test_model_compile_sweep_budget_prediction_follows_compile_scope():
 
 def test_model_compile_sweep_eager_debug_runs_for_real():
     recs = run_model_compile_sweep(["debug"], context_length=16, batch_size=2, modes=("train_step",), device="cpu",
-                                   compile=False, tf32=False, warmup_steps=1, measure_steps=1, progress=False)
+                                   compile_scope=None, tf32=False, warmup=1, steps=1, progress=False)
     assert len(recs) == 1 and recs[0]["status"] == "ok" and recs[0]["first_step_overhead_s"] is not None
     table = model_compile_table(recs)
     assert set(table["measurement"]) == {"forward (in train step)", "forward+backward", "train step"}

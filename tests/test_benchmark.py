@@ -13,7 +13,7 @@ from systems.config import get_config
 from systems.measure.hardware import lookup_peak
 from systems.measure.results import read_records
 
-TINY = dict(model="debug", context_length=32, batch_size=2, warmup_steps=1, measure_steps=3, device="cpu")
+TINY = dict(model="debug", context_length=32, batch_size=2, warmup=1, steps=3, device="cpu")
 
 
 @pytest.mark.parametrize("mode", ["forward", "forward_backward", "train_step"])
@@ -79,7 +79,7 @@ def test_sweep_continues_past_oom_and_writes_rows_as_it_goes(monkeypatch, tmp_pa
 
 
 def test_isolated_sweep_runs_in_a_fresh_process(tmp_path):
-    records = run_sweep([BenchmarkConfig(**{**TINY, "warmup_steps": 0})], out_path=tmp_path / "x.jsonl",
+    records = run_sweep([BenchmarkConfig(**{**TINY, "warmup": 0})], out_path=tmp_path / "x.jsonl",
                         progress=False, isolate=True)
     assert records[0]["status"] == "ok" and records[0]["warmup_times_s"] == []
 
@@ -152,11 +152,10 @@ def test_cli_rejects_unknown_choice():
 def test_compile_scope_blocks_compiles_each_block_lazily():
     from systems.bench.benchmark import StepRunner
 
-    cfg = BenchmarkConfig(model="debug", context_length=16, batch_size=1, compile=True, compile_scope="blocks",
-                          device="cpu")
+    cfg = BenchmarkConfig(model="debug", context_length=16, batch_size=1, compile="blocks", device="cpu")
     runner = StepRunner(cfg, torch.device("cpu"))
     # nothing compiles until a block runs; the model itself stays the eager callable
-    assert runner.fn is runner.model
+    assert runner.train_step.forward is runner.model
     assert all(block._compiled_call_impl is not None for block in runner.model.layers)
-    with pytest.raises(ValueError, match="compile_scope"):
-        BenchmarkConfig(model="debug", compile_scope="everything")
+    with pytest.raises(ValueError, match="compile"):
+        BenchmarkConfig(model="debug", compile="everything")

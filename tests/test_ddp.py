@@ -228,11 +228,11 @@ def test_overlap_stats_from_a_gpu_trace(tmp_path, trace_event):
     import gzip
     import json
 
-    from systems.measure.trace import overlap_stats, trace_intervals
+    from systems.measure.trace import comm_compute_intervals, overlap_stats
 
     ev = trace_event
     events = [
-        ev("train_step", "gpu_user_annotation", 1000, 100), ev("train_step", "gpu_user_annotation", 1100, 100),
+        ev("step", "gpu_user_annotation", 1000, 100), ev("step", "gpu_user_annotation", 1100, 100),
         # step 1: compute 1000-1060, comm 1050-1080 -> 10 overlapped, 20 exposed
         ev("ampere_sgemm", "kernel", 1000, 40), ev("elementwise", "kernel", 1030, 30),
         ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 1050, 30),
@@ -243,7 +243,7 @@ def test_overlap_stats_from_a_gpu_trace(tmp_path, trace_event):
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    iv = trace_intervals(path)
+    iv = comm_compute_intervals(path)
     assert iv.kind == "gpu" and len(iv.steps) == 2
     stats = overlap_stats(iv)
     assert stats["comm_ms"] == pytest.approx(70 / 2 / 1e3)
@@ -259,16 +259,16 @@ def test_gpu_step_annotations_on_two_streams_count_once(tmp_path, trace_event):
     External id. They are one step, not two (else every per-step number is halved)."""
     import json
 
-    from systems.measure.trace import overlap_stats, trace_intervals
+    from systems.measure.trace import comm_compute_intervals, overlap_stats
 
     ev = trace_event
     events = [
         # NCCL stream's annotations first, as a trace may order them
-        ev("train_step", "gpu_user_annotation", 1060, 40, 20, ext=11),
-        ev("train_step", "gpu_user_annotation", 1160, 40, 20, ext=12),
-        ev("train_step", "gpu_user_annotation", 1000, 90, 7, ext=11),
-        ev("train_step", "gpu_user_annotation", 1100, 90, 7, ext=12),
-        ev("train_step", "user_annotation", 900, 150, 1, ext=11),
+        ev("step", "gpu_user_annotation", 1060, 40, 20, ext=11),
+        ev("step", "gpu_user_annotation", 1160, 40, 20, ext=12),
+        ev("step", "gpu_user_annotation", 1000, 90, 7, ext=11),
+        ev("step", "gpu_user_annotation", 1100, 90, 7, ext=12),
+        ev("step", "user_annotation", 900, 150, 1, ext=11),
         ev("sgemm", "kernel", 1000, 60, 7), ev("adam", "kernel", 1080, 10, 7),
         ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 1060, 40, 20),
         ev("sgemm", "kernel", 1100, 60, 7), ev("adam", "kernel", 1180, 10, 7),
@@ -276,7 +276,7 @@ def test_gpu_step_annotations_on_two_streams_count_once(tmp_path, trace_event):
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    iv = trace_intervals(path)
+    iv = comm_compute_intervals(path)
     assert iv.steps == [(0.0, 100.0), (100.0, 200.0)]
     stats = overlap_stats(iv)
     assert stats["profiled_steps"] == 2
@@ -325,7 +325,7 @@ def test_ddp_benchmark_compiled_setting_runs_after_eager(tmp_path):
     from systems.bench.ddp import DDPBenchConfig, run_ddp_benchmark
     from systems.measure.results import read_records
 
-    cfg = DDPBenchConfig(model="debug", context_length=32, global_batch=2, precisions=("fp32",),
+    cfg = DDPBenchConfig(model="debug", context_length=32, batch_size=2, precisions=("fp32",),
                          compiled_precisions=("fp32",), variants=("nosync", "bucketed:0.05", "torch_ddp"),
                          warmup=1, steps=2, profile=False, out_path=str(tmp_path / "ddp.jsonl"),
                          overlap_path=str(tmp_path / "overlap.jsonl"), trace_dir=str(tmp_path / "traces"))

@@ -212,8 +212,8 @@ def test_gpu_trace_timeline_merges_the_step_across_streams(tmp_path, trace_event
 
     ev = trace_event
     events = [
-        ev("train_step", "gpu_user_annotation", 1000, 300, 20, ext=5),  # NCCL stream: gathers .. reduce
-        ev("train_step", "gpu_user_annotation", 1010, 490, 7, ext=5),  # compute stream, to the optimizer
+        ev("step", "gpu_user_annotation", 1000, 300, 20, ext=5),  # NCCL stream: gathers .. reduce
+        ev("step", "gpu_user_annotation", 1010, 490, 7, ext=5),  # compute stream, to the optimizer
         ev("fsdp_unit:0", "gpu_user_annotation", 1010, 40, 7, ext=6),
         ev("fsdp_unit:1", "gpu_user_annotation", 1066, 34, 7, ext=7),
         ev("ncclDevKernel_AllGather_RING_LL", "kernel", 1000, 10, 20),

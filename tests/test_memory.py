@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from systems.bench import memory as bench_memory
 from systems.measure import memory
+from systems.parallel import checkpoint as checkpointing
 from systems.bench.benchmark import build_parser, configs_from_args
 from systems.config import get_config
 from systems.model import TransformerLM
@@ -138,7 +140,7 @@ def test_seed_tool_cli_options_parse():
     cfgs = configs_from_args(args)
     assert [c.context_length for c in cfgs] == [128, 256]
     c = cfgs[0]
-    assert (c.model, c.batch_size, c.warmup_steps, c.measure_steps, c.mode, c.precision, c.device) == \
+    assert (c.model, c.batch_size, c.warmup, c.steps, c.mode, c.precision, c.device) == \
         ("2.7B", 4, 1, 2, "forward", "bf16", "cpu")
     assert args.output == "snap.pickle"
     train = configs_from_args(build_parser().parse_args(["--model-size", "debug", "--context-length", "64", "--profile-type", "training"]))
@@ -170,18 +172,18 @@ def test_checkpointing_gives_the_plain_gradients(how):
     ref = _grads(model, inputs, targets)
     names = [n for n, _ in model.named_parameters()]
     if how.startswith("group"):
-        memory.apply_activation_checkpointing(model, int(how[-1]))
+        checkpointing.apply_activation_checkpointing(model, int(how[-1]))
     else:
-        memory.apply_nested_checkpointing(model, branching=int(how[-1]))
+        checkpointing.apply_nested_checkpointing(model, branching=int(how[-1]))
     assert [n for n, _ in model.named_parameters()] == names  # parameters keep their names
-    with memory.count_block_forwards(model) as calls:
+    with checkpointing.count_block_forwards(model) as calls:
         got = _grads(model, inputs, targets)
     # recomputation runs the same ops on the same inputs, so the gradients are bitwise equal
     for n in ref:
         torch.testing.assert_close(got[n], ref[n], rtol=0, atol=0)
     assert sum(calls.values()) > cfg.n_layers  # each block ran again in the backward
-    memory.remove_activation_checkpointing(model)
-    with memory.count_block_forwards(model) as calls:
+    checkpointing.remove_activation_checkpointing(model)
+    with checkpointing.count_block_forwards(model) as calls:
         _grads(model, inputs, targets)
     assert sum(calls.values()) == cfg.n_layers
 
@@ -189,15 +191,15 @@ def test_checkpointing_gives_the_plain_gradients(how):
 def test_checkpointing_rejects_bad_group_size():
     model = TransformerLM(get_config("debug"))
     with pytest.raises(ValueError, match="group_size"):
-        memory.apply_activation_checkpointing(model, 3)
+        checkpointing.apply_activation_checkpointing(model, 3)
     with pytest.raises(ValueError, match="branching"):
-        memory.apply_nested_checkpointing(model, branching=1)
+        checkpointing.apply_nested_checkpointing(model, branching=1)
 
 
 def test_cpu_snapshot_of_a_harness_train_step_has_the_three_phases(tmp_path):
     from systems.bench.benchmark import BenchmarkConfig, run_benchmark
 
-    cfg = BenchmarkConfig(model="debug", context_length=32, batch_size=2, warmup_steps=1, measure_steps=1,
+    cfg = BenchmarkConfig(model="debug", context_length=32, batch_size=2, warmup=1, steps=1,
                           mode="train_step", device="cpu")
     path = tmp_path / "train.pickle"
     rec = run_benchmark(cfg, around_measure=memory.snapshot_recorder(path, "cpu"), on_step=memory.step_marker("cpu"))

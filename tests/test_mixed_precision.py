@@ -117,8 +117,8 @@ def test_precision_sweep_configs_and_speedup_table():
     assert len(configs) == 2 * len(MODES) * 2
     assert [c.precision for c in configs[:2]] == ["fp32", "bf16"]
     assert configs[0].model == "debug" and configs[-1].model == "small"
-    assert (configs[0].warmup_steps, configs[0].measure_steps) == (2, 3)
-    assert (configs[-1].warmup_steps, configs[-1].measure_steps) == (1, 2)
+    assert (configs[0].warmup, configs[0].steps) == (2, 3)
+    assert (configs[-1].warmup, configs[-1].steps) == (1, 2)
     with pytest.raises(ValueError):
         mp.precision_sweep_configs(["tiny"])
     with pytest.raises(ValueError):

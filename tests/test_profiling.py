@@ -9,7 +9,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from systems.bench import profile as BP
+from systems.measure import flops
 from systems.measure import profiler as P
+from systems.report import kernel_profiling as KP
 from systems.bench.benchmark import BenchmarkConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nsys"
@@ -61,10 +64,10 @@ def test_short_kernel_name():
 
 @pytest.fixture(scope="module")
 def cpu_train_profile(tmp_path_factory):
-    cfg = BenchmarkConfig(model="debug", context_length=32, batch_size=2, warmup_steps=1, measure_steps=1,
+    cfg = BenchmarkConfig(model="debug", context_length=32, batch_size=2, warmup=1, steps=1,
                           mode="train_step", device="cpu")
     path = tmp_path_factory.mktemp("trace") / "train.json.gz"
-    return P.profile_config(cfg, profile_steps=2, trace_path=path)
+    return BP.profile_config(cfg, profile_steps=2, trace_path=path)
 
 
 def test_cpu_profile_steps_and_ranges(cpu_train_profile):
@@ -114,7 +117,7 @@ def test_cpu_ranges_partition_the_step(cpu_train_profile):
 def test_cpu_summary_and_timeline(cpu_train_profile):
     res = cpu_train_profile
     harness = {"harness_forward_s": res.timings["plain_forward_s"], "harness_forward_std_s": 0.0}
-    row = P.summarize(res, harness, label="debug")
+    row = BP.summarize(res, harness, label="debug")
     fwd = res.kernels(ranges="forward")
     assert row["top_forward_kernel"] == fwd.loc[0, "kernel"] and row["top_forward_share"] == fwd.loc[0, "share"]
     assert row["top_fwd_bwd_name"] == res.kernels(ranges=["forward", "backward"]).loc[0, "name"]
@@ -124,19 +127,19 @@ def test_cpu_summary_and_timeline(cpu_train_profile):
     assert row["profiled_forward_span_s"] <= res.timings["profiled_forward_s"] + 1e-6
     assert row["forward_kernel_s"] <= row["profiled_forward_span_s"] + 1e-6
     assert row["softmax_to_matmul_flops"] == pytest.approx(
-        P.SOFTMAX_FLOPS_PER_ELEMENT / (4 * res.config.model_config().d_head))
-    fig = P.plot_step_timeline(res.trace_path)
+        flops.SOFTMAX_FLOPS_PER_ELEMENT / (4 * res.config.model_config().d_head))
+    fig = KP.plot_step_timeline(res.trace_path)
     assert fig.axes[0].get_xlabel().startswith("time since step start")
 
 
 def test_attention_flops_reference():
     cfg = BenchmarkConfig(model="debug", context_length=64, batch_size=3, device="cpu")
     m = cfg.model_config()
-    fl = P.attention_flops(cfg)
+    fl = BP.attention_flops(cfg)
     # QK^T: (B, H, T, d_head) x (B, H, d_head, T) -> 2 B H T^2 d_head FLOPs per layer
     assert fl["scores_matmul_flops"] == 2 * 3 * m.n_heads * 64 * 64 * m.d_head * m.n_layers
     assert fl["final_matmul_flops"] == fl["scores_matmul_flops"]
-    assert fl["softmax_flops"] == P.SOFTMAX_FLOPS_PER_ELEMENT * 3 * m.n_heads * 64 * 64 * m.n_layers
+    assert fl["softmax_flops"] == flops.SOFTMAX_FLOPS_PER_ELEMENT * 3 * m.n_heads * 64 * 64 * m.n_layers
 
 
 # ----------------------------------------------------------------------------- a synthetic CUDA trace
@@ -191,7 +194,7 @@ def test_cuda_trace_attribution(tmp_path):
     assert set(items["device"]) == {"cuda"}
     items = P.attribute(items, ranges)
     assert len(items) == 12  # the kernel outside every step is dropped
-    res = P.ProfileResult(BenchmarkConfig(model="debug", context_length=64, device="cpu"), "cuda", 2, items, ranges, {}, path)
+    res = BP.ProfileResult(BenchmarkConfig(model="debug", context_length=64, device="cpu"), "cuda", 2, items, ranges, {}, path)
 
     fwd = res.kernels(ranges="forward").set_index("kernel")
     assert fwd.loc[MM, "total_ms"] == pytest.approx(0.2)  # 100 us in each of 2 steps
@@ -221,7 +224,7 @@ def test_cuda_trace_attribution(tmp_path):
 
     # forward span: range start to the later of range end and last kernel end
     assert res.phase_spans_ms("forward") == pytest.approx([0.210, 0.200])
-    fig = P.plot_step_timeline(path, step=0)
+    fig = KP.plot_step_timeline(path, step=0)
     assert "GPU kernels" in fig.axes[0].get_title()
 
 
@@ -267,7 +270,7 @@ def test_nsys_parser_rejects_other_text():
 
 
 def test_nsys_command_captures_the_nvtx_range(tmp_path):
-    cmd = P.nsys_command(BenchmarkConfig(model="debug", context_length=64), tmp_path / "rep", steps=2)
+    cmd = BP.nsys_command(BenchmarkConfig(model="debug", context_length=64), tmp_path / "rep", steps=2)
     assert cmd[:2] == ["nsys", "profile"]
     assert "--capture-range=nvtx" in cmd and f"--nvtx-capture={P.NSYS_CAPTURE_RANGE}" in cmd
     assert cmd[cmd.index("--steps") + 1] == "2"

@@ -10,6 +10,7 @@ import torch
 from systems.bench import train_step as ts
 from systems.config import get_config
 from systems.measure.results import ResultWriter, read_records
+from systems.train import compute_loss
 
 
 def _built(variant: str, **kw):
@@ -18,12 +19,17 @@ def _built(variant: str, **kw):
     return ts.build(cfg, device=torch.device("cpu"))
 
 
+def _loss(built, x, y):
+    model, _, step = built
+    return compute_loss(step.spec, model, step.forward, x, y)
+
+
 def test_fused_variant_matches_the_reference_loss_and_gradients():
-    ref_model, _, ref_loss = _built("ours_eager")
-    fused_model, _, fused_loss = _built("ours_fused")
+    ref_model, ref_opt, ref_step = ref = _built("ours_eager")
+    fused_model, _, _ = fused = _built("ours_fused")
     x = torch.randint(0, 512, (2, 32))
     y = torch.randint(0, 512, (2, 32))
-    a, b = ref_loss(ref_model, x, y), fused_loss(fused_model, x, y)
+    a, b = _loss(ref, x, y), _loss(fused, x, y)
     a.backward()
     b.backward()
     # fp32 on both paths; the fused loss sums chunk by chunk, so only rounding differs
@@ -39,13 +45,12 @@ def _steps(variant: ts.Variant, *, device: str, steps: int = 3):
     try:
         torch.manual_seed(0)
         cfg = ts.StepConfig(model="debug", variant=name, context_length=32, device=device, lr=1e-3)
-        model, opt, loss_fn = ts.build(cfg, device=torch.device(device))
+        model, opt, step = ts.build(cfg, device=torch.device(device))
     finally:
         del ts.VARIANTS[name]
     gen = torch.Generator(device=device).manual_seed(1)
     x, y = (torch.randint(0, 512, (2, 32), generator=gen, device=device) for _ in range(2))
-    losses = [float(ts.train_step(model, opt, loss_fn, x, y, device=torch.device(device)).detach())
-              for _ in range(steps)]
+    losses = [float(step(x, y)) for _ in range(steps)]
     master_of = getattr(opt, "master_of", lambda p: p)
     return losses, [(n, p, master_of(p)) for n, p in model.named_parameters()]
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import sympy as sp
 
 from systems.config import get_config
+from systems.measure.flops import BACKWARD_FACTOR, FLOPS_PER_MAC
 from systems.measure.hardware import GPU_PEAKS
 
 GB = 1e9  # decimal gigabyte, as in "H100 80GB" and "v5p 95 GB"
-FLOPS_PER_MAC = 2  # one multiply-add is two FLOPs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,7 +368,7 @@ def forward_flops(layer: FFNLayer) -> float:
 
 def backward_flops(layer: FFNLayer) -> float:
     """Six matmuls: dz = dy W3^T, dx = dx1 W1^T + dx2 W2^T (two), dW3, dW2, dW1: 12 B D D_FF."""
-    return 2 * forward_flops(layer)
+    return BACKWARD_FACTOR * forward_flops(layer)
 
 
 # -- data parallel ----------------------------------------------------------------------------

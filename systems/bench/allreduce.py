@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from systems.measure.devices import median_p10_p90
+from systems.measure.timer import median_p10_p90
 from systems.measure.results import ResultWriter
 from systems.parallel.launch import DistContext, all_gather_objects, resolve_backend, spawn
 

@@ -533,8 +533,8 @@ MODEL_MEASUREMENTS = ("forward (inference)", "forward (in train step)", "forward
 
 def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, batch_size: int = 4,
                             modes: Sequence[str] = ("forward", "train_step"), precision: str = "fp32",
-                            tf32: bool = True, warmup_steps: int = 2, measure_steps: int = 5,
-                            device: str = "auto", compile: bool = True, compile_scope: str = "model",
+                            tf32: bool = True, warmup: int = 2, steps: int = 5,
+                            device: str = "auto", compile_scope: str | None = "model",
                             budget_s: float | None = None,
                             out_path: str | Path | None = None, progress: bool = True,
                             model_overrides: dict | None = None, bench_fn: Callable | None = None,
@@ -545,7 +545,8 @@ def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, 
     phases, so each size compiles twice (the inference graph and the training graph) instead of
     three times. Compilation dominates the cost; with ``budget_s`` a compiled point is skipped
     (``status="skipped"``) once the time spent on compiled points plus a prediction for this one
-    (the last compiled point of the same mode) would exceed the budget. With ``compile_scope="model"``
+    (the last compiled point of the same mode) would exceed the budget. ``compile_scope=None`` runs
+the eager points only. With ``compile_scope="model"``
     the prediction scales with layer count, since the whole model is traced into one graph; with
     ``"blocks"`` (BenchmarkConfig's per-block compile, one graph shared by every layer) compile cost
     stays flat with depth, so the last point's time is the prediction.
@@ -556,15 +557,13 @@ def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, 
     from systems.bench.benchmark import BenchmarkConfig, run_benchmark
 
     bench_fn = bench_fn or run_benchmark
-    if warmup_steps < 1:
-        raise ValueError("warmup_steps must be >= 1: the first (compiling) step must stay out of the measurement")
+    if warmup < 1:
+        raise ValueError("warmup must be >= 1: the first (compiling) step must stay out of the measurement")
     common = dict(context_length=context_length, batch_size=batch_size, precision=precision, tf32=tf32,
-                  warmup_steps=warmup_steps, measure_steps=measure_steps, device=device,
-                  model_overrides=dict(model_overrides or {}))
-    plan = [BenchmarkConfig(model=s, mode=m, compile=False, **common) for s in sizes for m in modes]
-    if compile:
-        plan += [BenchmarkConfig(model=s, mode=m, compile=True, compile_scope=compile_scope, **common)
-                 for s in sizes for m in modes]
+                  warmup=warmup, steps=steps, device=device, model_overrides=dict(model_overrides or {}))
+    plan = [BenchmarkConfig(model=s, mode=m, **common) for s in sizes for m in modes]
+    if compile_scope is not None:
+        plan += [BenchmarkConfig(model=s, mode=m, compile=compile_scope, **common) for s in sizes for m in modes]
     writer = ResultWriter(out_path) if out_path else None
     records: list[dict] = []
     eager_status: dict[tuple[str, str], str] = {}
@@ -573,9 +572,10 @@ def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, 
     for cfg in tqdm(plan, disable=not progress, desc="model compile sweep"):
         n_layers = cfg.model_config().n_layers
         skip = None
-        if cfg.compile and eager_status.get((cfg.model, cfg.mode)) == "oom":
+        compiled = cfg.compile != "none"
+        if compiled and eager_status.get((cfg.model, cfg.mode)) == "oom":
             skip = "eager run out of memory at this size"
-        elif cfg.compile and budget_s is not None and cfg.mode in last_compiled:
+        elif compiled and budget_s is not None and cfg.mode in last_compiled:
             layers, seconds = last_compiled[cfg.mode]
             predicted = seconds * (n_layers / layers if compile_scope == "model" else 1.0)
             if compiled_spent + predicted > budget_s:
@@ -584,13 +584,13 @@ def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, 
         if skip:
             rec = {**asdict(cfg), "model_overrides": None, "n_layers": n_layers, "status": "skipped", "error": skip}
         else:
-            if cfg.compile:
+            if compiled:
                 torch._dynamo.reset()  # one code object (TransformerLM.forward) for every size: avoid the recompile limit
             t0 = clock()
             rec = bench_fn(cfg)
             elapsed = clock() - t0
             rec["wall_s"] = elapsed
-            if cfg.compile:
+            if compiled:
                 compiled_spent += elapsed
                 last_compiled[cfg.mode] = (n_layers, elapsed)
                 torch._dynamo.reset()  # drop the compiled graphs (and the model they reference)
@@ -620,7 +620,7 @@ def _model_time(rec: dict, measurement: str) -> float | None:
 
 def model_compile_table(records: Sequence[dict]) -> pd.DataFrame:
     """Per size and measurement: eager and compiled ms, speedup, and the compiled run's compile time."""
-    by = {(r["model"], r["mode"], bool(r["compile"])): r for r in records}
+    by = {(r["model"], r["mode"], r["compile"] != "none"): r for r in records}
     sizes = list(dict.fromkeys(r["model"] for r in records))
     rows = []
     for size in sizes:

@@ -5,9 +5,10 @@ CLI:      ``python -m systems.bench.benchmark --model-size small --context-lengt
           (also the memory-profiling tool's vocabulary: --profile-type, --use-mixed-precision,
           --dtype, --output SNAPSHOT).
 
-Each step is followed by ``torch.cuda.synchronize()`` and timed with ``timeit.default_timer``;
-phases (forward, backward, optimizer) are synchronised and timed separately. Warm-up steps run
-outside the measured region. An out-of-memory point returns a record with ``status="oom"``.
+The step is ``systems.train.TrainStep`` with every phase ending in ``torch.cuda.synchronize()``
+and timed on the host clock (``Marks(clock="host")``, perf_counter), as the handout asks;
+phases (forward, backward, optimizer) are timed separately. Warm-up steps run outside the
+measured region. An out-of-memory point returns a record with ``status="oom"``.
 """
 
 from __future__ import annotations
@@ -19,91 +20,49 @@ import statistics
 import subprocess
 import sys
 import timeit
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Iterable
 
 import torch
-from torch.profiler import record_function
 
-from systems.config import PRESETS, ModelConfig, get_config
-from systems.measure.devices import is_oom, release_memory, resolve_device, sync
+from systems.bench.config import RunConfig
+from systems.config import PRESETS
+from systems.measure.devices import catch_oom, release_memory, sync
+from systems.measure.flops import model_flops
 from systems.measure.hardware import lookup_peak
-from systems.model import TransformerLM
-from systems.optim import AdamW, cross_entropy
 from systems.measure.results import ResultWriter, read_records
+from systems.measure.timer import Marks, mean_std
+from systems.model import TransformerLM
+from systems.parallel.compile import COMPILE_SCOPES
+from systems.parallel.plan import ParallelPlan, apply
+from systems.train import MODES, PRECISIONS, OptimizerSpec, StepSpec, TrainStep, build_optimizer, phase_ms
 
-MODES = ("forward", "forward_backward", "train_step")
-PRECISIONS = ("fp32", "bf16", "fp16")
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PHASES = ("forward", "backward", "optimizer")
-# profiler / NVTX range names of a step and its phases
-COMPILE_SCOPES = ("model", "blocks")
-STEP_RANGE = "step"
-PHASE_RANGES = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}
 
 
 @dataclass
-class BenchmarkConfig:
-    model: str = "small"
-    model_overrides: dict = field(default_factory=dict)  # e.g. {"d_model": 512, "n_heads": 8}
-    context_length: int = 512
-    batch_size: int = 4
-    warmup_steps: int = 5
-    measure_steps: int = 10
-    mode: str = "train_step"
+class BenchmarkConfig(RunConfig):
+    mode: str = "train_step"  # forward | forward_backward | train_step
     precision: str = "fp32"  # fp32, or bf16 / fp16 autocast over fp32 master weights
-    compile: bool = False
     # "model": torch.compile(model), one graph per mode whose compile time grows with depth;
     # "blocks": every TransformerBlock compiled (one graph serves all of them, as torchtitan
     # does), embedding, final norm and LM head left eager
-    compile_scope: str = "model"
-    attn_impl: str = "naive"
-    device: str = "auto"
+    compile: str = "none"
     tf32: bool = False  # allow TF32 tensor cores for fp32 matmuls
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.compile_scope not in COMPILE_SCOPES:
-            raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {self.compile_scope!r}")
-        for name in ("context_length", "batch_size", "measure_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        cfg = self.model_config()  # validates the size name and hyperparameters early
-        if self.context_length > cfg.context_length:
-            raise ValueError(f"context_length {self.context_length} exceeds the model's maximum "
-                             f"{cfg.context_length} (raise it with model_overrides={{'context_length': ...}})")
+        if self.compile not in COMPILE_SCOPES:
+            raise ValueError(f"compile must be one of {COMPILE_SCOPES}, got {self.compile!r}")
+        super().__post_init__()
 
-    def model_config(self) -> ModelConfig:
-        from systems.attention import get_backend
-
-        get_backend(self.attn_impl)
-        return get_config(self.model, attn_impl=self.attn_impl, **self.model_overrides)
-
-    def resolved_device(self) -> torch.device:
-        return resolve_device(self.device)
-
-
-def compile_blocks(blocks: Iterable[torch.nn.Module], *, mode: str | None = None) -> None:
-    """torch.compile each block in place. One compiled graph serves all blocks (same code, same
-    shapes; parameters are graph inputs), so compile time does not grow with depth; hooks on the
-    parameters (DDP's, the optimizer-in-backward's) stay outside the graphs."""
-    for block in blocks:
-        block.compile(mode=mode)
-
-
-def _mean_std(xs: list[float]) -> tuple[float | None, float | None]:
-    if not xs:
-        return None, None
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+    def step_spec(self) -> StepSpec:
+        # every phase ends in a synchronize, so the host timer reads finished work (the handout's method)
+        return StepSpec(mode=self.mode, precision=self.precision, sync_phases=True)
 
 
 class StepRunner:
@@ -114,71 +73,25 @@ class StepRunner:
         self.model_cfg = cfg.model_config()
         torch.manual_seed(cfg.seed)
         self.model = TransformerLM(self.model_cfg, device=device)
-        self.fn = self.model
-        if cfg.compile and cfg.compile_scope == "blocks":
-            compile_blocks(self.model.layers)
-        elif cfg.compile:
-            self.fn = torch.compile(self.model)
-        self.optimizer = AdamW(self.model.parameters(), lr=1e-4) if cfg.mode == "train_step" else None
-        self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" and cfg.mode != "forward" else None
+        optimizer = build_optimizer(self.model, OptimizerSpec(lr=1e-4)) if cfg.mode == "train_step" else None
+        model = apply(self.model, ParallelPlan(compile=cfg.compile))
+        self.train_step = TrainStep(self.model, spec=cfg.step_spec(), optimizer=optimizer, forward=model.forward)
         shape = (cfg.batch_size, cfg.context_length)
         self.inputs = torch.randint(0, self.model_cfg.vocab_size, shape, device=device)
         self.targets = torch.randint(0, self.model_cfg.vocab_size, shape, device=device)
 
-    def _autocast(self) -> ContextManager:
-        if self.cfg.precision == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=AUTOCAST_DTYPES[self.cfg.precision])
-
     def step(self) -> dict[str, float]:
-        """One step; returns seconds per phase and 'step', each ending in a synchronize.
-
-        Each phase is a named range (PHASE_RANGES) that closes after its synchronize, so under a
-        profiler a range's CPU span is what the timer reads and every kernel launch of the phase
-        falls inside it; without a profiler the ranges cost about a microsecond each.
-        """
-        dev, times = self.device, {}
-        track_mem = dev.type == "cuda"
-        t0 = timeit.default_timer()
-        with record_function(STEP_RANGE):
-            if self.cfg.mode == "forward":
-                with record_function(PHASE_RANGES["forward"]):
-                    with torch.no_grad(), self._autocast():
-                        self.fn(self.inputs)
-                    sync(dev)
-                times["forward"] = timeit.default_timer() - t0
-            else:
-                with record_function(PHASE_RANGES["forward"]):
-                    if self.optimizer is not None:
-                        self.optimizer.zero_grad(set_to_none=True)
-                    else:
-                        self.model.zero_grad(set_to_none=True)
-                    with self._autocast():
-                        loss = cross_entropy(self.fn(self.inputs), self.targets)
-                    sync(dev)
-                t1 = timeit.default_timer()
-                times["forward"] = t1 - t0
-                if track_mem:
-                    times["peak_forward"] = torch.cuda.max_memory_allocated(dev)
-                with record_function(PHASE_RANGES["backward"]):
-                    (self.scaler.scale(loss) if self.scaler else loss).backward()
-                    sync(dev)
-                t2 = timeit.default_timer()
-                times["backward"] = t2 - t1
-                if track_mem:
-                    times["peak_backward"] = torch.cuda.max_memory_allocated(dev)
-                if self.optimizer is not None:
-                    with record_function(PHASE_RANGES["optimizer"]):
-                        if self.scaler:
-                            self.scaler.step(self.optimizer)
-                            self.scaler.update()
-                        else:
-                            self.optimizer.step()
-                        sync(dev)
-                    times["optimizer"] = timeit.default_timer() - t2
-                    if track_mem:
-                        times["peak_optimizer"] = torch.cuda.max_memory_allocated(dev)
-        times["step"] = timeit.default_timer() - t0
+        """One step; returns seconds per phase and 'step', and (CUDA) the allocator's high-water
+        mark at the end of each phase ('peak_<phase>', cumulative within the step)."""
+        marks = Marks(self.device, clock="host", track_memory=True)
+        self.train_step(self.inputs, self.targets, marks=marks)
+        times = {name: ms / 1e3 for name, ms in phase_ms(marks).items()}
+        if marks.track_memory:
+            running = 0
+            for phase in PHASES:
+                if phase in marks:
+                    running = max(running, marks.peak_bytes(phase))
+                    times[f"peak_{phase}"] = running
         return times
 
 
@@ -187,31 +100,29 @@ def _measure(cfg: BenchmarkConfig, device: torch.device, around_measure, on_step
     runner = StepRunner(cfg, device)
     sync(device)
     record: dict = {"setup_s": timeit.default_timer() - t_setup, "n_params": runner.model.n_params()}
-    warmup = [runner.step()["step"] for _ in range(cfg.warmup_steps)]
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    warmup = [runner.step()["step"] for _ in range(cfg.warmup)]
     steps = []
     with (around_measure() if around_measure else contextlib.nullcontext()):
-        for i in range(cfg.measure_steps):
+        for i in range(cfg.steps):
             steps.append(runner.step())
             if on_step:
                 on_step(i)
     record["warmup_times_s"] = warmup
     record["step_times_s"] = [s["step"] for s in steps]
     record["first_step_s"] = (warmup or record["step_times_s"])[0]
-    record["step_mean_s"], record["step_std_s"] = _mean_std(record["step_times_s"])
+    record["step_mean_s"], record["step_std_s"] = mean_std(record["step_times_s"])
     record["step_median_s"] = statistics.median(record["step_times_s"])
     for phase in PHASES:
         times = [s[phase] for s in steps if phase in s]
-        record[f"{phase}_mean_s"], record[f"{phase}_std_s"] = _mean_std(times)
+        record[f"{phase}_mean_s"], record[f"{phase}_std_s"] = mean_std(times)
         # the median resists a stray slow step (a GC pause, a clock change) that moves the mean
         record[f"{phase}_median_s"] = statistics.median(times) if times else None
     if device.type == "cuda":
-        record["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         for phase in PHASES:
             # cumulative within a step: the high-water mark up to the end of each phase
             vals = [s[f"peak_{phase}"] for s in steps if f"peak_{phase}" in s]
             record[f"peak_memory_{phase}_gib"] = max(vals) / 2**30 if vals else None
+        record["peak_memory_gib"] = max(v for v in (record[f"peak_memory_{p}_gib"] for p in PHASES) if v is not None)
     return record
 
 
@@ -230,27 +141,22 @@ def run_benchmark(cfg: BenchmarkConfig, *, around_measure: Callable[[], ContextM
     record["model_overrides"] = json.dumps(cfg.model_overrides) if cfg.model_overrides else None  # flat column
     prev_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
-    oom_message = None
     try:
-        record.update(_measure(cfg, device, around_measure, on_step))
-    except (torch.OutOfMemoryError, RuntimeError) as exc:
-        if not is_oom(exc):
-            raise
-        oom_message = str(exc).splitlines()[0][:300]
+        with catch_oom() as oom:
+            record.update(_measure(cfg, device, around_measure, on_step))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
-    release_memory(device)  # outside the except block: the traceback's frames are gone
-    if oom_message is not None:
-        record.update(status="oom", error=oom_message)
+    release_memory(device)  # after the with block: the exception's frames are gone
+    if oom:
+        record.update(status="oom", error=oom.message)
         return record
     _add_rates(record, cfg, model_cfg, device)
     return record
 
 
-def _add_rates(record: dict, cfg: BenchmarkConfig, model_cfg: ModelConfig, device: torch.device) -> None:
-    fwd = model_cfg.forward_flops(cfg.batch_size, cfg.context_length)
-    # backward costs two forward passes (grad wrt activations and wrt weights)
-    record["flops_per_step"] = fwd if cfg.mode == "forward" else 3 * fwd
+def _add_rates(record: dict, cfg: BenchmarkConfig, model_cfg, device: torch.device) -> None:
+    pass_ = "fwd" if cfg.mode == "forward" else "fwd_bwd"
+    record["flops_per_step"] = model_flops(model_cfg, batch=cfg.batch_size, seq=cfg.context_length, pass_=pass_)
     t = record["step_mean_s"]
     record["tokens_per_s"] = cfg.batch_size * cfg.context_length / t
     record["achieved_tflops"] = record["flops_per_step"] / t / 1e12
@@ -318,9 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS, default=None)
     p.add_argument("--use-mixed-precision", action="store_true", help="autocast with --dtype")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile", nargs="?", const="model", default="none", choices=COMPILE_SCOPES,
+                   help="torch.compile the whole model (--compile, or --compile model) or each block (--compile blocks)")
     p.add_argument("--tf32", action="store_true", help="allow TF32 for fp32 matmuls")
-    p.add_argument("--attn", "--attn-impl", dest="attn_impl", default="naive")
+    p.add_argument("--attn", "--attn-impl", dest="attn_impl", default=None,
+                   help="attention backend (default: the model's, naive)")
     p.add_argument("--device", default="auto")
     for name in ("d-model", "d-ff", "n-layers", "n-heads", "vocab-size", "max-context"):
         p.add_argument(f"--{name}", type=int, default=None, help="override the size's hyperparameter")
@@ -344,7 +252,7 @@ def configs_from_args(args: argparse.Namespace) -> list[BenchmarkConfig]:
              "vocab_size": args.vocab_size, "context_length": args.max_context}
     overrides = {k: v for k, v in names.items() if v is not None}
     return [BenchmarkConfig(model=size, model_overrides=overrides, context_length=ctx, batch_size=args.batch_size,
-                            warmup_steps=args.warmup_steps, measure_steps=args.measure_steps, mode=mode,
+                            warmup=args.warmup_steps, steps=args.measure_steps, mode=mode,
                             precision=precision, compile=args.compile, attn_impl=args.attn_impl,
                             device=args.device, tf32=args.tf32)
             for size in args.model_size for ctx in args.context_length]

@@ -1,7 +1,9 @@
 """Benchmark the DDP variants against torch's DistributedDataParallel in one run.
 
 Per precision (fp32; bf16 autocast with fp32 master weights) and variant, every rank trains the
-same model on its share of the global batch with our AdamW. Variants, timed in this order:
+same model on its share of the global batch with our AdamW, through the one training step
+(``systems.train.TrainStep``), each variant a ``ParallelPlan`` applied to the shared model.
+Variants, timed in this order:
 
 - ``nosync``: no gradient communication at all, the computation-only baseline;
 - ``naive``, ``flat``, ``overlap`` (per-parameter async), ``bucketed:<MiB>``;
@@ -28,7 +30,7 @@ while Python launches them, communication kernels fill those gaps, and the trace
 exposed although computation was not waiting for them. Compiled blocks launch a few fused kernels
 per block, so the step becomes GPU-bound and overlap is measured on a busy GPU.
 
-    python -m systems.bench.ddp                  # 2 GPUs, NCCL, xl, < 7 min on 2xH200
+    python -m systems.bench.ddp                  # 2 GPUs, NCCL, xl, < 7 min on 2xH200 (rows in build/ddp)
     python -m systems.bench.ddp --model debug --context-length 128 --backend gloo
     torchrun --nproc-per-node 2 -m systems.bench.ddp   # same, env:// rendezvous
 """
@@ -36,23 +38,22 @@ per block, so the step becomes GPU-bound and overlap is measured on a busy GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from systems.bench.benchmark import compile_blocks
-from systems.config import get_config
-from systems.model import TransformerLM
-from systems.optim import AdamW, cross_entropy
-from systems.measure.devices import DeviceMarks, median_p10_p90, release_memory
+from systems.bench.config import RunConfig, add_distributed_arguments
+from systems.measure.devices import release_memory
 from systems.measure.results import ResultWriter
-from systems.parallel.ddp import make_ddp
-from systems.parallel.launch import (DistContext, add_benchmark_arguments, all_gather_objects, launch, resolve_backend,
-                     under_torchrun)
-from systems.measure.trace import STEP_MARK, overlap_stats, trace_intervals
+from systems.measure.timer import Marks, median_p10_p90
+from systems.measure.trace import comm_compute_intervals, overlap_stats
+from systems.model import TransformerLM
+from systems.parallel.compile import apply_compile
+from systems.parallel.launch import DistContext, all_gather_objects, launch, resolve_backend, under_torchrun
+from systems.parallel.plan import ParallelPlan, Parallelized, apply
+from systems.train import OptimizerSpec, StepSpec, TrainStep, build_optimizer
 
 PRECISIONS = ("fp32", "bf16")
 VARIANT_KINDS = ("nosync", "naive", "flat", "overlap", "bucketed", "bucketed_tail", "bucketed_lp", "torch_ddp")
@@ -60,10 +61,10 @@ HANDOUT_BUCKETS_MB = (1.0, 10.0, 100.0, 1000.0)
 
 
 @dataclass
-class DDPBenchConfig:
+class DDPBenchConfig(RunConfig):
     model: str = "xl"
-    context_length: int = 512
-    global_batch: int = 4
+    batch_size: int = 4  # the global batch
+    warmup: int = 3
     precisions: tuple[str, ...] = PRECISIONS
     # precisions run again, after the eager settings, with every block compiled
     compiled_precisions: tuple[str, ...] = ()
@@ -74,18 +75,14 @@ class DDPBenchConfig:
     # bucketed variants whose last bucket has its own, smaller cap ("bucketed_tail:<MiB>/<last MiB>")
     tail_buckets_mb: tuple[tuple[float, float], ...] = ()
     include_torch_ddp: bool = True
-    warmup: int = 3
-    steps: int = 10
     profile: bool = True
     profile_steps: int = 2
-    attn_impl: str | None = None  # None: the model config's default
     tf32: bool = False
     lr: float = 1e-5
-    seed: int = 0
-    out_path: str = "results/07_distributed_ddp.jsonl"
-    overlap_path: str = "results/07_distributed_overlap.jsonl"
-    trace_dir: str = "results/07_distributed_traces"
-    variants: tuple[str, ...] = field(default=())  # filled by variant_names() when empty
+    out_path: str = "build/ddp/07_distributed_ddp.jsonl"
+    overlap_path: str = "build/ddp/07_distributed_overlap.jsonl"
+    trace_dir: str = "build/ddp/07_distributed_traces"
+    variants: tuple[str, ...] = field(default=())  # filled from the options above when empty
 
     def __post_init__(self):
         bad = [p for p in (*self.precisions, *self.compiled_precisions) if p not in PRECISIONS]
@@ -93,8 +90,8 @@ class DDPBenchConfig:
             raise ValueError(f"precisions must be among {PRECISIONS}, got {bad}")
         if any(not b > 0 for b in self.bucket_sizes_mb):
             raise ValueError(f"bucket sizes must be positive MiB values, got {self.bucket_sizes_mb}")
-        if self.warmup < 1 or self.steps < 1:
-            raise ValueError(f"need warmup >= 1 and steps >= 1, got {self.warmup} and {self.steps}")
+        if self.warmup < 1:
+            raise ValueError(f"need warmup >= 1, got {self.warmup}")
         if not self.variants:
             names = ["nosync", "naive", "flat", "overlap", *[f"bucketed:{b:g}" for b in self.bucket_sizes_mb],
                      *[f"bucketed_tail:{b:g}/{t:g}" for b, t in self.tail_buckets_mb],
@@ -104,13 +101,12 @@ class DDPBenchConfig:
         if unknown:
             raise ValueError(f"unknown variants {unknown}")
         for v in self.variants:  # a malformed bucketed argument fails here, before any rank starts
-            kind, _, arg = v.partition(":")
-            if kind.startswith("bucketed"):
-                bucketed_options(kind, arg)
+            variant_plan(v)
         if self.compile_mode is not None and not self.compiled_precisions:
             raise ValueError("compile_mode applies to the compiled settings: set compiled_precisions too")
         if "torch_ddp" in self.variants and self.variants[-1] != "torch_ddp":
             raise ValueError("torch_ddp must be the last variant (its hooks stay until it is freed)")
+        super().__post_init__()
 
     def settings(self) -> list[tuple[str, bool]]:
         """(precision, compiled) in run order: eager first, since compiling cannot be undone cheaply."""
@@ -125,113 +121,71 @@ def parse_tail_variant(arg: str) -> tuple[float, float]:
     return float(cap), float(last)
 
 
-def bucketed_options(kind: str, arg: str) -> dict:
-    """DDPBucketed's keyword arguments for a bucketed variant's kind and argument."""
+def variant_plan(name: str) -> ParallelPlan:
+    """The data-parallel plan of a variant name ("nosync", "bucketed:100", "bucketed_tail:1000/1", ...)."""
+    kind, _, arg = name.partition(":")
+    if kind == "nosync":
+        return ParallelPlan()
     if kind == "bucketed_tail":
         cap, last = parse_tail_variant(arg)
-        return {"bucket_size_mb": cap, "last_bucket_mb": last}
+        return ParallelPlan(data_parallel="bucketed", bucket_size_mb=cap, last_bucket_mb=last)
     if kind == "bucketed_lp":
-        return {"bucket_size_mb": float(arg), "reduce_dtype": torch.bfloat16}
-    return {"bucket_size_mb": float(arg)}
+        return ParallelPlan(data_parallel="bucketed", bucket_size_mb=float(arg), reduce_dtype="bf16")
+    if kind == "bucketed":
+        return ParallelPlan(data_parallel="bucketed", bucket_size_mb=float(arg))
+    return ParallelPlan(data_parallel=kind)
 
 
 def setting_name(precision: str, compiled: bool) -> str:
     return f"{precision}+compile" if compiled else precision
 
 
-class _Runner:
-    """A wrapper around the shared model, built per variant and torn down after it."""
-
-    def __init__(self, name: str, model: torch.nn.Module, ctx: DistContext):
-        self.name, self.model = name, model
-        kind, _, arg = name.partition(":")
-        self.ddp = None
-        self.n_buckets = None
-        self.options = bucketed_options(kind, arg) if kind.startswith("bucketed") else {}
-        if kind == "nosync":
-            self.forward = model
-        elif kind == "torch_ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
-            ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-            self.ddp = DistributedDataParallel(model, device_ids=ids)
-            self.forward = self.ddp
-        else:
-            # every bucketed kind is DDPBucketed with its own options
-            self.ddp = make_ddp("bucketed" if kind.startswith("bucketed") else kind, model, **self.options)
-            self.forward = self.ddp
-            self.n_buckets = getattr(self.ddp, "n_buckets", None)
-        self.ours = kind not in ("nosync", "torch_ddp")
-
-    def start(self) -> None:
-        if self.ours:
-            self.ddp.on_train_batch_start()
-
-    def finish(self) -> None:
-        if self.ours:
-            self.ddp.finish_gradient_synchronization()
-
-    def close(self) -> None:
-        if self.ours:
-            self.ddp.remove_hooks()
-        self.ddp = self.forward = None
+def _train_step(name: str, model: torch.nn.Module, opt, precision: str) -> tuple[Parallelized, TrainStep]:
+    """The variant's plan applied to the shared model, and the step that runs it."""
+    par = apply(model, variant_plan(name))
+    step = TrainStep(model, spec=StepSpec(precision=precision), optimizer=opt, forward=par.forward,
+                     grad_sync=par.grad_sync)
+    return par, step
 
 
-def _train_step(runner: _Runner, opt, tokens, targets, autocast_dtype, marks: DeviceMarks) -> None:
-    opt.zero_grad(set_to_none=True)
-    marks.mark("start")
-    runner.start()
-    autocast = (torch.autocast(device_type=tokens.device.type, dtype=autocast_dtype)
-                if autocast_dtype is not None else contextlib.nullcontext())
-    with autocast:
-        loss = cross_entropy(runner.forward(tokens), targets)
-    loss.backward()
-    marks.mark("backward")
-    runner.finish()
-    marks.mark("synced")
-    opt.step()
-    marks.mark("end")
+def _close(par: Parallelized, opt) -> None:
+    par.remove()
+    opt.zero_grad(set_to_none=True)  # drop grads that live in bucket buffers
 
 
-def _profile(runner, opt, tokens, targets, autocast_dtype, ctx: DistContext, steps: int, path: Path) -> None:
-    from torch.profiler import ProfilerActivity, profile, record_function
+def _profile(step: TrainStep, tokens, targets, ctx: DistContext, steps: int, path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
-    marks = DeviceMarks(ctx.device)
     ctx.barrier()
     # only rank 0 records; every rank runs the same steps so the collectives still pair up
     if ctx.is_main:
         with profile(activities=activities) as prof:
             for _ in range(steps):
-                with record_function(STEP_MARK):
-                    _train_step(runner, opt, tokens, targets, autocast_dtype, marks)
+                step(tokens, targets)
             ctx.sync()
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
     else:
         for _ in range(steps):
-            _train_step(runner, opt, tokens, targets, autocast_dtype, marks)
+            step(tokens, targets)
     ctx.barrier()
 
 
 def bench_worker(ctx: DistContext, config: dict) -> dict:
     """One rank of the benchmark. Rank 0 writes the rows as they are measured and returns them."""
     cfg = DDPBenchConfig(**config)
-    if cfg.global_batch % ctx.world_size:
-        raise ValueError(f"global batch {cfg.global_batch} does not split over {ctx.world_size} ranks")
-    local_batch = cfg.global_batch // ctx.world_size
+    cfg.check_world_size(ctx.world_size)
+    local_batch = cfg.batch_size // ctx.world_size
     if ctx.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
-    overrides = {"attn_impl": cfg.attn_impl} if cfg.attn_impl else {}
-    model_cfg = get_config(cfg.model, **overrides)
-    if cfg.context_length > model_cfg.context_length:
-        raise ValueError(f"context {cfg.context_length} exceeds the {cfg.model} model's {model_cfg.context_length}")
+    model_cfg = cfg.model_config()
     torch.manual_seed(cfg.seed)  # same init everywhere; the wrappers broadcast rank 0's anyway
     model = TransformerLM(model_cfg, device=ctx.device)
-    opt = AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    opt = build_optimizer(model, OptimizerSpec(kind="ours", lr=cfg.lr))
     gen = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
-    data = torch.randint(0, model_cfg.vocab_size, (cfg.global_batch, cfg.context_length + 1), generator=gen)
+    data = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, cfg.context_length + 1), generator=gen)
     shard = data[ctx.rank * local_batch:(ctx.rank + 1) * local_batch].to(ctx.device)
     tokens, targets = shard[:, :-1].contiguous(), shard[:, 1:].contiguous()
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -241,42 +195,42 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
     rows, overlap_rows = [], []
     common = {"backend": ctx.backend, "world_size": ctx.world_size, "model": cfg.model,
               "n_params": model_cfg.n_params, "grad_bytes": grad_bytes, "context_length": cfg.context_length,
-              "global_batch": cfg.global_batch, "local_batch": local_batch, "tf32": cfg.tf32,
+              "global_batch": cfg.batch_size, "local_batch": local_batch, "tf32": cfg.tf32,
               "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
 
     compiled_yet = False
     for precision, compiled in cfg.settings():
         setting = setting_name(precision, compiled)
         if compiled and not compiled_yet:
-            compile_blocks(model.layers, mode=cfg.compile_mode)
+            apply_compile(model, scope="blocks", mode=cfg.compile_mode)
             compiled_yet = True
-        autocast_dtype = torch.bfloat16 if precision == "bf16" else None
         baseline_ms = None
         timed: dict[str, float] = {}
         for name in cfg.variants:
-            runner = _Runner(name, model, ctx)
-            marks = DeviceMarks(ctx.device)
+            par, step = _train_step(name, model, opt, precision)
             t0 = time.perf_counter()
             for i in range(cfg.warmup):
-                _train_step(runner, opt, tokens, targets, autocast_dtype, marks)
+                step(tokens, targets)
                 if i == 0:
                     ctx.sync()  # the first step alone: it holds any compilation
                     first_step_s = time.perf_counter() - t0
             ctx.barrier()
             samples = []
             for _ in range(cfg.steps):
+                marks = Marks(ctx.device)
                 t0 = time.perf_counter()
-                _train_step(runner, opt, tokens, targets, autocast_dtype, marks)
+                step(tokens, targets, marks=marks)
                 ctx.sync()
+                synced = "grad_sync" if "grad_sync" in marks else "backward"
                 samples.append({"step_ms": (time.perf_counter() - t0) * 1e3,
                                 "fwd_bwd_ms": marks.ms("start", "backward"),
-                                "sync_wait_ms": marks.ms("backward", "synced"),
-                                "optimizer_ms": marks.ms("synced", "end")})
+                                "sync_wait_ms": marks.ms("backward", synced),
+                                "optimizer_ms": marks.ms(synced, "optimizer")})
             gathered = all_gather_objects(samples)
-            n_buckets, options = runner.n_buckets, runner.options
-            runner.close()
-            del runner
-            opt.zero_grad(set_to_none=True)  # drop grads that live in bucket buffers
+            n_buckets = getattr(par.wrapper, "n_buckets", None)
+            plan = variant_plan(name)
+            _close(par, opt)
+            del par, step
             release_memory(ctx.device)
             row = summarise_steps(gathered)
             if name == "nosync":
@@ -286,11 +240,11 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             row = {**common, "precision": precision, "compiled": compiled, "setting": setting,
                    "compile_mode": cfg.compile_mode if compiled else None,
                    "variant": name, "kind": name.partition(":")[0], "first_step_s": first_step_s,
-                   "bucket_size_mb": options.get("bucket_size_mb"), "last_bucket_mb": options.get("last_bucket_mb"),
+                   "bucket_size_mb": plan.bucket_size_mb, "last_bucket_mb": plan.last_bucket_mb,
                    "n_buckets": n_buckets,
                    **row, "baseline_step_ms": baseline_ms, "comm_overhead_ms": overhead,
                    "comm_share": None if overhead is None else overhead / row["step_ms"],
-                   "tokens_per_s": cfg.global_batch * cfg.context_length / (row["step_ms"] / 1e3),
+                   "tokens_per_s": cfg.batch_size * cfg.context_length / (row["step_ms"] / 1e3),
                    "status": "ok"}
             if ctx.is_main:
                 rows.append(writer.write(row))
@@ -304,17 +258,16 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             if best and best not in to_profile:
                 to_profile.append(best)
             for name in to_profile:
-                runner = _Runner(name, model, ctx)
+                par, step = _train_step(name, model, opt, precision)
                 for _ in range(cfg.warmup):
-                    _train_step(runner, opt, tokens, targets, autocast_dtype, DeviceMarks(ctx.device))
+                    step(tokens, targets)
                 path = Path(cfg.trace_dir) / f"ddp_{setting.replace('+', '_')}_{name.replace(':', '')}_rank0.json.gz"
-                _profile(runner, opt, tokens, targets, autocast_dtype, ctx, cfg.profile_steps, path)
-                runner.close()
-                del runner
-                opt.zero_grad(set_to_none=True)
+                _profile(step, tokens, targets, ctx, cfg.profile_steps, path)
+                _close(par, opt)
+                del par, step
                 release_memory(ctx.device)
                 if ctx.is_main:
-                    stats = overlap_stats(trace_intervals(path))
+                    stats = overlap_stats(comm_compute_intervals(path))
                     overlap_rows.append(overlap_writer.write({
                         **common, "precision": precision, "compiled": compiled, "setting": setting,
                         "compile_mode": cfg.compile_mode if compiled else None, "variant": name,
@@ -340,6 +293,7 @@ def summarise_steps(gathered: list[list[dict]]) -> dict:
 def run_ddp_benchmark(config: DDPBenchConfig, *, world_size: int = 2, backend: str = "auto",
                       timeout_s: float = 600.0) -> dict:
     """Start ``world_size`` ranks (spawn, or this process under torchrun) and run the benchmark."""
+    config.check_world_size(world_size)
     results = launch(bench_worker, world_size, backend, args=(asdict(config),), timeout_s=timeout_s)
     return results[0]
 
@@ -348,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     d = DDPBenchConfig()
     parser = argparse.ArgumentParser(prog="python -m systems.bench.ddp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_benchmark_arguments(parser, d, precisions=PRECISIONS)
+    add_distributed_arguments(parser, d, precisions=PRECISIONS, tool="ddp")
     parser.add_argument("--bucket-sizes-mb", nargs="+", type=float, default=list(d.bucket_sizes_mb))
     parser.add_argument("--tail-buckets-mb", nargs="*", default=[], type=parse_tail_variant,
                         help="also run bucketed DDP with a separately capped last bucket: <MiB>/<last MiB> ...")
@@ -362,17 +316,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in the fp32 runs")
     args = parser.parse_args(argv)
     out = Path(args.out_dir)
-    config = DDPBenchConfig(
-        model=args.model, context_length=args.context_length, global_batch=args.global_batch,
-        precisions=tuple(args.precisions), compiled_precisions=tuple(args.compiled_precisions),
-        bucket_sizes_mb=tuple(args.bucket_sizes_mb),
-        lp_reduce_buckets_mb=tuple(args.lp_reduce_buckets_mb),
-        tail_buckets_mb=tuple(args.tail_buckets_mb),
-        compile_mode=args.compile_mode,
-        include_torch_ddp=not args.no_torch_ddp, warmup=args.warmup, steps=args.steps,
-        profile=not args.no_profile, profile_steps=args.profile_steps, attn_impl=args.attn_impl,
-        tf32=args.tf32, out_path=str(out / "07_distributed_ddp.jsonl"),
-        overlap_path=str(out / "07_distributed_overlap.jsonl"), trace_dir=str(out / "07_distributed_traces"))
+    try:
+        config = DDPBenchConfig(
+            model=args.model, context_length=args.context_length, batch_size=args.batch_size,
+            precisions=tuple(args.precisions), compiled_precisions=tuple(args.compiled_precisions),
+            bucket_sizes_mb=tuple(args.bucket_sizes_mb),
+            lp_reduce_buckets_mb=tuple(args.lp_reduce_buckets_mb),
+            tail_buckets_mb=tuple(args.tail_buckets_mb),
+            compile_mode=args.compile_mode,
+            include_torch_ddp=not args.no_torch_ddp, warmup=args.warmup, steps=args.steps,
+            profile=not args.no_profile, profile_steps=args.profile_steps, attn_impl=args.attn_impl,
+            tf32=args.tf32, out_path=str(out / "07_distributed_ddp.jsonl"),
+            overlap_path=str(out / "07_distributed_overlap.jsonl"), trace_dir=str(out / "07_distributed_traces"))
+        config.check_world_size(args.world_size)
+    except ValueError as exc:
+        parser.error(str(exc))
     start = time.perf_counter()
     result = run_ddp_benchmark(config, world_size=args.world_size, backend=args.backend, timeout_s=args.timeout_s)
     if result:  # rank 0 (the only rank under spawn; one of several under torchrun)

@@ -8,15 +8,20 @@ Two parts, every variant on the same model, data and global batch (split over th
    a breakdown measured from the allocator (parameters, gradients, optimizer state,
    activations) next to the one computed from the parameter count; time per iteration.
 2. fsdp_accounting, per precision (fp32; bf16 compute): ``fsdp2`` (torch's ``fully_shard`` per
-   Transformer block and on the root) and our ``fsdp`` (systems.parallel.fsdp.FSDP), both
-   with torch.optim.AdamW (foreach). Peak memory and step time, and their ratios in the same
-   run; then one profiled step of ours whose trace tells, layer by layer, whether each forward
-   all-gather finished before its layer started.
+   Transformer block and on the root) and our ``fsdp`` (systems.parallel.fsdp.FSDP). Peak memory
+   and step time, and their ratios in the same run; then one profiled step of ours whose trace
+   tells, layer by layer, whether each forward all-gather finished before its layer started.
 
-Memory comes from ``torch.cuda.max_memory_allocated`` (GPU only; CPU rows carry None). Times are
-per step, the slowest rank's, median over steps.
+Every variant is a ``ParallelPlan`` applied to a fresh model, trained by the one training step
+(``systems.train.TrainStep``) with one optimizer, torch's AdamW (foreach), wrapped in
+``ShardedOptimizer`` for ``ddp_sharded``: so the memory each variant saves is the sharding's,
+not a difference between optimizers' temporaries.
 
-    python -m systems.bench.fsdp                       # 2 GPUs, NCCL, xl, < 6 min on 2xH200
+Memory comes from the allocator, read at the step's phase marks (``Marks(track_memory=True)``:
+bytes allocated and the high-water mark per phase; GPU only, CPU rows carry None). Times are per
+step, the slowest rank's, median over steps.
+
+    python -m systems.bench.fsdp                       # 2 GPUs, NCCL, xl, < 6 min on 2xH200 (rows in build/fsdp)
     python -m systems.bench.fsdp --model debug --backend gloo --context-length 64
     torchrun --nproc-per-node 2 -m systems.bench.fsdp  # same, env:// rendezvous
 """
@@ -24,8 +29,6 @@ per step, the slowest rank's, median over steps.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,17 +36,18 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from systems.config import get_config
-from systems.model import TransformerLM
-from systems.optim import AdamW, cross_entropy
-from systems.measure.devices import median_p10_p90, release_memory
+from systems.analysis.sharding import computed_breakdown
+from systems.bench.config import RunConfig, add_distributed_arguments
+from systems.measure.devices import catch_oom, release_memory
 from systems.measure.results import ResultWriter
-from systems.parallel.ddp import DDPIndividualParameters
+from systems.measure.timer import Marks, median_p10_p90
+from systems.measure.trace import STEP_RANGE, collective_timeline
+from systems.model import TransformerLM
 from systems.parallel.fsdp import FSDP
-from systems.parallel.launch import (DistContext, add_benchmark_arguments, all_gather_objects, launch, resolve_backend,
-                     under_torchrun)
-from systems.measure.trace import gpu_annotation_spans
+from systems.parallel.launch import DistContext, all_gather_objects, launch, resolve_backend, under_torchrun
+from systems.parallel.plan import ParallelPlan, Parallelized, apply
 from systems.parallel.sharded_optimizer import ShardedOptimizer
+from systems.train import OptimizerSpec, StepSpec, TrainStep, build_optimizer
 
 PRECISIONS = ("fp32", "bf16")
 FSDP_VARIANTS = ("fsdp2", "fsdp")
@@ -52,23 +56,20 @@ MiB = 1024 * 1024
 
 
 @dataclass
-class FSDPBenchConfig:
+class FSDPBenchConfig(RunConfig):
     model: str = "xl"
-    context_length: int = 512
-    global_batch: int = 4
+    batch_size: int = 4  # the global batch
+    warmup: int = 2  # >= 1: the first step creates the optimizer state
+    steps: int = 5
     precisions: tuple[str, ...] = PRECISIONS
     fsdp_variants: tuple[str, ...] = FSDP_VARIANTS
     prefetch: int = 1
-    warmup: int = 2
-    steps: int = 5
     profile: bool = True
-    attn_impl: str | None = None
     lr: float = 1e-5
-    seed: int = 0
-    opt_path: str = "results/08_sharding_fsdp_optimizer.jsonl"
-    fsdp_path: str = "results/08_sharding_fsdp_fsdp.jsonl"
-    gather_path: str = "results/08_sharding_fsdp_gathers.jsonl"
-    trace_dir: str = "results/08_sharding_fsdp_traces"
+    opt_path: str = "build/fsdp/08_sharding_fsdp_optimizer.jsonl"
+    fsdp_path: str = "build/fsdp/08_sharding_fsdp_fsdp.jsonl"
+    gather_path: str = "build/fsdp/08_sharding_fsdp_gathers.jsonl"
+    trace_dir: str = "build/fsdp/08_sharding_fsdp_traces"
 
     def __post_init__(self):
         bad = [p for p in self.precisions if p not in PRECISIONS]
@@ -77,36 +78,22 @@ class FSDPBenchConfig:
         bad = [v for v in self.fsdp_variants if v not in FSDP_VARIANTS]
         if bad:
             raise ValueError(f"fsdp variants must be among {FSDP_VARIANTS}, got {bad}")
-        if self.warmup < 1 or self.steps < 1:
-            raise ValueError(f"need warmup >= 1 (it creates the optimizer state) and steps >= 1, "
-                             f"got {self.warmup} and {self.steps}")
+        if self.warmup < 1:
+            raise ValueError(f"need warmup >= 1 (it creates the optimizer state), got {self.warmup}")
+        super().__post_init__()
 
 
-# ---- memory helpers ----------------------------------------------------------------------------
-
-class _Mem:
-    """Allocator readings on CUDA; None on CPU, where torch keeps no allocator statistics."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def now(self) -> int | None:
-        if not self.cuda:
-            return None
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.memory_allocated(self.device)
-
-    def reset_peak(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak(self) -> int | None:
-        if not self.cuda:
-            return None
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device)
+def variant_plan(variant: str, precision: str, *, prefetch: int) -> ParallelPlan:
+    """ddp / ddp_sharded: our overlapped per-parameter DDP (autocast does the bf16); fsdp / fsdp2:
+    sharded, computing in bf16 themselves when the precision is bf16."""
+    if variant in ("ddp", "ddp_sharded"):
+        return ParallelPlan(data_parallel="overlap")
+    dtype = "bf16" if precision == "bf16" else None
+    if variant == "fsdp":
+        return ParallelPlan(data_parallel="fsdp", param_dtype=dtype, prefetch=prefetch)
+    if variant == "fsdp2":
+        return ParallelPlan(data_parallel="fsdp2", param_dtype=dtype)
+    raise ValueError(f"unknown variant {variant!r}; choose one of ddp, ddp_sharded, {', '.join(FSDP_VARIANTS)}")
 
 
 def _mib(x):
@@ -126,78 +113,49 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
 
 @dataclass
 class _Setup:
-    forward: nn.Module
+    par: Parallelized
     opt: torch.optim.Optimizer
-    finish: object  # callable run after backward
+    step: TrainStep
     n_params: int
-    wrapper: object = None
 
 
 def _build(variant: str, model_cfg, ctx: DistContext, cfg: FSDPBenchConfig, precision: str) -> _Setup:
     torch.manual_seed(cfg.seed)
     model = TransformerLM(model_cfg, device=ctx.device)
     n_params = sum(p.numel() for p in model.parameters())
-    bf16 = precision == "bf16"
-    if variant in ("ddp", "ddp_sharded"):
-        ddp = DDPIndividualParameters(model)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = (ShardedOptimizer(params, AdamW, lr=cfg.lr) if variant == "ddp_sharded" else AdamW(params, lr=cfg.lr))
-        return _Setup(ddp, opt, ddp.finish_gradient_synchronization, n_params, ddp)
-    if variant == "fsdp":
-        fsdp = FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None, prefetch=cfg.prefetch)
-        opt = torch.optim.AdamW(fsdp.parameters(), lr=cfg.lr, foreach=True)
-        return _Setup(fsdp, opt, fsdp.finish_gradient_synchronization, n_params, fsdp)
-    if variant == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
-            else MixedPrecisionPolicy()
-        for block in model.layers:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=True)
-        return _Setup(model, opt, lambda: None, n_params, None)
-    raise ValueError(f"unknown variant {variant!r}")
+    par = apply(model, variant_plan(variant, precision, prefetch=cfg.prefetch))
+    opt = build_optimizer(par.params_owner, OptimizerSpec(kind="torch", lr=cfg.lr, sharded=variant == "ddp_sharded"))
+    # the DDP variants compute in bf16 by autocast; FSDP and FSDP2 cast their gathered weights themselves
+    spec = StepSpec(precision=precision if variant.startswith("ddp") else "fp32")
+    step = TrainStep(model, spec=spec, optimizer=opt, forward=par.forward, grad_sync=par.grad_sync)
+    return _Setup(par, opt, step, n_params)
 
 
 def _local_param_bytes(s: _Setup) -> int:
     """Parameter bytes this rank holds (FSDP2's DTensors: their local shard)."""
     total = 0
-    for p in (s.wrapper or s.forward).parameters():
+    for p in s.par.params_owner.parameters():
         t = p.to_local() if hasattr(p, "to_local") else p
         total += t.numel() * t.element_size()
     return total
 
 
-def _step(s: _Setup, tokens, targets) -> None:
-    s.opt.zero_grad(set_to_none=True)
-    loss = cross_entropy(s.forward(tokens), targets)
-    loss.backward()
-    s.finish()
-    s.opt.step()
-
-
-def _memory_step(s: _Setup, tokens, targets, mem: _Mem) -> dict:
-    """One step with allocator readings between the phases."""
-    s.opt.zero_grad(set_to_none=True)
-    m0 = mem.now()
-    mem.reset_peak()
-    loss = cross_entropy(s.forward(tokens), targets)
-    m1 = mem.now()
-    loss.backward()
-    s.finish()
-    del loss
-    m2 = mem.now()
-    peak_fwd_bwd = mem.peak()
-    mem.reset_peak()
-    s.opt.step()
-    m3 = mem.now()
-    peak_step = mem.peak()
-    out = {"mem_before_fwd": m0, "mem_after_fwd": m1, "mem_after_bwd": m2, "mem_after_step": m3,
-           "peak_fwd_bwd": peak_fwd_bwd, "peak_opt_step": peak_step}
-    if m0 is not None:
-        out.update(activations_measured=m1 - m0, grads_measured=m2 - m0)
-    return out
+def _memory_step(s: _Setup, tokens, targets, device: torch.device) -> dict:
+    """One step with the allocator read at its phase marks (None on a CPU)."""
+    s.opt.zero_grad(set_to_none=True)  # before "start": the step's own zero_grad then frees nothing
+    marks = Marks(device, track_memory=True)
+    s.step(tokens, targets, marks=marks)
+    if not marks.track_memory:
+        return {k: None for k in ("mem_before_fwd", "mem_after_fwd", "mem_after_bwd", "mem_after_step",
+                                  "peak_fwd_bwd", "peak_opt_step")}
+    synced = "grad_sync" if "grad_sync" in marks else "backward"
+    m0, m1 = marks.allocated_bytes("start"), marks.allocated_bytes("forward")
+    m2 = marks.allocated_bytes(synced)
+    return {"mem_before_fwd": m0, "mem_after_fwd": m1, "mem_after_bwd": m2,
+            "mem_after_step": marks.allocated_bytes("optimizer"),
+            "peak_fwd_bwd": max(marks.peak_bytes(n) for n in ("forward", "backward", synced)),
+            "peak_opt_step": marks.peak_bytes("optimizer"),
+            "activations_measured": m1 - m0, "grads_measured": m2 - m0}
 
 
 def _timed(s: _Setup, tokens, targets, ctx: DistContext, steps: int) -> list[float]:
@@ -205,7 +163,7 @@ def _timed(s: _Setup, tokens, targets, ctx: DistContext, steps: int) -> list[flo
     samples = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        _step(s, tokens, targets)
+        s.step(tokens, targets)
         ctx.sync()
         samples.append((time.perf_counter() - t0) * 1e3)
     return samples
@@ -219,33 +177,34 @@ def _summarise(gathered: list[list[float]]) -> dict:
 
 def run_variant(variant: str, precision: str, model_cfg, ctx: DistContext, cfg: FSDPBenchConfig,
                 tokens, targets) -> dict:
-    mem = _Mem(ctx.device)
     release_memory(ctx.device)
-    mem.reset_peak()
-    base = mem.now()
+    cuda = ctx.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    base = torch.cuda.memory_allocated(ctx.device) if cuda else None
     row: dict = {"variant": variant, "precision": precision}
-    try:
+    s = None
+    with catch_oom() as oom:
         s = _build(variant, model_cfg, ctx, cfg, precision)
-        row["mem_after_init"] = None if base is None else mem.now() - base
-        row["peak_after_init"] = None if base is None else mem.peak() - base
-        autocast = torch.autocast(device_type=ctx.device.type, dtype=torch.bfloat16,
-                                  enabled=precision == "bf16" and variant.startswith("ddp"))
-        with autocast:
-            for _ in range(cfg.warmup):
-                _step(s, tokens, targets)
-            row.update({k: (v - base if (v is not None and base is not None and not k.endswith("measured")) else v)
-                        for k, v in _memory_step(s, tokens, targets, mem).items()})
-            row["opt_state_bytes"] = optimizer_state_bytes(s.opt)
-            row["param_bytes_local"] = _local_param_bytes(s)
-            samples = _timed(s, tokens, targets, ctx, cfg.steps)
+        row["mem_after_init"] = torch.cuda.memory_allocated(ctx.device) - base if cuda else None
+        row["peak_after_init"] = torch.cuda.max_memory_allocated(ctx.device) - base if cuda else None
+        for _ in range(cfg.warmup):
+            s.step(tokens, targets)
+        row.update({k: (v - base if (v is not None and base is not None and not k.endswith("measured")) else v)
+                    for k, v in _memory_step(s, tokens, targets, ctx.device).items()})
+        row["opt_state_bytes"] = optimizer_state_bytes(s.opt)
+        row["param_bytes_local"] = _local_param_bytes(s)
+        samples = _timed(s, tokens, targets, ctx, cfg.steps)
         row["n_params"] = s.n_params
+    if oom:
+        row.update(status="oom", error=oom.message)
+    else:
         row.update(_summarise(all_gather_objects(samples)))
         row["status"] = "ok"
-    except torch.OutOfMemoryError as exc:
-        row.update(status="oom", error=str(exc).splitlines()[0])
-    finally:
-        s = None
-        release_memory(ctx.device)
+    if s is not None:
+        s.par.remove()
+    s = None
+    release_memory(ctx.device)
     # the ranks' memory differs slightly (ownership): report the largest
     mems = all_gather_objects({k: v for k, v in row.items() if k.startswith(("mem_", "peak_"))})
     for key in mems[0]:
@@ -279,81 +238,29 @@ def _annotate_units(fsdp: FSDP):
 
 
 def profile_fsdp_step(ctx: DistContext, s: _Setup, tokens, targets, path: Path) -> None:
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
-    handles = _annotate_units(s.wrapper)
+    handles = _annotate_units(s.par.wrapper)
     ctx.barrier()
     try:
         if ctx.is_main:
             with profile(activities=activities) as prof:
-                with record_function("train_step"):
-                    _step(s, tokens, targets)
+                s.step(tokens, targets)
                 ctx.sync()
             path.parent.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(path))
         else:
-            _step(s, tokens, targets)
+            s.step(tokens, targets)
     finally:
         for h in handles:
             h.remove()
     ctx.barrier()
 
 
-def _events(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return [e for e in events if e.get("ph") == "X" and "dur" in e]
-
-
-def _is_gather(name: str) -> bool:
-    n = name.lower()
-    return "allgather" in n or "all_gather" in n
-
-
-def _is_reduce(name: str) -> bool:
-    n = name.lower()
-    return "reducescatter" in n or "reduce_scatter" in n or n.startswith("gloo:all_reduce")
-
-
 def trace_timeline(path: str | Path) -> dict:
-    """Intervals (ms from the step start) of compute, all-gathers, reduce-scatters, unit ranges.
-
-    GPU: kernels ("nccl" in the name = communication) and the units' GPU annotation ranges. CPU
-    (gloo): gloo ranges on its worker threads and aten operators elsewhere.
-    """
-    events = _events(Path(path))
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    span = lambda e: (float(e["ts"]), float(e["ts"]) + float(e["dur"]))  # noqa: E731
-    if kernels:
-        kind = "gpu"
-        comm = [e for e in kernels if "nccl" in e["name"].lower()]
-        compute = [span(e) for e in kernels if "nccl" not in e["name"].lower()]
-        annot = [e for e in events if e.get("cat") == "gpu_user_annotation"]
-    else:
-        kind = "cpu"
-        comm = [e for e in events if e["name"].startswith("gloo:")]
-        threads = {e.get("tid") for e in comm}
-        compute = [span(e) for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")
-                   and e.get("tid") not in threads]
-        annot = [e for e in events if e.get("cat") == "user_annotation"]
-    units = sorted((int(e["name"].split(":")[1]), *span(e)) for e in annot if e["name"].startswith(UNIT_MARK + ":"))
-    # on GPU the step's range has one annotation per stream (compute and NCCL, whose forward
-    # all-gathers it launches): merged into one span, or "step" could be the NCCL stream's alone
-    steps = (gpu_annotation_spans(events, "train_step") if kind == "gpu" else
-             [span(e) for e in annot if e["name"] == "train_step"]) or \
-        [span(e) for e in events if e.get("cat") == "user_annotation" and e["name"] == "train_step"]
-    origin = min([s for s, _ in steps] or [s for s, _ in compute] or [0.0])
-    ms = lambda iv: [((a - origin) / 1e3, (b - origin) / 1e3) for a, b in iv]  # noqa: E731
-    units_by_start = sorted(units, key=lambda u: u[1])
-    return {"kind": kind,
-            "compute": ms(sorted(compute)),
-            "gather": ms(sorted(span(e) for e in comm if _is_gather(e["name"]))),
-            "reduce": ms(sorted(span(e) for e in comm if _is_reduce(e["name"]))),
-            "units": [(i, (a - origin) / 1e3, (b - origin) / 1e3) for i, a, b in units_by_start],
-            "step": ms(steps[:1])[0] if steps else None}
+    """Intervals (ms from the step start) of compute, all-gathers, reduce-scatters and unit ranges."""
+    return collective_timeline(path, step_range=STEP_RANGE, unit_prefix=UNIT_MARK)
 
 
 def gather_timing(timeline: dict) -> list[dict]:
@@ -382,85 +289,21 @@ def gather_timing(timeline: dict) -> list[dict]:
     return rows
 
 
-def plot_timeline(ax, timeline: dict, *, title: str = "", window: tuple[float, float] | None = None) -> None:
-    """Three lanes (compute, all-gather, reduce-scatter) with the units' forward ranges shaded."""
-    lo, hi = window or (timeline["step"] or (0.0, max(b for _, b in timeline["compute"])))
-    clip = lambda xs: [(max(a, lo), min(b, hi) - max(a, lo)) for a, b in xs if b > lo and a < hi]  # noqa: E731
-    ax.broken_barh(clip(timeline["compute"]), (20, 8), facecolors="tab:blue")
-    ax.broken_barh(clip(timeline["gather"]), (10, 8), facecolors="tab:orange")
-    ax.broken_barh(clip(timeline["reduce"]), (0, 8), facecolors="tab:green")
-    for k, (_, a, b) in enumerate(timeline["units"]):
-        if b > lo and a < hi:
-            ax.axvspan(max(a, lo), min(b, hi), color="0.85" if k % 2 else "0.93", zorder=0)
-    comm = "NCCL" if timeline["kind"] == "gpu" else "gloo"
-    ax.set_yticks([4, 14, 24], [f"{comm} reduce-scatter", f"{comm} all-gather", "compute"])
-    ax.set_xlim(lo, hi)
-    ax.set_xlabel("time in step (ms); shaded: one unit's forward each")
-    if title:
-        ax.set_title(title)
-
-
-# ---- accounting --------------------------------------------------------------------------------
-
-def computed_breakdown(n_params: int, world_size: int, *, sharded_optimizer: bool,
-                       bytes_per_param: int = 4, adam_states: int = 2) -> dict:
-    """Bytes per rank from the parameter count: fp32 params and grads, AdamW's two moments."""
-    state = adam_states * bytes_per_param * n_params
-    return {"params_computed": bytes_per_param * n_params, "grads_computed": bytes_per_param * n_params,
-            "opt_state_computed": state / world_size if sharded_optimizer else state}
-
-
-def communication_per_step(n_params: int, world_size: int, bytes_per_param: int = 4) -> list[dict]:
-    """Bytes each rank sends per step (ring algorithms; (N-1)/N of the data per pass).
-
-    - DDP: all-reduce of the gradients = reduce-scatter + all-gather = 2 (N-1)/N * G;
-    - ours (DDP + ShardedOptimizer): that all-reduce, then each owner broadcasts its updated
-      parameters: every rank receives the (N-1)/N it does not own, so + (N-1)/N * P;
-    - ZeRO stage 1: reduce-scatter the gradients (each rank only needs its shard's), update the
-      shard, all-gather the parameters: (N-1)/N * G + (N-1)/N * P, the same as DDP.
-    - FSDP (ZeRO-3): all-gather in forward, again in backward, reduce-scatter: 3 (N-1)/N * P.
-    """
-    f = (world_size - 1) / world_size
-    g = p = n_params * bytes_per_param
-    return [
-        {"scheme": "DDP (all-reduce)", "bytes_per_rank": 2 * f * g},
-        {"scheme": "ShardedOptimizer (all-reduce + broadcast)", "bytes_per_rank": 2 * f * g + f * p},
-        {"scheme": "ZeRO-1 (reduce-scatter + all-gather)", "bytes_per_rank": f * g + f * p},
-        {"scheme": "FSDP / ZeRO-3 (2 all-gathers + reduce-scatter)", "bytes_per_rank": 3 * f * p},
-    ]
-
-
-def memory_per_rank(n_params: int, world_size: int, bytes_per_param: int = 4) -> list[dict]:
-    """Persistent bytes per rank (no activations): fp32 params, grads, AdamW moments."""
-    P = n_params * bytes_per_param
-    N = world_size
-    return [
-        {"scheme": "DDP", "params": P, "grads": P, "opt_state": 2 * P},
-        {"scheme": "ShardedOptimizer", "params": P, "grads": P, "opt_state": 2 * P / N},
-        {"scheme": "ZeRO-1 (grads freed after reduce-scatter)", "params": P, "grads": P, "opt_state": 2 * P / N},
-        {"scheme": "FSDP / ZeRO-3", "params": P / N, "grads": P / N, "opt_state": 2 * P / N},
-    ]
-
-
 # ---- the worker --------------------------------------------------------------------------------
 
 def bench_worker(ctx: DistContext, config: dict) -> dict:
     cfg = FSDPBenchConfig(**config)
-    if cfg.global_batch % ctx.world_size:
-        raise ValueError(f"global batch {cfg.global_batch} does not split over {ctx.world_size} ranks")
-    local = cfg.global_batch // ctx.world_size
-    overrides = {"attn_impl": cfg.attn_impl} if cfg.attn_impl else {}
-    model_cfg = get_config(cfg.model, **overrides)
-    if cfg.context_length > model_cfg.context_length:
-        raise ValueError(f"context {cfg.context_length} exceeds the {cfg.model} model's {model_cfg.context_length}")
+    cfg.check_world_size(ctx.world_size)
+    local = cfg.batch_size // ctx.world_size
+    model_cfg = cfg.model_config()
     if ctx.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 in both implementations
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    data = torch.randint(0, model_cfg.vocab_size, (cfg.global_batch, cfg.context_length + 1), generator=gen)
+    data = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, cfg.context_length + 1), generator=gen)
     shard = data[ctx.rank * local:(ctx.rank + 1) * local].to(ctx.device)
     tokens, targets = shard[:, :-1].contiguous(), shard[:, 1:].contiguous()
     common = {"backend": ctx.backend, "world_size": ctx.world_size, "model": cfg.model,
-              "context_length": cfg.context_length, "global_batch": cfg.global_batch, "local_batch": local,
+              "context_length": cfg.context_length, "global_batch": cfg.batch_size, "local_batch": local,
               "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
     main = ctx.is_main
     writers = {k: ResultWriter(p) for k, p in (("opt", cfg.opt_path), ("fsdp", cfg.fsdp_path),
@@ -503,9 +346,10 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
         if cfg.profile and "fsdp" in cfg.fsdp_variants:
             s = _build("fsdp", model_cfg, ctx, cfg, precision)
             for _ in range(cfg.warmup):
-                _step(s, tokens, targets)
+                s.step(tokens, targets)
             path = Path(cfg.trace_dir) / f"fsdp_{precision}_rank0.json"
             profile_fsdp_step(ctx, s, tokens, targets, path)
+            s.par.remove()
             s = None
             release_memory(ctx.device)
             if main:
@@ -521,6 +365,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
 
 def run_fsdp_benchmark(config: FSDPBenchConfig, *, world_size: int = 2, backend: str = "auto",
                        timeout_s: float = 600.0) -> dict:
+    config.check_world_size(world_size)
     return launch(bench_worker, world_size, backend, args=(asdict(config),), timeout_s=timeout_s)[0]
 
 
@@ -528,17 +373,21 @@ def main(argv: list[str] | None = None) -> int:
     d = FSDPBenchConfig()
     parser = argparse.ArgumentParser(prog="python -m systems.bench.fsdp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_benchmark_arguments(parser, d, precisions=PRECISIONS)
+    add_distributed_arguments(parser, d, precisions=PRECISIONS, tool="fsdp")
     parser.add_argument("--fsdp-variants", nargs="+", default=list(d.fsdp_variants), choices=FSDP_VARIANTS)
     parser.add_argument("--prefetch", type=int, default=d.prefetch, choices=(0, 1, 2))
     args = parser.parse_args(argv)
     out = Path(args.out_dir)
-    config = FSDPBenchConfig(
-        model=args.model, context_length=args.context_length, global_batch=args.global_batch,
-        precisions=tuple(args.precisions), fsdp_variants=tuple(args.fsdp_variants), prefetch=args.prefetch,
-        warmup=args.warmup, steps=args.steps, profile=not args.no_profile, attn_impl=args.attn_impl,
-        opt_path=str(out / "08_sharding_fsdp_optimizer.jsonl"), fsdp_path=str(out / "08_sharding_fsdp_fsdp.jsonl"),
-        gather_path=str(out / "08_sharding_fsdp_gathers.jsonl"), trace_dir=str(out / "08_sharding_fsdp_traces"))
+    try:
+        config = FSDPBenchConfig(
+            model=args.model, context_length=args.context_length, batch_size=args.batch_size,
+            precisions=tuple(args.precisions), fsdp_variants=tuple(args.fsdp_variants), prefetch=args.prefetch,
+            warmup=args.warmup, steps=args.steps, profile=not args.no_profile, attn_impl=args.attn_impl,
+            opt_path=str(out / "08_sharding_fsdp_optimizer.jsonl"), fsdp_path=str(out / "08_sharding_fsdp_fsdp.jsonl"),
+            gather_path=str(out / "08_sharding_fsdp_gathers.jsonl"), trace_dir=str(out / "08_sharding_fsdp_traces"))
+        config.check_world_size(args.world_size)
+    except ValueError as exc:
+        parser.error(str(exc))
     start = time.perf_counter()
     if under_torchrun():
         print(f"torchrun rank: backend {resolve_backend(args.backend)}", flush=True)

@@ -15,10 +15,13 @@ outside the model:
   bucket, so gradients are stored once);
 - ZeRO-1: ``ShardedOptimizer`` keeps each parameter's AdamW state on one rank (``FusedAdamW``,
   one Triton pass over p, g, m, v) and broadcasts the updated parameters;
-- ``systems.measure.memory.apply_activation_checkpointing`` per block group;
+- activation checkpointing per block group;
 - ``linear_cross_entropy``: the LM head and loss without the (tokens, 151,936) logits.
 
-    python -m systems.bench.leaderboard                       # 2 GPUs, NCCL
+The composition is data: a ``ParallelPlan`` (checkpointing, bucketed DDP), an ``OptimizerSpec``
+(fused AdamW, sharded) and a ``StepSpec`` (bf16, fused summed loss), run by the one training step.
+
+    python -m systems.bench.leaderboard                       # 2 GPUs, NCCL (row appended to build/leaderboard)
     python -m systems.bench.leaderboard --model debug --context-length 64 --backend gloo
 """
 
@@ -27,16 +30,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from systems.config import get_config
+from systems.bench.config import RunConfig
 from systems.measure.devices import release_memory
+from systems.measure.flops import train_step_flops
 from systems.measure.results import ResultWriter
+from systems.measure.timer import Marks
 from systems.parallel.launch import DistContext, all_gather_objects, launch
+from systems.parallel.plan import ParallelPlan, apply
+from systems.train import OptimizerSpec, StepSpec, TrainStep, build_optimizer
 
 GIB = 2**30
 OPTIMIZERS = ("fused", "ours")
@@ -52,22 +58,20 @@ SDPA_BACKENDS = {"auto": None, "cudnn": (SDPBackend.CUDNN_ATTENTION, SDPBackend.
 
 
 @dataclass
-class LeaderboardConfig:
+class LeaderboardConfig(RunConfig):
     model: str = "8B"
-    model_overrides: dict = field(default_factory=dict)
-    global_batch: int = 2
+    batch_size: int = 2  # the global batch: one sequence per rank on two GPUs
     context_length: int = 32_768
-    attn_impl: str = "sdpa"
+    warmup: int = 2  # steps before the timed ones (the first compiles and autotunes)
+    steps: int = 3  # timed steps; each is seconds long
+    attn_impl: str | None = "sdpa"
     sdpa_backend: str = "cudnn"  # a key of SDPA_BACKENDS; used when attn_impl is "sdpa"
     checkpoint_group: int = 1  # blocks per checkpointed group; 0 turns checkpointing off
     bucket_size_mb: float = 1024.0
     optimizer: str = "fused"
     precision: str = "bf16"  # "bf16": autocast over fp32 weights; "fp32": no autocast (tests compare exactly)
     lr: float = 1e-5
-    warmup_ms: float = 1.0  # do_bench's budgets; one step is seconds long, so each means one call
-    rep_ms: float = 1.0
-    seed: int = 0
-    out_path: str | None = "results/12_leaderboard_8b.jsonl"
+    out_path: str | None = "build/leaderboard/12_leaderboard_8b.jsonl"
 
     def __post_init__(self) -> None:
         if self.precision not in ("bf16", "fp32"):
@@ -76,17 +80,20 @@ class LeaderboardConfig:
             raise ValueError(f"sdpa_backend must be one of {tuple(SDPA_BACKENDS)}, got {self.sdpa_backend!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.global_batch < 1 or self.context_length < 2 or self.checkpoint_group < 0:
-            raise ValueError(f"need global_batch >= 1, context_length >= 2 and checkpoint_group >= 0, got "
-                             f"{self.global_batch}, {self.context_length}, {self.checkpoint_group}")
+        if self.checkpoint_group < 0:
+            raise ValueError(f"checkpoint_group must be >= 0 (0 turns checkpointing off), got {self.checkpoint_group}")
+        super().__post_init__()
 
-    def model_config(self):
-        return get_config(self.model, context_length=self.context_length, attn_impl=self.attn_impl,
-                          **self.model_overrides)
+    def plan(self) -> ParallelPlan:
+        return ParallelPlan(checkpoint_group=self.checkpoint_group, data_parallel="bucketed",
+                            bucket_size_mb=self.bucket_size_mb)
 
-    def check_world_size(self, world_size: int) -> None:
-        if self.global_batch % world_size:
-            raise ValueError(f"global batch {self.global_batch} does not split evenly over {world_size} ranks")
+    def optimizer_spec(self) -> OptimizerSpec:
+        return OptimizerSpec(kind=self.optimizer, lr=self.lr, sharded=True)
+
+    def step_spec(self) -> StepSpec:
+        # the handout's loss is summed over tokens; .grad stays a view of its DDP bucket between steps
+        return StepSpec(precision=self.precision, loss="fused", reduction="sum", grads_to_none=False)
 
 
 def sdpa_backends(name: str):
@@ -95,35 +102,10 @@ def sdpa_backends(name: str):
     return contextlib.nullcontext() if backends is None else sdpa_kernel(list(backends), set_priority=True)
 
 
-def model_flops(cfg: LeaderboardConfig) -> float:
-    """Forward + backward matmul FLOPs of one global step, causal attention counted once (half
-    of the T x T products), recomputation by checkpointing not counted (MFU convention)."""
-    mcfg = cfg.model_config()
-    b, t = cfg.global_batch, cfg.context_length
-    masked_half = 0.5 * mcfg.n_layers * 4 * b * t * t * mcfg.d_model
-    return 3.0 * (mcfg.forward_flops(b, t) - masked_half)
-
-
-def _time(step, *, device: torch.device, warmup_ms: float, rep_ms: float) -> list[float]:
-    """Milliseconds per step: triton.testing.do_bench on a GPU (as the handout times it), a
-    wall-clock median of three calls after one warm-up on a CPU (do_bench needs a GPU)."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return [triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median")]
-    step()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
 def rank_batch(cfg: LeaderboardConfig, *, rank: int, world_size: int, vocab_size: int,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (tokens, targets): global_batch / world_size random sequences, seeded per rank."""
-    local = cfg.global_batch // world_size
+    """This rank's (tokens, targets): batch_size / world_size random sequences, seeded per rank."""
+    local = cfg.batch_size // world_size
     gen = torch.Generator(device=device).manual_seed(cfg.seed + 1 + rank)
     x = torch.randint(0, vocab_size, (local, cfg.context_length), device=device, generator=gen)
     y = torch.randint(0, vocab_size, (local, cfg.context_length), device=device, generator=gen)
@@ -131,15 +113,9 @@ def rank_batch(cfg: LeaderboardConfig, *, rank: int, world_size: int, vocab_size
 
 
 def make_training(cfg: LeaderboardConfig, ctx: DistContext):
-    """(model, step, losses): the model with checkpointing, DDP buckets and the sharded optimizer
-    applied, and a zero-argument training step on this rank's batch that appends its loss."""
-    from systems.kernels.fused_adamw import FusedAdamW
-    from systems.kernels.fused_linear_ce import linear_cross_entropy
-    from systems.measure.memory import apply_activation_checkpointing
+    """(model, step, losses): the model with the plan applied and the sharded optimizer, and a
+    training step on this rank's batch (``step(marks=None)``) that appends its loss."""
     from systems.model import TransformerLM
-    from systems.optim import AdamW
-    from systems.parallel.ddp import DDPBucketed
-    from systems.parallel.sharded_optimizer import ShardedOptimizer
 
     cfg.check_world_size(ctx.world_size)
     device = ctx.device
@@ -147,27 +123,16 @@ def make_training(cfg: LeaderboardConfig, ctx: DistContext):
     torch.manual_seed(cfg.seed)
     with torch.device(device):
         model = TransformerLM(mcfg)
-    if cfg.checkpoint_group:
-        apply_activation_checkpointing(model, cfg.checkpoint_group)
-    ddp = DDPBucketed(model, bucket_size_mb=cfg.bucket_size_mb)  # broadcasts rank 0's weights
-    opt = ShardedOptimizer(model.parameters(), FusedAdamW if cfg.optimizer == "fused" else AdamW, lr=cfg.lr)
+    par = apply(model, cfg.plan(), device=device)  # DDPBucketed broadcasts rank 0's weights
+    opt = build_optimizer(model, cfg.optimizer_spec())
+    # the backend choice spans backward too: checkpointed blocks recompute attention there
+    train_step = TrainStep(model, spec=cfg.step_spec(), optimizer=opt, forward=par.forward,
+                           grad_sync=par.grad_sync, context=lambda: sdpa_backends(cfg.sdpa_backend))
     x, y = rank_batch(cfg, rank=ctx.rank, world_size=ctx.world_size, vocab_size=mcfg.vocab_size, device=device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
     losses: list[torch.Tensor] = []
 
-    def step():
-        ddp.on_train_batch_start()
-        # the backend choice spans backward too: checkpointed blocks recompute attention there
-        with sdpa_backends(cfg.sdpa_backend):
-            with autocast:
-                # the targets are generated in range: no range check (it would sync the device)
-                loss = linear_cross_entropy(model.hidden_states(x), model.lm_head.weight, y, reduction="sum",
-                                            check_targets=False)
-            loss.backward()
-        ddp.finish_gradient_synchronization()
-        opt.step()
-        opt.zero_grad(set_to_none=False)  # keep .grad as views of the DDP buckets
-        losses.append(loss.detach())
+    def step(marks: Marks | None = None) -> None:
+        losses.append(train_step(x, y, marks=marks))
 
     return model, step, losses
 
@@ -177,21 +142,31 @@ def leaderboard_worker(ctx: DistContext, cfg_dict: dict) -> dict:
     device = ctx.device
     mcfg = cfg.model_config()
     model, step, losses = make_training(cfg, ctx)
+    for _ in range(cfg.warmup):
+        step()
+    ctx.sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = _time(step, device=device, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms)
-    mine = dict(rank=ctx.rank, step_ms=statistics.median(times), calls=len(losses),
+    marks = []
+    for _ in range(cfg.steps):
+        marks.append(Marks(device))
+        step(marks=marks[-1])
+        ctx.sync()  # host timing on a CPU reads finished work; events are read after it on a GPU
+    times = [m.ms("start", "optimizer") for m in marks]
+    mine = dict(rank=ctx.rank, step_ms=statistics.median(times), step_times_ms=times, calls=len(losses),
                 last_loss=float(losses[-1]),
                 peak_memory_gib=torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None)
     del model, step  # the weights, gradients and optimizer state go before the gather
     release_memory()
     per_rank = all_gather_objects(mine)
-    step_ms = max(r["step_ms"] for r in per_rank)  # a step lasts as long as its slowest rank
-    flops = model_flops(cfg)
+    # a step lasts as long as its slowest rank
+    step_ms = statistics.median(max(r["step_times_ms"][i] for r in per_rank) for i in range(cfg.steps))
+    # causal attention counted once, recomputation by checkpointing not counted (the MFU convention)
+    flops = train_step_flops(mcfg, batch=cfg.batch_size, seq=cfg.context_length)
     return dict(**asdict(cfg), world_size=ctx.world_size, backend=ctx.backend, n_params=mcfg.n_params,
                 step_ms=step_ms, step_s=step_ms / 1e3, per_rank=per_rank, model_flops=flops,
                 tflops_per_gpu=flops / (step_ms * 1e-3) / ctx.world_size / 1e12,
-                tokens_per_s=cfg.global_batch * cfg.context_length / (step_ms * 1e-3), status="ok")
+                tokens_per_s=cfg.batch_size * cfg.context_length / (step_ms * 1e-3), status="ok")
 
 
 def run_leaderboard(cfg: LeaderboardConfig, *, world_size: int = 2, backend: str = "auto",
@@ -210,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=d.model)
     parser.add_argument("--context-length", type=int, default=d.context_length)
-    parser.add_argument("--global-batch", type=int, default=d.global_batch)
+    parser.add_argument("--global-batch", dest="batch_size", type=int, default=d.batch_size)
+    parser.add_argument("--warmup", type=int, default=d.warmup)
+    parser.add_argument("--steps", type=int, default=d.steps)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--backend", default="auto", help="nccl, gloo or auto")
     parser.add_argument("--attn-impl", default=d.attn_impl)
@@ -221,11 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=d.out_path)
     args = parser.parse_args(argv)
     try:
-        cfg = LeaderboardConfig(model=args.model, context_length=args.context_length, global_batch=args.global_batch,
+        cfg = LeaderboardConfig(model=args.model, context_length=args.context_length, batch_size=args.batch_size,
+                                warmup=args.warmup, steps=args.steps,
                                 attn_impl=args.attn_impl, sdpa_backend=args.sdpa_backend,
                                 checkpoint_group=args.checkpoint_group,
                                 bucket_size_mb=args.bucket_size_mb, optimizer=args.optimizer, out_path=args.out)
-        cfg.model_config()  # an unknown size fails here, before any rank starts
         cfg.check_world_size(args.world_size)
     except ValueError as exc:
         parser.error(str(exc))

@@ -451,7 +451,7 @@ def precision_sweep_configs(sizes: Sequence[str], *, modes: Sequence[str] = MODE
             for precision in precisions:
                 configs.append(BenchmarkConfig(model=size, model_overrides=dict(model_overrides or {}),
                                                context_length=context_length, batch_size=batch_size,
-                                               warmup_steps=warmup, measure_steps=measure, mode=mode,
+                                               warmup=warmup, steps=measure, mode=mode,
                                                precision=precision, device=device, attn_impl=attn_impl))
     return configs
 

@@ -1,22 +1,35 @@
-"""Device helpers every harness shares: choosing the device, synchronising, and out-of-memory handling."""
+"""Device helpers every harness shares: the dtype vocabulary, choosing the device, synchronising,
+and the one out-of-memory check."""
 
 from __future__ import annotations
 
 import gc
 import os
-import statistics
-import time
-from typing import Sequence
 
 import torch
 
-# short dtype names, as the notebooks, CLIs and results files write them
+# The one dtype vocabulary: short names, as notebooks, CLIs and results files write them.
 DTYPES: dict[str, torch.dtype] = {
     "fp64": torch.float64,
     "fp32": torch.float32,
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a short name ("fp32", "bf16", ...)."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """The short name of a torch dtype ("fp32"), its torch name for one outside the vocabulary."""
+    if dtype is None:
+        return None
+    return _NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def triton_interpreting() -> bool:
@@ -63,32 +76,24 @@ def release_memory(device: torch.device | None = None) -> None:
     torch.cuda.empty_cache()
 
 
-class DeviceMarks:
-    """Named time points in one stream of work: CUDA events on a GPU, read once the device has
-    been synchronised (recording them does not wait); perf_counter on a CPU, where ops run eagerly."""
+class catch_oom:
+    """Turn an out-of-memory error inside the block into a record: ``with catch_oom() as oom: ...``,
+    then ``if oom: row["status"] = "oom"`` and ``oom.message``; any other error propagates.
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.points: dict[str, object] = {}
+    Call ``release_memory()`` after the block, not inside it: until the ``with`` statement has
+    finished, the exception's traceback holds the frames that hold the tensors."""
 
-    def mark(self, name: str) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.points[name] = ev
-        else:
-            self.points[name] = time.perf_counter()
+    def __init__(self) -> None:
+        self.message: str | None = None
 
-    def ms(self, a: str, b: str) -> float:
-        if self.cuda:
-            return self.points[a].elapsed_time(self.points[b])
-        return (self.points[b] - self.points[a]) * 1e3
+    def __enter__(self) -> "catch_oom":
+        return self
 
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or not isinstance(exc, (torch.OutOfMemoryError, RuntimeError)) or not is_oom(exc):
+            return False
+        self.message = str(exc).splitlines()[0][:300]
+        return True
 
-def median_p10_p90(values: Sequence[float]) -> tuple[float, float, float]:
-    """The median and the 10th / 90th percentiles (inclusive method; one value is all three)."""
-    median = statistics.median(values)
-    if len(values) < 2:
-        return median, median, median
-    q = statistics.quantiles(values, n=10, method="inclusive")
-    return median, q[0], q[-1]
+    def __bool__(self) -> bool:
+        return self.message is not None

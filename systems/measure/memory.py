@@ -1,5 +1,5 @@
-"""Memory tooling: snapshots, an offline "Active memory timeline", saved-tensor accounting,
-and activation checkpointing applied from outside the model.
+"""Memory tooling: snapshots, an offline "Active memory timeline", saved-tensor accounting, and
+live-tensor tracking on a CPU.
 
 Recording:   ``record_snapshot(path)`` (CUDA allocator history -> pickle) wraps any harness mode via
              ``run_benchmark(cfg, around_measure=lambda: record_snapshot(path), on_step=step_marker(dev))``;
@@ -9,8 +9,8 @@ Reading:     ``build_timeline(snapshot)`` walks ``device_traces`` and ``segments
              the pytorch.org/memory_viz HTML beside it; ``largest_allocations(snapshot, k)``.
 Activations: ``saved_tensor_report(block, x, positions)``; ``residual_stream_bytes``;
              ``match_allocation_size``.
-Checkpointing: ``apply_activation_checkpointing(model, group_size)`` (one level, k blocks per group),
-             ``apply_nested_checkpointing(model, branching)`` (recursive), ``remove_activation_checkpointing``.
+CPU peaks:   ``LiveTensorTracker`` follows the storages operators create (a stand-in for
+             ``max_memory_allocated`` on a machine without CUDA).
 """
 
 from __future__ import annotations
@@ -532,148 +532,6 @@ def block_grad_bytes_expected(d_model: int, d_ff: int, *, dtype: torch.dtype = t
     return (4 * d_model * d_model + 3 * d_model * d_ff + 2 * d_model) * torch.empty((), dtype=dtype).element_size()
 
 
-# ----------------------------------------------------------------------------- checkpointing
-
-
-def _run_plain(blocks, x, positions):
-    for b in blocks:
-        x = b(x, positions)
-    return x
-
-
-def _run_nested(blocks, x, positions, branching: int, leaf_size: int):
-    """Split the blocks into ``branching`` chunks and checkpoint each, recursively, down to
-    chunks of ``leaf_size`` blocks, which run plainly."""
-    if len(blocks) <= leaf_size:
-        return _run_plain(blocks, x, positions)
-    n_chunks = min(branching, len(blocks))
-    bounds = np.linspace(0, len(blocks), n_chunks + 1).round().astype(int)
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        chunk = list(blocks[lo:hi])
-        x = checkpoint(_run_nested, chunk, x, positions, branching, leaf_size, use_reentrant=False)
-    return x
-
-
-class CheckpointedBlocks(nn.ModuleList):
-    """The model's blocks, unchanged (same modules, same parameter names), but iterating yields
-    checkpointed runners instead of single blocks, so ``TransformerLM.forward``'s plain loop
-    ``for layer in self.layers: x = layer(x, positions)`` runs them under ``torch.utils.checkpoint``."""
-
-    def __init__(self, blocks, *, group_size: int | None = None, branching: int | None = None, leaf_size: int = 1):
-        super().__init__(blocks)
-        self.group_size, self.branching, self.leaf_size = group_size, branching, leaf_size
-
-    def __iter__(self):
-        blocks = list(super().__iter__())
-        if self.branching is not None:  # nested: one runner over all blocks
-            yield lambda x, positions: _run_nested(blocks, x, positions, self.branching, self.leaf_size)
-            return
-        k = self.group_size
-        for lo in range(0, len(blocks), k):
-            group = blocks[lo:lo + k]
-            yield functools.partial(checkpoint, _run_plain, group, use_reentrant=False)
-
-    def extra_repr(self) -> str:
-        if self.branching is not None:
-            return f"nested checkpointing: branching={self.branching}, leaf_size={self.leaf_size}"
-        return f"checkpoint groups of {self.group_size}"
-
-
-def _plain_blocks(model: nn.Module) -> list[nn.Module]:
-    if not hasattr(model, "layers"):
-        raise ValueError(f"expected a TransformerLM with .layers, got {type(model).__name__}")
-    return list(nn.ModuleList.__iter__(model.layers))
-
-
-def apply_activation_checkpointing(model: nn.Module, group_size: int) -> nn.Module:
-    """One level of checkpointing: every ``group_size`` consecutive blocks form one checkpointed
-    region (non-reentrant), storing only its input residual; applied from outside, in place."""
-    blocks = _plain_blocks(model)
-    if not isinstance(group_size, int) or not 1 <= group_size <= len(blocks):
-        raise ValueError(f"group_size must be an integer in 1..{len(blocks)} (the number of blocks), got {group_size!r}")
-    model.layers = CheckpointedBlocks(blocks, group_size=group_size)
-    return model
-
-
-def apply_nested_checkpointing(model: nn.Module, *, branching: int = 2, leaf_size: int = 1) -> nn.Module:
-    """Recursive checkpointing: split the N blocks into ``branching`` checkpointed chunks, each
-    split again, down to ``leaf_size`` blocks. With branching 2 the depth is log2 N."""
-    blocks = _plain_blocks(model)
-    if branching < 2:
-        raise ValueError(f"branching must be >= 2, got {branching}")
-    if not 1 <= leaf_size <= len(blocks):
-        raise ValueError(f"leaf_size must be in 1..{len(blocks)}, got {leaf_size}")
-    model.layers = CheckpointedBlocks(blocks, branching=branching, leaf_size=leaf_size)
-    return model
-
-
-def remove_activation_checkpointing(model: nn.Module) -> nn.Module:
-    model.layers = nn.ModuleList(_plain_blocks(model))
-    return model
-
-
-@contextlib.contextmanager
-def count_block_forwards(model: nn.Module) -> Iterator[Counter]:
-    """Counts forward calls of each block (recomputation included): the compute side of checkpointing."""
-    counter: Counter = Counter()
-    handles = [b.register_forward_pre_hook(lambda m, args, i=i: counter.update([i]))
-               for i, b in enumerate(_plain_blocks(model))]
-    try:
-        yield counter
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def measure_train_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, optimizer=None,
-                       warmup: int = 1, steps: int = 1, autocast_dtype: torch.dtype | None = None) -> dict:
-    """Peak memory and time of forward + backward (+ optimizer step) on ``model``.
-
-    CUDA: ``max_memory_allocated`` over the measured steps, and the rise above what was
-    allocated before them. CPU: ``LiveTensorTracker``, i.e. only the rise (tensors created by
-    the measured steps); ``peak_bytes`` is then that rise too.
-    """
-    from systems.optim import cross_entropy
-
-    dev = inputs.device
-    autocast = (lambda: torch.autocast(dev.type, dtype=autocast_dtype)) if autocast_dtype else contextlib.nullcontext
-
-    def step():
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            model.zero_grad(set_to_none=True)
-        with autocast():
-            loss = cross_entropy(model(inputs), targets)
-        loss.backward()
-        if optimizer is not None:
-            optimizer.step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    for _ in range(warmup):
-        step()
-    times = []
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        before = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        for _ in range(steps):
-            t0 = timeit.default_timer()
-            step()
-            times.append(timeit.default_timer() - t0)
-        peak = torch.cuda.max_memory_allocated(dev)
-    else:
-        with LiveTensorTracker() as tracker:
-            for _ in range(steps):
-                t0 = timeit.default_timer()
-                step()
-                times.append(timeit.default_timer() - t0)
-        before, peak = 0, tracker.peak_bytes
-    return {"peak_bytes": int(peak), "peak_gib": peak / 2**30, "rise_bytes": int(peak - before),
-            "rise_mib": (peak - before) / 2**20, "step_s": float(np.median(times)), "step_times_s": times}
-
-
 class LiveTensorTracker:
     """CPU stand-in for ``max_memory_allocated``: inside ``with tracker:`` every tensor storage that
     an operator creates is followed (through a weak reference to the C++ storage) until it dies,
@@ -725,8 +583,3 @@ class LiveTensorTracker:
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
         self._mode = None
-
-
-def sqrt_group_size(n_layers: int) -> int:
-    """The one-level group size that balances stored boundaries (N/k) against one group's recompute (k)."""
-    return max(1, round(math.sqrt(n_layers)))

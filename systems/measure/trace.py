@@ -1,63 +1,98 @@
-"""Communication/computation overlap from a torch.profiler Chrome trace.
+"""The one reader of torch.profiler's Chrome traces: events, kernels, named ranges, and the
+interval arithmetic that tells communication that overlaps computation from communication that
+does not.
 
-GPU traces: communication = kernels whose name contains "nccl"; computation = every other kernel,
-memcpy and memset (the GPU is busy with non-communication work). CPU (gloo) traces have no
-kernels: communication = the "gloo:*" ranges the gloo worker threads record, computation = the
-"aten::*" operators of the other threads.
+Range names: the training step (``systems.train``) opens ``STEP_RANGE`` around each step and
+``PHASE_RANGES`` around its phases, so every profile of a step can be cut the same way.
 
-exposed communication = time some communication runs while no computation does
-                      = |comm| - |comm ∩ compute|, on the unions of the intervals.
+GPU traces: kernels (memcpy and memset included) are device work; communication is a kernel
+whose name contains "nccl". CPU (gloo) traces have no kernels: communication is the "gloo:*"
+ranges the gloo worker threads record, computation the "aten::*" operators of the other threads.
+
+    exposed communication = time some communication runs while no computation does
+                          = |comm| - |comm ∩ compute|, on the unions of the intervals.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from systems.measure.profiler import load_trace
+STEP_RANGE = "step"
+PHASE_RANGES = {"forward": "forward", "backward": "backward", "optimizer": "optimizer step"}
+GRAD_SYNC_RANGE = "gradient sync"
+# device-side event categories (older profilers wrote "memcpy" / "memset")
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver", "runtime", "driver")
 
-STEP_MARK = "train_step"  # the record_function range the benchmark puts around each step
-
-
-@dataclass
-class TraceIntervals:
-    """Intervals in microseconds from the trace's first step start."""
-
-    kind: str  # "gpu" or "cpu"
-    comm: list[tuple[float, float]]
-    compute: list[tuple[float, float]]
-    steps: list[tuple[float, float]] = field(default_factory=list)
+Interval = tuple[float, float]
 
 
-def _load(path: str | Path) -> list[dict]:
-    """The complete ("X") events of a Chrome trace."""
-    trace = load_trace(path)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+def load_trace(path: str | Path) -> dict:
+    """A Chrome trace (.json or .json.gz) as exported by torch.profiler, with a one-line error that
+    names the file when it cannot be read."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt") as f:
+            return json.load(f)
+    except (OSError, EOFError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read the profiler trace {path}: {exc}") from exc
+
+
+def complete_events(trace: dict | list | str | Path) -> list[dict]:
+    """The complete ("X") events that carry a duration, from a trace or its file."""
+    if isinstance(trace, (str, Path)):
+        trace = load_trace(trace)
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
     return [e for e in events if e.get("ph") == "X" and "dur" in e]
 
 
-def _span(e: dict) -> tuple[float, float]:
+def category(e: dict) -> str:
+    return str(e.get("cat", "")).lower()
+
+
+def span(e: dict) -> Interval:
     start = float(e["ts"])
     return start, start + float(e["dur"])
 
 
-def gpu_annotation_spans(events: list[dict], name: str) -> list[tuple[float, float]]:
+def device_events(events: list[dict]) -> list[dict]:
+    return [e for e in events if category(e) in DEVICE_CATEGORIES]
+
+
+def is_comm_kernel(name: str) -> bool:
+    return "nccl" in name.lower()
+
+
+def is_gather(name: str) -> bool:
+    n = name.lower()
+    return "allgather" in n or "all_gather" in n
+
+
+def is_reduce_scatter(name: str) -> bool:
+    n = name.lower()
+    return "reducescatter" in n or "reduce_scatter" in n or n.startswith("gloo:all_reduce")
+
+
+def gpu_annotation_spans(events: list[dict], name: str) -> list[Interval]:
     """GPU-side spans of the record_function ranges called ``name``, one per range.
 
-    Kineto writes one "gpu_user_annotation" event per (range, CUDA stream) that ran its kernels
-    (GpuUserEventMap is keyed by device and stream), all carrying the CPU range's "External id".
-    A step whose NCCL kernels were launched from the range's thread (naive, flat DDP; FSDP's
-    forward all-gathers) therefore appears twice, once on the compute stream and once on the
-    NCCL stream; counting both would halve every per-step number. Events with the same id are
-    merged into one span (first start, last end); events without an id stay separate.
+    Kineto writes one "gpu_user_annotation" event per (range, CUDA stream) that ran its kernels,
+    all carrying the CPU range's "External id". A step whose NCCL kernels were launched from the
+    range's thread therefore appears once on the compute stream and once on the NCCL stream;
+    counting both would halve every per-step number. Events with the same id are merged into one
+    span (first start, last end); events without an id stay separate.
     """
     merged: dict[object, list[float]] = {}
     for i, e in enumerate(events):
-        if e.get("cat") != "gpu_user_annotation" or e["name"] != name:
+        if category(e) != "gpu_user_annotation" or e["name"] != name:
             continue
         ext = (e.get("args") or {}).get("External id")
         key = ("id", ext) if ext is not None else ("event", i)
-        a, b = _span(e)
+        a, b = span(e)
         if key in merged:
             merged[key][0] = min(merged[key][0], a)
             merged[key][1] = max(merged[key][1], b)
@@ -66,33 +101,21 @@ def gpu_annotation_spans(events: list[dict], name: str) -> list[tuple[float, flo
     return sorted((a, b) for a, b in merged.values())
 
 
-def trace_intervals(path: str | Path) -> TraceIntervals:
-    events = _load(path)
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if kernels:
-        comm = [_span(e) for e in kernels if "nccl" in e["name"].lower()]
-        compute = [_span(e) for e in kernels if "nccl" not in e["name"].lower()]
-        steps = gpu_annotation_spans(events, STEP_MARK)  # one per step, not one per stream
-        kind = "gpu"
-    else:
-        comm_events = [e for e in events if e["name"].startswith("gloo:")]
-        comm_threads = {e.get("tid") for e in comm_events}
-        comm = [_span(e) for e in comm_events]
-        compute = [_span(e) for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("aten::")
-                   and e.get("tid") not in comm_threads]
-        steps = []
-        kind = "cpu"
-    if not steps:
-        steps = [_span(e) for e in events if e.get("cat") == "user_annotation" and e["name"] == STEP_MARK]
-    origin = min([s for s, _ in steps] or [s for s, _ in comm + compute] or [0.0])
-
-    def shift(xs):
-        return sorted((a - origin, b - origin) for a, b in xs)
-
-    return TraceIntervals(kind=kind, comm=shift(comm), compute=shift(compute), steps=shift(steps))
+def cpu_range_spans(events: list[dict], name: str) -> list[Interval]:
+    """CPU-side spans of the record_function ranges called ``name``."""
+    return sorted(span(e) for e in events if category(e) == "user_annotation" and e["name"] == name)
 
 
-def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def range_spans(events: list[dict], name: str) -> list[Interval]:
+    """Where the ranges called ``name`` ran: their GPU-side spans when the trace has them (the
+    device work launched inside them), else their CPU spans."""
+    return gpu_annotation_spans(events, name) or cpu_range_spans(events, name)
+
+
+# ----------------------------------------------------------------------------- interval arithmetic
+
+
+def union(intervals: list[Interval]) -> list[Interval]:
     merged: list[list[float]] = []
     for a, b in sorted(intervals):
         if merged and a <= merged[-1][1]:
@@ -102,11 +125,11 @@ def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def total(intervals: list[tuple[float, float]]) -> float:
+def total(intervals: list[Interval]) -> float:
     return sum(b - a for a, b in union(intervals))
 
 
-def intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+def intersection(xs: list[Interval], ys: list[Interval]) -> float:
     """Length of (union xs) ∩ (union ys), by a merge of the two sorted unions."""
     xs, ys = union(xs), union(ys)
     i = j = 0
@@ -122,14 +145,58 @@ def intersection(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -
     return length
 
 
+# ----------------------------------------------------------------------------- communication and computation
+
+
+@dataclass
+class TraceIntervals:
+    """Communication and computation intervals, in microseconds from the first step's start."""
+
+    kind: str  # "gpu" or "cpu"
+    comm: list[Interval]
+    compute: list[Interval]
+    steps: list[Interval] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list, repr=False)  # what they were read from
+    origin: float = 0.0  # the trace time (us) of 0 here
+
+    def shift(self, intervals: list[Interval]) -> list[Interval]:
+        return sorted((a - self.origin, b - self.origin) for a, b in intervals)
+
+
+def comm_compute_intervals(trace: dict | list | str | Path, *, step_range: str = STEP_RANGE) -> TraceIntervals:
+    """Communication and computation in a (rank's) trace, and the spans of its steps."""
+    events = complete_events(trace)
+    kernels = device_events(events)
+    if kernels:
+        kind = "gpu"
+        comm = [span(e) for e in kernels if is_comm_kernel(e["name"])]
+        compute = [span(e) for e in kernels if not is_comm_kernel(e["name"])]
+        steps = gpu_annotation_spans(events, step_range)
+    else:
+        kind = "cpu"
+        comm_events = [e for e in events if e["name"].startswith("gloo:")]
+        comm_threads = {e.get("tid") for e in comm_events}
+        comm = [span(e) for e in comm_events]
+        compute = [span(e) for e in events if category(e) == "cpu_op" and e["name"].startswith("aten::")
+                   and e.get("tid") not in comm_threads]
+        steps = []
+    steps = steps or cpu_range_spans(events, step_range)
+    origin = min([s for s, _ in steps] or [s for s, _ in comm + compute] or [0.0])
+    iv = TraceIntervals(kind=kind, comm=[], compute=[], events=events, origin=origin)
+    iv.comm, iv.compute, iv.steps = iv.shift(comm), iv.shift(compute), iv.shift(steps)
+    return iv
+
+
 def overlap_stats(iv: TraceIntervals) -> dict:
-    """Comm, compute, overlapped and exposed time (ms, per profiled step) and the overlap percentage."""
+    """Comm, compute, overlapped and exposed time (ms per profiled step) and the overlap share."""
     n_steps = max(1, len(iv.steps))
     comm, compute = total(iv.comm), total(iv.compute)
     both = intersection(iv.comm, iv.compute)
-    window = (max(b for _, b in iv.steps) - min(a for a, _ in iv.steps)) if iv.steps else \
-        (max(b for _, b in iv.comm + iv.compute) - min(a for a, _ in iv.comm + iv.compute)
-         if iv.comm or iv.compute else 0.0)
+    busy = iv.comm + iv.compute
+    if iv.steps:
+        window = max(b for _, b in iv.steps) - min(a for a, _ in iv.steps)
+    else:
+        window = (max(b for _, b in busy) - min(a for a, _ in busy)) if busy else 0.0
     per_step = 1e-3 / n_steps  # us over all steps -> ms per step
     return {
         "trace_kind": iv.kind, "profiled_steps": len(iv.steps),
@@ -141,20 +208,26 @@ def overlap_stats(iv: TraceIntervals) -> dict:
     }
 
 
-def plot_streams(ax, iv: TraceIntervals, *, title: str = "", step: int | None = 0) -> None:
-    """Two lanes, computation and communication, over one profiled step (or all with step=None)."""
-    lo, hi = (iv.steps[step] if (step is not None and iv.steps) else
-              (0.0, max(b for _, b in iv.comm + iv.compute)))
-
-    def clip(xs):
-        return [(max(a, lo) / 1e3, (min(b, hi) - max(a, lo)) / 1e3) for a, b in union(xs) if b > lo and a < hi]
-
-    compute_label = "compute kernels" if iv.kind == "gpu" else "compute (aten ops)"
-    comm_label = "NCCL kernels" if iv.kind == "gpu" else "gloo all-reduce"
-    ax.broken_barh(clip(iv.compute), (10, 8), facecolors="tab:blue", label=compute_label)
-    ax.broken_barh(clip(iv.comm), (0, 8), facecolors="tab:orange", label=comm_label)
-    ax.set_yticks([4, 14], [comm_label, compute_label])
-    ax.set_xlim(lo / 1e3, hi / 1e3)
-    ax.set_xlabel("time in step (ms)")
-    if title:
-        ax.set_title(title)
+def collective_timeline(trace: dict | list | str | Path, *, step_range: str = STEP_RANGE,
+                        unit_prefix: str | None = None) -> dict:
+    """Intervals (ms from the step start) of computation, all-gathers and reduce-scatters, and of
+    the record_function ranges named ``<unit_prefix>:<i>`` (one per sharded unit's forward), for
+    the first profiled step."""
+    iv = comm_compute_intervals(trace, step_range=step_range)
+    events = iv.events
+    comm_events = ([e for e in device_events(events) if is_comm_kernel(e["name"])] if iv.kind == "gpu"
+                   else [e for e in events if e["name"].startswith("gloo:")])
+    annotation = "gpu_user_annotation" if iv.kind == "gpu" else "user_annotation"
+    units = []
+    if unit_prefix:
+        for e in events:
+            if category(e) == annotation and e["name"].startswith(unit_prefix + ":"):
+                a, b = span(e)
+                units.append((int(e["name"].split(":")[1]), a, b))
+    ms = lambda xs: [((a - iv.origin) / 1e3, (b - iv.origin) / 1e3) for a, b in sorted(xs)]  # noqa: E731
+    return {"kind": iv.kind,
+            "compute": [(a / 1e3, b / 1e3) for a, b in iv.compute],
+            "gather": ms(span(e) for e in comm_events if is_gather(e["name"])),
+            "reduce": ms(span(e) for e in comm_events if is_reduce_scatter(e["name"])),
+            "units": [(i, (a - iv.origin) / 1e3, (b - iv.origin) / 1e3) for i, a, b in sorted(units, key=lambda u: u[1])],
+            "step": (iv.steps[0][0] / 1e3, iv.steps[0][1] / 1e3) if iv.steps else None}

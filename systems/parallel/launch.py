@@ -337,23 +337,3 @@ def all_gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def add_benchmark_arguments(parser, defaults, *, precisions: Sequence[str]) -> None:
-    """The command-line options the multi-GPU benchmarks share (launch, model, steps, output).
-
-    ``defaults`` is the benchmark's config dataclass instance, so each CLI default is the
-    config's own default.
-    """
-    parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    parser.add_argument("--backend", default="auto", help="nccl, gloo or auto (nccl when CUDA is present)")
-    parser.add_argument("--model", default=defaults.model)
-    parser.add_argument("--context-length", type=int, default=defaults.context_length)
-    parser.add_argument("--global-batch", type=int, default=defaults.global_batch)
-    parser.add_argument("--precisions", nargs="+", default=list(defaults.precisions), choices=precisions)
-    parser.add_argument("--warmup", type=int, default=defaults.warmup)
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--no-profile", action="store_true")
-    parser.add_argument("--attn-impl", default=None)
-    parser.add_argument("--out-dir", default="results", help="where the jsonl files and traces go")
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")

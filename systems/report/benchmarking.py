@@ -101,10 +101,10 @@ def warmup_table(records: list[dict]) -> pd.DataFrame:
     rows = []
     for r in records:
         if r["status"] != "ok":
-            rows.append({"size": r["model"], "warm-up steps": r["warmup_steps"], "status": r["status"]})
+            rows.append({"size": r["model"], "warm-up steps": r["warmup"], "status": r["status"]})
             continue
         steps = np.array(r["step_times_s"]) * MS
-        rows.append({"size": r["model"], "warm-up steps": r["warmup_steps"], "status": "ok",
+        rows.append({"size": r["model"], "warm-up steps": r["warmup"], "status": "ok",
                      "mean ms": steps.mean(), "std ms": steps.std(ddof=1) if len(steps) > 1 else 0.0,
                      "median ms": np.median(steps), "first measured ms": steps[0],
                      "first / median": steps[0] / np.median(steps)})
@@ -118,7 +118,7 @@ def plot_warmup(records: list[dict], *, title: str):
     for ax, size in zip(axes[0], sizes):
         for r in (r for r in ok if r["model"] == size):
             ax.plot(np.arange(1, len(r["step_times_s"]) + 1), np.array(r["step_times_s"]) * MS, marker="o",
-                    ms=3, label=f"{r['warmup_steps']} warm-up")
+                    ms=3, label=f"{r['warmup']} warm-up")
         ax.set_yscale("log")
         ax.set_title(size)
         ax.set_xlabel("measured step")

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from systems.bench.allreduce import fit_latency_bandwidth
-from systems.measure.trace import plot_streams, trace_intervals
+from systems.measure.trace import TraceIntervals, comm_compute_intervals, union
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,12 +228,31 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
     return "\n".join(lines)
 
 
+def plot_streams(ax, iv: TraceIntervals, *, title: str = "", step: int | None = 0) -> None:
+    """Two lanes, computation and communication, over one profiled step (or all with step=None)."""
+    lo, hi = (iv.steps[step] if (step is not None and iv.steps) else
+              (0.0, max(b for _, b in iv.comm + iv.compute)))
+
+    def clip(xs):
+        return [(max(a, lo) / 1e3, (min(b, hi) - max(a, lo)) / 1e3) for a, b in union(xs) if b > lo and a < hi]
+
+    compute_label = "compute kernels" if iv.kind == "gpu" else "compute (aten ops)"
+    comm_label = "NCCL kernels" if iv.kind == "gpu" else "gloo all-reduce"
+    ax.broken_barh(clip(iv.compute), (10, 8), facecolors="tab:blue", label=compute_label)
+    ax.broken_barh(clip(iv.comm), (0, 8), facecolors="tab:orange", label=comm_label)
+    ax.set_yticks([4, 14], [comm_label, compute_label])
+    ax.set_xlim(lo / 1e3, hi / 1e3)
+    ax.set_xlabel("time in step (ms)")
+    if title:
+        ax.set_title(title)
+
+
 def plot_overlap(overlap: pd.DataFrame, *, title: str = ""):
     """Per setting, one lane pair per profiled variant: computation vs communication over a step."""
     rows = list(overlap.itertuples())
     fig, axes = plt.subplots(len(rows), 1, figsize=(12, 1.9 * len(rows)), squeeze=False)
     for ax, r in zip(axes[:, 0], rows):
-        iv = trace_intervals(r.trace)
+        iv = comm_compute_intervals(r.trace)
         pct = "n/a" if r.overlap_pct is None or r.overlap_pct != r.overlap_pct else f"{r.overlap_pct:.0f}%"
         plot_streams(ax, iv, title=f"{r.setting} · {r.variant}: {pct} of communication overlapped, "
                                    f"exposed {r.exposed_comm_ms:.3g} ms/step")

@@ -1,0 +1,328 @@
+"""Where the time goes: the harness's modes under torch.profiler (or Nsight Systems), as tidy tables.
+
+    profile_config(cfg, ...) -> ProfileResult   one configuration, warm-up left out
+    result.kernels(ranges=["forward"])            a cuda_gpu_kern_sum-like table for some ranges
+    result.categories(...), result.range_totals()
+    profile_sweep(...)                            several configurations, one summary row each
+    run_nsys(cfg, out_dir)                        the same kernel table from ``nsys stats`` when nsys exists
+CLI (the process nsys launches): ``python -m systems.bench.profile nsys-target --config-json '{...}'``.
+
+A profiled step is the harness's step (``systems.bench.benchmark.StepRunner``, i.e.
+``systems.train.TrainStep`` with synchronised phases), whose ranges (``step`` > ``forward`` /
+``backward`` / ``optimizer step``) the tables cut by; inside attention the model already names
+``attention scores`` / ``softmax`` / ``final matmul``. The profiler runs with a schedule (one
+profiler warm-up step, then the recorded steps) after the harness's warm-up steps, exports a
+Chrome trace, and everything is computed from that file (``systems.measure.profiler``).
+
+The profiler's own cost is measured on the same model and loop: ``cfg.steps`` steps timed
+without the profiler, then the profiled ones, same timer. The harness's number to compare with
+comes from ``run_benchmark(cfg)`` itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from systems.bench.benchmark import BenchmarkConfig, StepRunner, run_benchmark
+from systems.measure import flops
+from systems.measure.devices import catch_oom, release_memory
+from systems.measure.profiler import (ATTENTION_RANGES, NSYS_CAPTURE_RANGE, attribute, categorize, category_table,
+                                      containing_instance, export_trace, kernel_table, nsys_available,
+                                      parse_nsys_kern_sum, parse_trace, profiler_activities, range_table)
+from systems.measure.trace import STEP_RANGE
+
+
+@dataclass
+class ProfileResult:
+    """One profiled configuration: attributed items, the ranges, timings, and the trace file."""
+
+    config: BenchmarkConfig
+    device: str
+    n_steps: int
+    items: pd.DataFrame
+    ranges: pd.DataFrame
+    timings: dict = field(default_factory=dict)  # wall seconds per phase under the profiler (means)
+    trace_path: Path | None = None
+
+    def kernels(self, ranges: Sequence[str] | str | None = None, top: int | None = None) -> pd.DataFrame:
+        return kernel_table(self.items, ranges=ranges, n_steps=self.n_steps, top=top)
+
+    def categories(self, ranges: Sequence[str] | str | None = None) -> pd.DataFrame:
+        return category_table(self.items, ranges=ranges, n_steps=self.n_steps)
+
+    def range_totals(self) -> pd.DataFrame:
+        return range_table(self.items, self.ranges, n_steps=self.n_steps)
+
+    def phase_spans_ms(self, phase: str = "forward") -> list[float]:
+        """Per instance of `phase`: from the range's start to the later of its end and its last
+        kernel's end (the synchronise inside the range makes these equal on a GPU)."""
+        rr = self.ranges[self.ranges["name"] == phase].sort_values("ts").reset_index(drop=True)
+        col = f"{phase} index"
+        spans = []
+        for i, r in rr.iterrows():
+            end = r["end"]
+            if col in self.items.columns:
+                mine = self.items[self.items[col] == i]
+                if len(mine):
+                    end = max(end, float((mine["ts"] + mine.get("wall_dur", mine["dur"])).max()))
+            if containing_instance(self.ranges, STEP_RANGE, np.array([r["ts"]]))[0] >= 0:
+                spans.append((end - r["ts"]) / 1e3)
+        return spans
+
+
+def profile_config(cfg: BenchmarkConfig, *, profile_steps: int = 3, trace_path: str | Path | None = None,
+                   record_shapes: bool = False) -> ProfileResult:
+    """Warm up (cfg.warmup), time cfg.steps phased steps without the profiler, then
+    profile `profile_steps` more on the same model.
+
+    The unprofiled and profiled steps run the same loop with the same timer, so the ratio of their
+    means is the profiler's overhead. The profiler's schedule runs one extra step first with
+    tracing on but discarded (CUPTI's start-up cost lands there, not in the steps reported). The
+    trace goes to `trace_path` (.json or .json.gz), or a temporary file removed after parsing.
+    """
+    if profile_steps < 1:
+        raise ValueError(f"profile_steps must be >= 1, got {profile_steps}")
+    device = cfg.resolved_device()
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    tmp = None
+    try:
+        runner = StepRunner(cfg, device)
+        for _ in range(cfg.warmup):
+            runner.step()
+        plain = [runner.step() for _ in range(cfg.steps)]
+        if trace_path is None:
+            tmp = tempfile.TemporaryDirectory()
+            path = Path(tmp.name) / "trace.json"
+        else:
+            path = Path(trace_path)
+        profiled = []
+        sched = torch.profiler.schedule(wait=0, warmup=1, active=profile_steps, repeat=1)
+        with torch.profiler.profile(activities=profiler_activities(device), schedule=sched,
+                                    record_shapes=record_shapes,
+                                    on_trace_ready=lambda p: export_trace(p, path)) as prof:
+            for _ in range(profile_steps + 1):
+                profiled.append(runner.step())
+                prof.step()
+        del runner
+        items, ranges = parse_trace(path)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+        if tmp is not None:
+            tmp.cleanup()
+        release_memory(device)
+    profiled = profiled[1:]  # the profiler's warm-up step is not in the trace either
+    timings = {}
+    for ph in ("forward", "backward", "optimizer", "step"):
+        if ph in plain[0]:
+            for label, steps in (("plain", plain), ("profiled", profiled)):
+                xs = [t[ph] for t in steps]
+                timings[f"{label}_{ph}_s"] = statistics.fmean(xs)
+                timings[f"{label}_{ph}_std_s"] = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    n_steps = int((ranges["name"] == STEP_RANGE).sum())
+    items = attribute(items, ranges)
+    return ProfileResult(cfg, str(device), n_steps, items, ranges, timings, None if tmp else path)
+
+
+def harness_timings(cfg: BenchmarkConfig) -> dict:
+    """The harness's own phase means and spreads (run_benchmark, no profiler)."""
+    rec = run_benchmark(cfg)
+    out = {"harness_status": rec["status"], "harness_error": rec.get("error")}
+    for ph in ("forward", "backward", "optimizer", "step"):
+        out[f"harness_{ph}_s"] = rec.get(f"{ph}_mean_s")
+        out[f"harness_{ph}_std_s"] = rec.get(f"{ph}_std_s")
+    return out
+
+
+def attention_flops(cfg: BenchmarkConfig) -> dict:
+    """FLOPs of one forward pass inside naive attention, all layers: the two matmuls over the full
+    score matrix (naive attention computes every pair and masks afterwards) and the softmax."""
+    m = cfg.model_config()
+    shape = dict(batch=cfg.batch_size, heads=m.n_heads, n_q=cfg.context_length, n_k=cfg.context_length)
+    matmul = flops.attention_flops(**shape, d=m.d_head, causal=True, executed=True) // 2 * m.n_layers  # one of QK^T, PV
+    return {"scores_matmul_flops": matmul, "final_matmul_flops": matmul,
+            "softmax_flops": flops.softmax_flops(**shape) * m.n_layers}
+
+
+def summarize(res: ProfileResult, harness: dict | None = None, *, label: str | None = None) -> dict:
+    """One flat row of the numbers the kernel-profiling questions use."""
+    cfg = res.config
+    row = {"label": label or cfg.model, "model": cfg.model, "context_length": cfg.context_length,
+           "batch_size": cfg.batch_size, "mode": cfg.mode, "precision": cfg.precision, "device": res.device,
+           "status": "ok", "n_steps": res.n_steps, **(harness or {})}
+    row.update(res.timings)
+    spans = res.phase_spans_ms("forward")
+    row["profiled_forward_span_s"] = statistics.fmean(spans) / 1e3 if spans else None
+    row["forward_kernel_s"] = res.items.loc[res.items["forward"], "dur"].sum() / 1e6 / max(res.n_steps, 1)
+    row["step_kernel_s"] = res.items["dur"].sum() / 1e6 / max(res.n_steps, 1)
+    plain, prof = res.timings.get("plain_forward_s"), res.timings.get("profiled_forward_s")
+    row["profiler_overhead"] = prof / plain - 1 if plain else None
+    if harness and harness.get("harness_forward_s") and spans:
+        h = harness["harness_forward_s"]
+        row["span_vs_harness"] = row["profiled_forward_span_s"] / h - 1
+        # agreement: the profiled span lies within the profiler's measured slow-down of the same
+        # loop, plus two standard deviations of the noise in that comparison: the harness's
+        # step-to-step spread and the spreads of the unprofiled and profiled steps the overhead
+        # was measured from (added in quadrature: independent runs)
+        spread = math.sqrt(sum((res.timings.get(k) or harness.get(k) or 0.0) ** 2 for k in (
+            "harness_forward_std_s", "plain_forward_std_s", "profiled_forward_std_s")))
+        tol = abs(prof - plain) + 2 * spread
+        row["agrees_within_overhead"] = bool(abs(row["profiled_forward_span_s"] - h) <= tol)
+    fwd = res.kernels(ranges="forward")
+    if len(fwd):
+        top = fwd.iloc[0]
+        row.update(top_forward_kernel=top["kernel"], top_forward_name=top["name"],
+                   top_forward_category=top["category"], top_forward_share=top["share"],
+                   top_forward_per_pass=top["instances_per_step"])
+    if cfg.mode != "forward" and "backward" in res.items.columns:
+        fb = res.kernels(ranges=["forward", "backward"])
+        if len(fb):
+            top = fb.iloc[0]
+            row.update(top_fwd_bwd_kernel=top["kernel"], top_fwd_bwd_name=top["name"],
+                       top_fwd_bwd_category=top["category"], top_fwd_bwd_share=top["share"])
+    if cfg.mode == "train_step" and "optimizer step" in res.items.columns:
+        # what the optimizer's kernels are by name alone (the range rule calls them all "optimizer")
+        opt = res.items[res.items["optimizer step"]]
+        by_name = opt.groupby(opt["name"].map(categorize))["dur"].sum()
+        row["optimizer_elementwise_share"] = by_name.get("elementwise", 0.0) / by_name.sum() if len(opt) else None
+        row["optimizer_kernels_per_step"] = len(opt) / max(res.n_steps, 1)
+    for c in res.categories().itertuples():
+        row[f"share_{c.category}"] = c.share
+    for c in res.categories(ranges="forward").itertuples():
+        row[f"fwd_share_{c.category}"] = c.share
+    # attention (forward ranges): all kernels in each range, and the matmul kernels alone
+    for rng in ATTENTION_RANGES:
+        key = rng.replace(" ", "_")
+        inside = res.items[res.items[rng] & res.items["forward"]] if rng in res.items.columns else res.items.iloc[:0]
+        row[f"{key}_s"] = inside["dur"].sum() / 1e6 / max(res.n_steps, 1)
+        row[f"{key}_matmul_s"] = inside.loc[inside["category"] == "matmul", "dur"].sum() / 1e6 / max(res.n_steps, 1)
+    fl = attention_flops(cfg)
+    row.update(fl)
+    mm_time = row["attention_scores_matmul_s"] + row["final_matmul_matmul_s"]
+    row["softmax_to_matmul_time"] = row["softmax_s"] / mm_time if mm_time > 0 else None
+    row["softmax_to_matmul_flops"] = fl["softmax_flops"] / (fl["scores_matmul_flops"] + fl["final_matmul_flops"])
+    return row
+
+
+def profile_sweep(configs: Iterable[tuple[str, BenchmarkConfig]], *, profile_steps: int = 3, writer=None,
+                  keep_trace: tuple[str, int, str] | None = None, trace_dir: str | Path | None = None,
+                  progress: bool = True) -> tuple[pd.DataFrame, dict]:
+    """Profile (label, config) pairs in order; returns (summary rows, {(label, ctx, mode): ProfileResult}).
+
+    Each row is written to `writer` (a ResultWriter) as it is produced; an out-of-memory point
+    becomes a row with status "oom" and the sweep goes on. The trace of the point `keep_trace`
+    = (label, context_length, mode) is kept as trace_dir/<label>_<ctx>_<mode>.json.gz.
+    """
+    from tqdm.auto import tqdm
+
+    configs = list(configs)
+    rows, results = [], {}
+    for label, cfg in tqdm(configs, disable=not progress, desc="profile"):
+        key = (label, cfg.context_length, cfg.mode)
+        device = cfg.resolved_device()
+        trace_path = None
+        if keep_trace is not None and key == tuple(keep_trace) and trace_dir is not None:
+            trace_path = Path(trace_dir) / f"{label}_{cfg.context_length}_{cfg.mode}.json.gz"
+        row = None
+        harness = harness_timings(cfg)
+        release_memory(device)
+        oom_message = harness.get("harness_error") if harness["harness_status"] == "oom" else None
+        if oom_message is None:
+            with catch_oom() as oom:
+                res = profile_config(cfg, profile_steps=profile_steps, trace_path=trace_path)
+                row = summarize(res, harness, label=label)
+                results[key] = res
+            oom_message = oom.message
+        if oom_message is not None:
+            row = {"label": label, "model": cfg.model, "context_length": cfg.context_length, "mode": cfg.mode,
+                   "status": "oom", "error": oom_message}
+        release_memory(device)
+        rows.append(writer.write(row) if writer is not None else row)
+    df = pd.DataFrame(rows)
+    if "env" in df.columns:
+        df = df.drop(columns="env")
+    return df, results
+
+
+# ----------------------------------------------------------------------------- Nsight Systems
+
+
+def nsys_command(cfg: BenchmarkConfig, report: str | Path, *, steps: int = 3) -> list[str]:
+    """The nsys profile command line: capture only the NVTX range around the measured steps."""
+    return ["nsys", "profile", "--trace=cuda,nvtx", "--capture-range=nvtx",
+            f"--nvtx-capture={NSYS_CAPTURE_RANGE}", "--capture-range-end=stop", "--force-overwrite=true",
+            "--output", str(report), sys.executable, "-m", "systems.bench.profile", "nsys-target",
+            "--config-json", json.dumps(asdict(cfg)), "--steps", str(steps)]
+
+
+def run_nsys(cfg: BenchmarkConfig, out_dir: str | Path, *, steps: int = 3, timeout_s: float = 600) -> pd.DataFrame:
+    """Profile `cfg` under nsys and return its cuda_gpu_kern_sum as a kernel table."""
+    if not nsys_available():
+        raise RuntimeError("nsys is not on PATH")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = out_dir / f"{cfg.model}_{cfg.context_length}_{cfg.mode}"
+    # torch pushes NVTX ranges as unregistered strings; nsys only matches registered ones unless told
+    env = {**os.environ, "NSYS_NVTX_PROFILER_REGISTER_ONLY": "0"}
+    proc = subprocess.run(nsys_command(cfg, report, steps=steps), env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nsys profile failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+    rep = next((p for p in (report.with_suffix(".nsys-rep"), report.with_suffix(".qdrep")) if p.exists()), None)
+    if rep is None:
+        raise RuntimeError(f"nsys wrote no report at {report}.nsys-rep; output: {proc.stdout.strip()[-500:]}")
+    last = None
+    for name in ("cuda_gpu_kern_sum", "gpukernsum"):  # the report was renamed in nsys 2022
+        stats = subprocess.run(["nsys", "stats", "--report", name, "--format", "csv", "--output", "-",
+                                "--force-export=true", str(rep)], capture_output=True, text=True, timeout=timeout_s)
+        try:
+            return parse_nsys_kern_sum(stats.stdout, n_steps=steps)
+        except ValueError as exc:
+            last = f"{exc}; stderr: {stats.stderr.strip()[-300:]}"
+    raise RuntimeError(f"could not read nsys stats: {last}")
+
+
+def _nsys_target(cfg: BenchmarkConfig, steps: int) -> None:
+    """What runs under nsys: warm-up, then `steps` phased steps inside the capture range with
+    record_function ranges emitted as NVTX."""
+    device = cfg.resolved_device()
+    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    runner = StepRunner(cfg, device)
+    for _ in range(cfg.warmup):
+        runner.step()
+    with torch.autograd.profiler.emit_nvtx(record_shapes=False):
+        torch.cuda.nvtx.range_push(NSYS_CAPTURE_RANGE)
+        for _ in range(steps):
+            runner.step()
+        torch.cuda.synchronize(device)
+        torch.cuda.nvtx.range_pop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m systems.bench.profile")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("nsys-target", help="the process nsys profiles (see run_nsys)")
+    t.add_argument("--config-json", required=True)
+    t.add_argument("--steps", type=int, default=3)
+    args = p.parse_args(argv)
+    if args.command == "nsys-target":
+        _nsys_target(BenchmarkConfig(**json.loads(args.config_json)), args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

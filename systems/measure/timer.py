@@ -1,0 +1,129 @@
+"""The one timer: named time points in a stream of work (``Marks``), the timing of a callable
+(``time_fn``), and the statistics every table reports (median with 10th / 90th percentiles)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+CLOCKS = ("auto", "device", "host")
+
+
+def median_p10_p90(values: Sequence[float]) -> tuple[float, float, float]:
+    """The median and the 10th / 90th percentiles (inclusive method; one value is all three)."""
+    if not values:
+        raise ValueError("median_p10_p90 needs at least one value")
+    median = statistics.median(values)
+    if len(values) < 2:
+        return median, median, median
+    q = statistics.quantiles(values, n=10, method="inclusive")
+    return median, q[0], q[-1]
+
+
+def mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation (0 for one value; None, None for none)."""
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+class Marks:
+    """Named time points in one stream of work.
+
+    ``clock="device"`` records CUDA events: recording does not wait, and ``ms`` is read once the
+    device has been synchronised. ``clock="host"`` reads ``time.perf_counter``: the caller
+    synchronises before each mark (what the handout's benchmarking script asks for). ``"auto"``
+    is device on a GPU and host on a CPU, where operators run eagerly.
+
+    ``track_memory`` (CUDA): each mark also keeps the bytes allocated at that point and the
+    allocator's high-water mark since the previous mark, then resets that high-water mark
+    (``torch.cuda.reset_peak_memory_stats``), so consecutive marks give per-phase peaks. The
+    allocator counts on the host as work is queued, so neither reading needs a synchronisation.
+    """
+
+    def __init__(self, device: torch.device, *, clock: str = "auto", track_memory: bool = False):
+        if clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
+        cuda = torch.device(device).type == "cuda"
+        if clock == "device" and not cuda:
+            raise ValueError("clock='device' needs a CUDA device; use 'host' or 'auto' on a CPU")
+        self.device = torch.device(device)
+        self.events = cuda and clock != "host"
+        self.track_memory = track_memory and cuda
+        self.points: dict[str, object] = {}
+        self.peaks: dict[str, int] = {}
+        self.allocated: dict[str, int] = {}
+
+    def mark(self, name: str) -> None:
+        if self.events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points[name] = event
+        else:
+            self.points[name] = time.perf_counter()
+        if self.track_memory:
+            self.allocated[name] = torch.cuda.memory_allocated(self.device)
+            self.peaks[name] = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.points
+
+    def ms(self, start: str, end: str) -> float:
+        """Milliseconds from mark ``start`` to mark ``end``."""
+        missing = [n for n in (start, end) if n not in self.points]
+        if missing:
+            raise KeyError(f"no mark named {missing[0]!r}; marks: {list(self.points)}")
+        if self.events:
+            return self.points[start].elapsed_time(self.points[end])
+        return (self.points[end] - self.points[start]) * 1e3
+
+    def peak_bytes(self, name: str) -> int | None:
+        """The allocator's high-water mark between the previous mark and ``name`` (None without tracking)."""
+        return self.peaks.get(name)
+
+    def allocated_bytes(self, name: str) -> int | None:
+        """Bytes allocated when ``name`` was marked (None without tracking)."""
+        return self.allocated.get(name)
+
+
+def time_fn(fn: Callable[[], object], *, device: torch.device | str, warmup_ms: float = 25.0,
+            rep_ms: float = 100.0, grad_to_none: Sequence[torch.Tensor] | None = None,
+            min_reps: int = 3) -> dict[str, float]:
+    """Milliseconds per call of ``fn``: ``{"median_ms", "p10_ms", "p90_ms"}``.
+
+    On a GPU ``triton.testing.do_bench`` (CUDA events, the L2 flushed before each call,
+    ``grad_to_none``'s gradients reset between calls); ``warmup_ms`` and ``rep_ms`` are its
+    budgets, so a call longer than them still runs about eight times. On a CPU, calls after a
+    warm-up of at least one call, timed with perf_counter until ``rep_ms`` and ``min_reps`` are
+    both met.
+    """
+    if torch.device(device).type == "cuda":
+        import triton.testing
+
+        median, p10, p90 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none,
+                                                   quantiles=[0.5, 0.1, 0.9])
+        return {"median_ms": median, "p10_ms": p10, "p90_ms": p90}
+
+    def reset() -> None:
+        for t in grad_to_none or ():
+            t.grad = None
+
+    start = time.perf_counter()
+    while True:
+        reset()
+        fn()
+        if (time.perf_counter() - start) * 1e3 >= warmup_ms:
+            break
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start) * 1e3 < rep_ms:
+        reset()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    median, p10, p90 = median_p10_p90(times)
+    return {"median_ms": median, "p10_ms": p10, "p90_ms": p90}

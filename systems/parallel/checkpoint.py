@@ -1,0 +1,116 @@
+"""Activation checkpointing, applied from outside the model.
+
+The model's blocks stay where they are: ``model.layers`` remains a ModuleList of the real
+TransformerBlocks (same modules, same parameter names), so compiling the blocks or grouping
+their parameters sees real modules. What changes is how the model runs them: its
+``layer_runner`` (None: one after the other) becomes a runner that calls groups of blocks under
+``torch.utils.checkpoint`` (non-reentrant), which stores only each group's input and runs the
+group's forward again in the backward.
+
+- ``apply_activation_checkpointing(model, group_size)``: one level, ``group_size`` consecutive
+  blocks per checkpointed group.
+- ``apply_nested_checkpointing(model, branching=2, leaf_size=1)``: recursive: the blocks split
+  into ``branching`` checkpointed chunks, each split again, down to ``leaf_size`` blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _run_plain(blocks: Sequence[nn.Module], x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x, positions)
+    return x
+
+
+@dataclass(frozen=True)
+class GroupCheckpointing:
+    """Runs the blocks in checkpointed groups of ``group_size``."""
+
+    group_size: int
+
+    def __call__(self, layers: nn.ModuleList, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        for lo in range(0, len(layers), self.group_size):
+            x = checkpoint(_run_plain, layers[lo:lo + self.group_size], x, positions, use_reentrant=False)
+        return x
+
+
+@dataclass(frozen=True)
+class NestedCheckpointing:
+    """Splits the blocks into ``branching`` checkpointed chunks, recursively, down to chunks of
+    ``leaf_size`` blocks that run plainly. With branching 2 the depth is log2 N."""
+
+    branching: int
+    leaf_size: int = 1
+
+    def __call__(self, layers: nn.ModuleList, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._run(list(layers), x, positions)
+
+    def _run(self, blocks: list[nn.Module], x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if len(blocks) <= self.leaf_size:
+            return _run_plain(blocks, x, positions)
+        n_chunks = min(self.branching, len(blocks))
+        bounds = [round(i * len(blocks) / n_chunks) for i in range(n_chunks + 1)]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            x = checkpoint(self._run, blocks[lo:hi], x, positions, use_reentrant=False)
+        return x
+
+
+def _n_blocks(model: nn.Module) -> int:
+    if not isinstance(getattr(model, "layers", None), nn.ModuleList) or not hasattr(model, "layer_runner"):
+        raise ValueError(f"expected a TransformerLM (a .layers ModuleList and a .layer_runner), "
+                         f"got {type(model).__name__}")
+    return len(model.layers)
+
+
+def apply_activation_checkpointing(model: nn.Module, group_size: int) -> nn.Module:
+    """One level of checkpointing over groups of ``group_size`` consecutive blocks, in place."""
+    n = _n_blocks(model)
+    if not isinstance(group_size, int) or not 1 <= group_size <= n:
+        raise ValueError(f"group_size must be an integer in 1..{n} (the number of blocks), got {group_size!r}")
+    model.layer_runner = GroupCheckpointing(group_size)
+    return model
+
+
+def apply_nested_checkpointing(model: nn.Module, *, branching: int = 2, leaf_size: int = 1) -> nn.Module:
+    """Recursive checkpointing, in place (see ``NestedCheckpointing``)."""
+    n = _n_blocks(model)
+    if not isinstance(branching, int) or branching < 2:
+        raise ValueError(f"branching must be an integer >= 2, got {branching!r}")
+    if not isinstance(leaf_size, int) or not 1 <= leaf_size <= n:
+        raise ValueError(f"leaf_size must be an integer in 1..{n}, got {leaf_size!r}")
+    model.layer_runner = NestedCheckpointing(branching, leaf_size)
+    return model
+
+
+def remove_activation_checkpointing(model: nn.Module) -> nn.Module:
+    _n_blocks(model)
+    model.layer_runner = None
+    return model
+
+
+@contextlib.contextmanager
+def count_block_forwards(model: nn.Module) -> Iterator[Counter]:
+    """Counts forward calls of each block (recomputation included): the compute side of checkpointing."""
+    counter: Counter = Counter()
+    handles = [block.register_forward_pre_hook(lambda m, args, i=i: counter.update([i]))
+               for i, block in enumerate(model.layers)]
+    try:
+        yield counter
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def sqrt_group_size(n_layers: int) -> int:
+    """The one-level group size that balances stored boundaries (N/k) against one group's recompute (k)."""
+    return max(1, round(math.sqrt(n_layers)))
