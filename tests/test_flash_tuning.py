@@ -12,7 +12,7 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import torch
     from systems import flash_tuning as t
-    from systems.attention.flash_triton import flash_backward_triton, flash_forward_triton
+    from systems.attention.flash_triton import FlashVariant, flash_backward_triton, flash_forward_triton
 
     x = t.make_inputs(batch=2, seq=48, d=16, dtype="fp16", device="cpu")
     o_ref, lse_ref = flash_forward_triton(x.q, x.k, x.v, True)
@@ -37,7 +37,8 @@ SCRIPT = textwrap.dedent("""
     torch.testing.assert_close(dq["delta"], x.delta, rtol=0, atol=1e-5)  # the dQ kernel's D, fp32 sums
     # the whole atomic backward with the interpreter's tiles reproduces the public atomic path
     # exactly (the interpreter runs the programs, and so the atomic adds, in one fixed order)
-    dq_at, dk_at, dv_at = flash_backward_triton(x.q, x.k, x.v, x.o, x.lse, x.do, True, variant="atomic")
+    dq_at, dk_at, dv_at = flash_backward_triton(x.q, x.k, x.v, x.o, x.lse, x.do, True,
+                                                variant=FlashVariant(backward="atomic"))
     atomic = outputs("atomic", (16, 32, 4, 1))
     for name, want in (("dq", dq_at), ("dk", dk_at), ("dv", dv_at)):
         torch.testing.assert_close(atomic[name], want, rtol=0, atol=0)
@@ -54,6 +55,10 @@ SCRIPT = textwrap.dedent("""
     assert "0.50x" in table and "triton_atomic  bwd: 2.000" in table, table
     rows = t.host_overhead(shapes=((1, 32, 16),), dtype="fp16", calls=1, device="cpu")
     assert [r["path"] for r in rows] == ["public_fwd", "public_fwd_bwd", "kernel_fwd", "sdpa_flash_fwd_bwd"]
+    # the plans those calls chose, as --compare-backward records them
+    plans = t.stored_plans()
+    assert {"fwd", "dq", "dkdv", "atomic"} <= {r["kernel"] for r in plans}, plans
+    assert all(r["kind"] == "plan" and "num_warps" in r for r in plans), plans
     print("OK")
 """)
 
