@@ -3,13 +3,14 @@
 CPU: FlashAttentionPytorch; the Triton kernels (both backwards, split and atomic, and the
 TMA-descriptor forward and split pair) under TRITON_INTERPRET=1 in a subprocess (the variable must
 be set before triton is imported, and must not leak into other tests); the atomic and TMA kernels
-compiled for an H100; errors.
+compiled for an H100; errors; persisted plans launched without autotuning.
 GPU (marked gpu, skipped without CUDA): bf16/fp16/fp32 at larger shapes, against SDPA too.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -359,6 +360,56 @@ def test_interp_triton_rejects_bad_inputs():
     lse = torch.zeros(1, 16)
     with pytest.raises(ValueError, match="variant"):
         flash_backward_triton(x, x, x, x, lse, x, False, variant="triton")
+
+
+# ----------------------------------------------------------------------------- persisted plans
+
+
+@pytest.fixture
+def fresh_plans():
+    from systems.attention.flash_triton import clear_tuned_plans
+
+    clear_tuned_plans()
+    yield
+    clear_tuned_plans()  # the next test starts from the interpreter's own configs
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_interp_persisted_plans_spare_the_autotuner(tmp_path, monkeypatch, fresh_plans):
+    """A process that finds its keys' plans persisted launches the jit kernels with them and never
+    calls an autotuner, and gets the same outputs as the process that tuned them."""
+    from systems.attention import flash_triton as ft
+    from systems.attention.flash_triton import tuning
+
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path / "first"))
+    variant = ft.FlashVariant(forward="pointer", backward="split")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, 37, 16, generator=gen) for _ in range(4))
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ft.flash_attention_triton(*leaves, True, variant=variant)
+        return [out, *torch.autograd.grad(out, leaves, do)]
+
+    tuned = run()
+    assert {(r["kernel"], r["origin"]) for r in ft.tuned_plans()} == {("fwd", "tuned"), ("dq", "tuned"),
+                                                                     ("dkdv", "tuned")}
+    assert len(list((tmp_path / "first").glob("plans-*.json"))) == 1
+    # a new process: its own plans empty, the file read afresh (a copy, which no store has read yet)
+    ft.clear_tuned_plans()
+    shutil.copytree(tmp_path / "first", tmp_path / "second")
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path / "second"))
+
+    def no_tuning(*args, **kwargs):
+        raise AssertionError("an autotuner ran although the plan was persisted")
+
+    for kernel in tuning.TUNED.values():
+        monkeypatch.setattr(kernel.autotuner, "run", no_tuning)
+    stored = run()
+    assert {(r["kernel"], r["origin"]) for r in ft.tuned_plans()} == {("fwd", "stored"), ("dq", "stored"),
+                                                                     ("dkdv", "stored")}
+    for a, b in zip(tuned, stored):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="the autotuned config tables exist outside the interpreter")

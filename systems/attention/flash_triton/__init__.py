@@ -4,7 +4,8 @@ each forward and split kernel also reading through TMA descriptors.
 The package reads in this order:
 - kernels.py: the @triton.jit helpers, program bodies and kernels (what makes them fast is in
   its docstring);
-- tuning.py: the config tables and pruners, and the autotuners around the kernels;
+- tuning.py: the config tables and pruners, the autotuners around the kernels, and the store
+  that persists their choices across processes;
 - launch.py: the variant choice (FlashVariant), the plan cache and the direct launch of compiled
   kernels, the launchers, and the forward and backward passes;
 - function.py: the autograd.Function, FlashAttentionTriton.

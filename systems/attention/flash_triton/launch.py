@@ -19,7 +19,7 @@ import triton
 
 from ..flash_pytorch import backward_reference
 from . import kernels
-from .tuning import INTERPRETING, TUNE_KEY, TUNED, TunedKernel, config_meta, seq_bucket
+from .tuning import INTERPRETING, TUNE_KEY, TUNED, TunedKernel, config_meta, plan_store, seq_bucket
 
 # ----------------------------------------------------------------------------- variants
 
@@ -126,30 +126,33 @@ def _ensure_tma_allocator() -> None:
 
 @dataclass
 class _Plan:
-    """What the autotuner chose for one (kernel, dtype, autotune key), and the kernels compiled for it."""
+    """What one (kernel, dtype, autotune key) runs with, and the kernels compiled for it."""
     config: dict  # the chosen tiles, num_warps and num_stages
     kwargs: dict  # the autotune key's meta-parameters and the config: what the jit launch takes
+    origin: str  # "tuned" by this process's autotuner, or "stored" in the persisted plans
     tail: tuple  # the kernel's parameters after the runtime arguments (SEQ_BUCKET, constexprs), in order
     compiled: dict = field(default_factory=dict)  # specialisation(args) -> Triton's CompiledKernel
 
 
-# (kernel name, dtype, autotune key) -> its _Plan. The first call of a key autotunes; the first call
-# of each argument specialisation then goes through Triton's jit dispatch, which returns the
-# compiled kernel it launched; every later call launches that compiled kernel directly (above).
+# (kernel name, dtype, autotune key) -> its _Plan. The first call of a key takes the persisted plan
+# or autotunes; the first call of each argument specialisation then goes through Triton's jit
+# dispatch, which returns the compiled kernel it launched; every later call launches that compiled
+# kernel directly (above).
 _PLANS: dict[tuple, _Plan] = {}
 
 
 def tuned_plans() -> list[dict]:
     """One row per (kernel, dtype, autotune key) launched so far in this process: the kernel (its
-    name in tuning.CONFIGS), dtype, the autotune key, the chosen config, and how many compiled
-    kernels the direct launch holds for it (one per argument specialisation)."""
+    name in tuning.CONFIGS), dtype, the autotune key, the chosen config, its origin ("tuned" by
+    this process, or "stored" by an earlier one) and how many compiled kernels the direct launch
+    holds for it (one per argument specialisation)."""
     return [dict(kernel=name, dtype=str(dtype), **dict(zip(TUNE_KEY, tune_key)), **plan.config,
-                 compiled=len(plan.compiled))
+                 origin=plan.origin, compiled=len(plan.compiled))
             for (name, dtype, *tune_key), plan in _PLANS.items()]
 
 
 def clear_tuned_plans() -> None:
-    """Forget this process's plans: each key's next call starts over."""
+    """Forget this process's plans (the persisted ones stay): each key's next call starts over."""
     _PLANS.clear()
 
 
@@ -167,22 +170,42 @@ def specialisation(args: tuple) -> tuple:
     return tuple(key)
 
 
+def _new_plan(kernel: TunedKernel, n_args: int, meta: dict, config: dict, origin: str) -> _Plan:
+    kwargs = {**meta, **config}
+    return _Plan(config, kwargs, origin, tuple(kwargs[name] for name in kernel.jit.arg_names[n_args:]))
+
+
+def _first_plan(kernel: TunedKernel, key: tuple, grid, args: tuple, meta: dict) -> _Plan | None:
+    """A key's first call in this process: the persisted plan, returned for the caller to launch,
+    or else the autotuner's choice, which it has launched itself (None)."""
+    store = plan_store(args[0].device)
+    stored = store.get(kernel.name, args[0].dtype, key[2:]) if store is not None else None
+    if stored is not None:  # launched with this config by the caller: no benchmarking
+        plan = _PLANS[key] = _new_plan(kernel, len(args), meta, stored, "stored")
+        return plan
+    kernel.autotuner[grid](*args, **meta)  # autotunes on the first call of a key
+    best = getattr(kernel.autotuner, "best_config", None)
+    if best is not None:
+        config = config_meta(best)
+        _PLANS[key] = _new_plan(kernel, len(args), meta, config, "tuned")
+        if store is not None:
+            store.put(kernel.name, args[0].dtype, key[2:], config)
+    return None
+
+
 def _launch(kernel: TunedKernel, grid, args: tuple, meta: dict, config: dict | None) -> None:
-    """The autotuned kernel, or with ``config`` (its tile sizes, num_warps and num_stages) the jit'ed
-    kernel under it, bypassing the autotuner (what systems.flash_tuning measures candidates with)."""
+    """The kernel under its plan, or with ``config`` (its tile sizes, num_warps and num_stages) the
+    jit kernel under it, bypassing plans and autotuner (what systems.flash_tuning measures
+    candidates with)."""
     if config is not None:
         kernel.jit[grid](*args, **meta, **config)
         return
     key = (kernel.name, args[0].dtype, *(meta[k] for k in TUNE_KEY))  # the autotuner's own key
     plan = _PLANS.get(key)
     if plan is None:
-        kernel.autotuner[grid](*args, **meta)  # autotunes on the first call of a key
-        best = getattr(kernel.autotuner, "best_config", None)
-        if best is not None:
-            config = config_meta(best)
-            kwargs = {**meta, **config}
-            _PLANS[key] = _Plan(config, kwargs, tuple(kwargs[name] for name in kernel.jit.arg_names[len(args):]))
-        return
+        plan = _first_plan(kernel, key, grid, args, meta)
+        if plan is None:
+            return
     spec = specialisation(args)
     compiled = plan.compiled.get(spec)
     if compiled is None:

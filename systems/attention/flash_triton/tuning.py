@@ -1,15 +1,22 @@
-"""Which tiles the kernels run with: the config tables, their pruners, and the autotuners around the
-jit kernels of kernels.py.
+"""Which tiles the kernels run with: the config tables, their pruners, the autotuners around the jit
+kernels of kernels.py, and the persisted store that spares a new process the autotuning its
+predecessors did.
 
 Tile sizes and warps are autotuned per (sequence-length bucket, head dim, causal, dtype): the
-autotune key. A key's chosen config is its plan (launch.py).
+autotune key. A key's chosen config (its plan, launch.py) is persisted per (GPU name, Triton
+version, source hash of the kernels and of these tables) in a JSON file under ``cache_dir()``.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import inspect
+import json
 import os
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -250,3 +257,138 @@ TUNED: dict[str, TunedKernel] = {t.name: t for t in (
     _tuned("dq_tma", kernels.flash_bwd_dq_tma_kernel),
     _tuned("atomic", kernels.flash_bwd_atomic_kernel, _prune_atomic, restore_value=["DQ_ACC"]),
 )}
+
+
+# ----------------------------------------------------------------------------- persisted plans
+
+CACHE_ENV = "FLASH_TRITON_CACHE_DIR"
+_STORE_FORMAT = 1
+
+
+def cache_dir() -> Path | None:
+    """Where tuned plans persist: $FLASH_TRITON_CACHE_DIR, else $XDG_CACHE_HOME/systems/flash_triton
+    (~/.cache/... without XDG_CACHE_HOME). None, so that nothing is read or written, under the
+    interpreter, inside a pytest run and with autotuning off, unless $FLASH_TRITON_CACHE_DIR is
+    set: tests and quick runs leave the user's cache alone."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    if INTERPRETING or "PYTEST_CURRENT_TEST" in os.environ or not autotuning():
+        return None
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "systems" / "flash_triton"
+
+
+def source_hash(kernel_source: str, configs: dict) -> str:
+    """sha256 of the kernels' source and of the config lists the autotuners choose from: a plan
+    tuned before either changed is not reused."""
+    digest = hashlib.sha256(kernel_source.encode())
+    for name in sorted(configs):
+        for family in ("half", "fp32"):
+            digest.update(repr([(name, family, config_meta(c)) for c in configs[name][family]]).encode())
+    return digest.hexdigest()
+
+
+@functools.cache  # read from disk at the first lookup, never at import
+def current_source_hash() -> str:
+    return source_hash(inspect.getsource(kernels), CONFIGS)
+
+
+@dataclass(frozen=True)
+class StoreKey:
+    """What a persisted plan is valid for."""
+    gpu: str  # torch.cuda.get_device_name, or the device type where the interpreter runs
+    triton: str  # triton.__version__
+    source: str  # source_hash
+
+    def file_name(self) -> str:
+        digest = hashlib.sha256("\0".join((self.gpu, self.triton, self.source)).encode()).hexdigest()
+        return f"plans-{digest[:16]}.json"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_entry(entry) -> tuple[tuple, dict]:
+    """(kernel, dtype name, *autotune key) and config of one persisted plan; ValueError unless the
+    config is one the kernel's autotuner could have chosen for that dtype and key."""
+    kernel, dtype, tune_key, config = entry["kernel"], entry["dtype"], tuple(entry["tune_key"]), entry["config"]
+    if kernel not in CONFIGS or dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"unknown kernel or dtype in {entry}")
+    if [type(x) for x in tune_key] != [int, int, bool, str]:  # SEQ_BUCKET, HEAD_DIM, IS_CAUSAL, INPUT_PRECISION
+        raise ValueError(f"malformed autotune key in {entry}")
+    if config not in [config_meta(c) for c in CONFIGS[kernel]["half"] + CONFIGS[kernel]["fp32"]]:
+        raise ValueError(f"a config the autotuner does not list in {entry}")
+    return (kernel, dtype, *tune_key), config
+
+
+class PlanStore:
+    """The persisted plans of one StoreKey, one JSON file in ``directory``: read at the first
+    lookup, rewritten after each new plan (merged with what another process wrote meanwhile).
+    A corrupt or foreign file, or one that cannot be written, costs a warning, never an error."""
+
+    def __init__(self, directory: Path, key: StoreKey):
+        self.key = key
+        self.path = Path(directory) / key.file_name()
+        self._plans: dict | None = None
+        self._writable = True
+
+    def get(self, kernel: str, dtype: torch.dtype, tune_key: tuple) -> dict | None:
+        if self._plans is None:
+            self._plans = self._read()
+        return self._plans.get((kernel, _dtype_name(dtype), *tune_key))
+
+    def put(self, kernel: str, dtype: torch.dtype, tune_key: tuple, config: dict) -> None:
+        plans = self._read(quiet=True)  # what other processes added since this one read the file
+        plans.update(self._plans or {})
+        plans[(kernel, _dtype_name(dtype), *tune_key)] = dict(config)
+        self._plans = plans
+        if self._writable:
+            self._write()
+
+    def _read(self, quiet: bool = False) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+            if not isinstance(data, dict) or data.get("format") != _STORE_FORMAT:
+                raise ValueError(f"not a plan file of format {_STORE_FORMAT}")
+            written_for = StoreKey(**{name: data.get(name) for name in ("gpu", "triton", "source")})
+            if written_for != self.key:
+                raise ValueError(f"written for {written_for}, not for {self.key}")
+            return dict(_check_entry(entry) for entry in data["plans"])
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            if not quiet:
+                warnings.warn(f"ignoring the flash-attention plan cache {self.path}: {exc}", stacklevel=2)
+            return {}
+
+    def _write(self) -> None:
+        data = dict(format=_STORE_FORMAT, gpu=self.key.gpu, triton=self.key.triton, source=self.key.source,
+                    plans=[dict(kernel=kernel, dtype=dtype, tune_key=list(tune_key), config=config)
+                           for (kernel, dtype, *tune_key), config in sorted(self._plans.items(), key=repr)])
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, self.path)  # readers see the old file or the new one, never a half
+        except OSError as exc:
+            self._writable = False
+            warnings.warn(f"cannot write the flash-attention plan cache {self.path} ({exc}); "
+                          "plans tuned from now on are kept in this process only", stacklevel=2)
+
+
+_STORES: dict[tuple[Path, StoreKey], PlanStore] = {}
+
+
+def plan_store(device: torch.device) -> PlanStore | None:
+    """The persisted plans for ``device``'s GPU under this Triton and these kernels, or None
+    where cache_dir() says nothing persists."""
+    directory = cache_dir()
+    if directory is None:
+        return None
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    key = StoreKey(gpu=gpu, triton=triton.__version__, source=current_source_hash())
+    store = _STORES.get((directory, key))
+    if store is None:
+        store = _STORES[(directory, key)] = PlanStore(directory, key)
+    return store
