@@ -3,19 +3,25 @@
 CPU: FlashAttentionPytorch; the Triton kernels (both backwards, split and atomic, and the
 TMA-descriptor forward and split pair) under TRITON_INTERPRET=1 in a subprocess (the variable must
 be set before triton is imported, and must not leak into other tests); the atomic and TMA kernels
-compiled for an H100; errors; persisted plans launched without autotuning.
-GPU (marked gpu, skipped without CUDA): bf16/fp16/fp32 at larger shapes, against SDPA too.
+compiled for an H100; errors; the choice between the direct and the public launch, and persisted
+plans launched without autotuning.
+GPU (marked gpu, skipped without CUDA): bf16/fp16/fp32 at larger shapes, against SDPA too; the
+direct and the public launch against each other.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
-from systems.testing import have_triton, interpreting, run_interpreter_cases
+from systems.testing import REPO, have_triton, interpreting, run_interpreter_cases
 from systems.attention import BACKENDS, FlashAttentionPytorch, get_backend
 from systems.attention.flash_pytorch import flash_forward
 
@@ -305,8 +311,11 @@ def test_interp_triton_pytorch_backward_path():
     ("tma", "tma", TMA_KERNELS),
 ])
 def test_interp_second_call_launches_the_stored_plan(forward, backward, kernels):
+    """The second call launches the jit'ed kernels with the plan's config through kernel[grid](...):
+    the public launch, which is all the interpreter has (launch_path says so)."""
     from systems.attention import flash_triton as ft
 
+    assert not ft.launch_path().direct and "interpreter" in ft.launch_path().reason
     variant = ft.FlashVariant(forward=forward, backward=backward)
 
     def run():
@@ -362,7 +371,45 @@ def test_interp_triton_rejects_bad_inputs():
         flash_backward_triton(x, x, x, x, lse, x, False, variant="triton")
 
 
-# ----------------------------------------------------------------------------- persisted plans
+# ----------------------------------------------------------------------------- launch path, persisted plans
+
+
+@pytest.mark.skipif(not have_triton(), reason="needs triton")
+def test_launch_path_decision():
+    """The direct launch only inside pyproject.toml's GPU-tested versions, unless forced; never
+    under the interpreter or where this Triton lacks what it reads."""
+    from systems.attention.flash_triton.launch import choose_launch_path, gpu_tested_versions, version_in_range
+
+    tested = gpu_tested_versions()
+    assert set(tested) == {"torch", "triton"}, tested
+    assert version_in_range("3.6.0", ">=3.6,<3.7") and version_in_range("2.11.0+cu130", ">=2.11,<2.12")
+    assert not version_in_range("3.7.0rc1", ">=3.6,<3.7") and not version_in_range("3.5.1", ">=3.6,<3.7")
+    inside = {"torch": "2.11.0+cu130", "triton": "3.6.0"}
+    newer = {"torch": "2.11.0+cu130", "triton": "3.8.0"}
+
+    def choose(versions=inside, force=None, missing=(), interpreting=False, table=tested):
+        return choose_launch_path(interpreting=interpreting, force=force, versions=versions, tested=table,
+                                  missing=list(missing))
+
+    assert choose().direct
+    outside = choose(newer)
+    assert not outside.direct and "triton 3.8.0" in outside.reason
+    assert choose(newer, force="1").direct  # forced past the tested versions
+    assert not choose(force="0").direct
+    assert not choose(force="1", missing=["CompiledKernel[grid]"]).direct  # nothing to launch it with
+    assert not choose(force="1", interpreting=True).direct
+    assert not choose(table=None).direct  # no pyproject.toml beside the package: the public launch
+    with pytest.raises(ValueError, match="must be 0, 1 or unset"):
+        choose(force="yes")
+
+
+@pytest.mark.skipif(not have_triton() or INTERPRETING or torch.cuda.is_available(),
+                    reason="this CPU machine's Triton, outside the interpreter")
+def test_launch_path_finds_the_internals_in_this_triton():
+    # the check runs at the first launch; here it reads this Triton's classes without launching
+    from systems.attention.flash_triton import launch
+
+    assert launch.missing_internals() == [], "Triton changed what the direct launch reads"
 
 
 @pytest.fixture
@@ -595,10 +642,58 @@ def test_gpu_repeated_calls_launch_compiled_kernels_for_their_own_arguments():
             grads = torch.autograd.grad(got, (q, k, v), do)
             errors = [rel_err(got, want)] + [rel_err(g, w) for g, w in zip(grads, want_grads)]
             assert max(errors) < GPU_TOL[torch.bfloat16], (n, misaligned, errors)
+    direct = ft.launch_path().direct  # outside the GPU-tested versions every call went through Triton's dispatch
     for name in ("fwd", "dq", "dkdv"):
         plans = [row for row in ft.tuned_plans()
                  if row["kernel"] == name and (row["dtype"], row["SEQ_BUCKET"]) == (str(torch.bfloat16), 1024)]
-        assert plans and plans[0]["compiled"] >= 3, name  # aligned/1024, aligned/1000, misaligned/1024
+        assert plans and (plans[0]["compiled"] >= 3 if direct else plans[0]["compiled"] == 0), name
+        # (direct: aligned/1024, aligned/1000, misaligned/1024)
+
+
+# Both variants of the split path, at a length divisible by 16 and one that is not, three calls
+# each (the first of each plan goes through Triton's dispatch, the later ones straight to the
+# compiled kernel where the launch is direct); outputs, launch path and plans to argv[1].
+BOTH_PATHS_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from systems.attention import flash_triton as ft
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    outputs = {}
+    for n in (1000, 1024):
+        q, k, v, do = (torch.randn(2, 2, n, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+        for name, variant in (("pointer", ft.FlashVariant(forward="pointer", backward="split")),
+                              ("tma", ft.FlashVariant(forward="tma", backward="tma"))):
+            for call in range(3):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = ft.flash_attention_triton(*leaves, True, variant=variant)
+                outputs[f"{name}_{n}_{call}"] = [out.detach(), *torch.autograd.grad(out, leaves, do)]
+    path = ft.launch_path()
+    torch.save(dict(outputs=outputs, direct=path.direct, reason=path.reason, plans=ft.tuned_plans()), sys.argv[1])
+""")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_direct_and_public_launches_agree(tmp_path):
+    """The public launch (kernel[grid](...)) in one process autotunes and persists its plans; the
+    direct launch in a second process loads them and must give bit-identical outputs."""
+    results = {}
+    for direct in ("0", "1"):
+        env = {**os.environ, "FLASH_TRITON_DIRECT_LAUNCH": direct, "FLASH_TRITON_CACHE_DIR": str(tmp_path / "plans")}
+        out = tmp_path / f"direct_{direct}.pt"
+        proc = subprocess.run([sys.executable, "-c", BOTH_PATHS_SCRIPT, str(out)], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        results[direct] = torch.load(out, weights_only=False)
+    public, direct = results["0"], results["1"]
+    assert not public["direct"] and direct["direct"], (public["reason"], direct["reason"])
+    assert public["plans"] and all(r["origin"] == "tuned" and r["compiled"] == 0 for r in public["plans"])
+    assert direct["plans"] and all(r["origin"] == "stored" and r["compiled"] >= 1 for r in direct["plans"])
+    assert public["outputs"].keys() == direct["outputs"].keys()
+    for name, want in public["outputs"].items():
+        for a, b in zip(want, direct["outputs"][name]):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.gpu

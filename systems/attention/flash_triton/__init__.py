@@ -23,6 +23,7 @@ from .launch import (
     DEFAULT_VARIANT,
     TMA_MIN_SEQ,
     FlashVariant,
+    LaunchPath,
     clear_tuned_plans,
     flash_backward_triton,
     flash_forward_triton,
@@ -32,6 +33,7 @@ from .launch import (
     launch_dkdv,
     launch_dq,
     launch_forward,
+    launch_path,
     tma_usable,
     tuned_plans,
 )
@@ -45,6 +47,7 @@ def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is
     return FlashAttentionTriton.apply(q, k, v, is_causal, variant)
 
 
-__all__ = ["FlashAttentionTriton", "FlashVariant", "TMA_MIN_SEQ", "clear_tuned_plans", "flash_attention_triton",
-           "flash_backward_triton", "flash_forward_triton", "launch_atomic", "launch_backward_atomic",
-           "launch_bwd_prep", "launch_dkdv", "launch_dq", "launch_forward", "tma_usable", "tuned_plans"]
+__all__ = ["FlashAttentionTriton", "FlashVariant", "LaunchPath", "TMA_MIN_SEQ", "clear_tuned_plans",
+           "flash_attention_triton", "flash_backward_triton", "flash_forward_triton", "launch_atomic",
+           "launch_backward_atomic", "launch_bwd_prep", "launch_dkdv", "launch_dq", "launch_forward", "launch_path",
+           "tma_usable", "tuned_plans"]

@@ -5,13 +5,22 @@ The direct launch: after a key's first call, each argument specialisation's firs
 through Triton's jit dispatch, which returns the compiled kernel it launched; every later call
 launches that compiled kernel directly. Triton's per-call dispatch (the autotuner's, then the
 jit's: binding, specialising and hashing every argument) cost more host time than a short
-sequence's kernel takes on the GPU (docs/flash_attention_notes.md, entry 6).
+sequence's kernel takes on the GPU (docs/flash_attention_notes.md, entry 6). It reads Triton
+internals, so it runs only with the torch and Triton versions pyproject.toml's
+[tool.systems.gpu-tested] names (it was run on an H100 with those); elsewhere every launch goes
+through the public ``kernel[grid](...)``. ``launch_path()`` says which, decided once.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import os
+import re
+import tomllib
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, get_args
 
 import torch
@@ -121,6 +130,113 @@ def _ensure_tma_allocator() -> None:
         triton.set_allocator(_tma_scratch)
 
 
+# ----------------------------------------------------------------------------- launch path
+
+DIRECT_ENV = "FLASH_TRITON_DIRECT_LAUNCH"
+
+
+@dataclass(frozen=True)
+class LaunchPath:
+    """direct: compiled kernels launched directly after their first call; otherwise every launch
+    goes through the public kernel[grid](...). reason: why, in words."""
+    direct: bool
+    reason: str
+
+
+def gpu_tested_versions(pyproject: Path | None = None) -> dict[str, str] | None:
+    """The repository's pyproject.toml's [tool.systems.gpu-tested]: package -> version range
+    (">=3.6,<3.7"), or None where the file or the table is missing (an installed copy without the
+    repository's pyproject.toml)."""
+    pyproject = pyproject or Path(__file__).resolve().parents[3] / "pyproject.toml"
+    try:
+        with open(pyproject, "rb") as f:
+            return tomllib.load(f).get("tool", {}).get("systems", {}).get("gpu-tested")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    # the leading release numbers: (2, 11, 0) of "2.11.0+cu130", (3, 7, 0) of "3.7.0rc1"
+    return tuple(int(n) for n in re.findall(r"\d+", re.match(r"[\d.]*", version).group()))
+
+
+def version_in_range(version: str, spec: str) -> bool:
+    """Whether ``version`` meets every comma-separated clause of ``spec``, each ">=X" or "<Y"."""
+    v = _release(version)
+    for clause in (c.strip() for c in spec.split(",")):
+        if clause.startswith(">="):
+            ok = v >= _release(clause[2:])
+        elif clause.startswith("<"):
+            ok = v < _release(clause[1:])
+        else:
+            raise ValueError(f"a gpu-tested version clause is '>=X' or '<Y', got {clause!r}")
+        if not ok:
+            return False
+    return True
+
+
+def choose_launch_path(*, interpreting: bool, force: str | None, versions: dict[str, str],
+                       tested: dict[str, str] | None, missing: list[str]) -> LaunchPath:
+    """The decision behind launch_path(). force: $FLASH_TRITON_DIRECT_LAUNCH ("1" takes the direct
+    launch outside the tested versions, "0" never takes it); missing: the Triton internals the
+    direct launch reads that this Triton lacks (then it is never taken)."""
+    if force not in (None, "", "0", "1"):
+        raise ValueError(f"{DIRECT_ENV} must be 0, 1 or unset, got {force!r}")
+    if interpreting:
+        return LaunchPath(False, "the Triton interpreter compiles no kernel to launch")
+    if force == "0":
+        return LaunchPath(False, f"{DIRECT_ENV}=0")
+    if missing:
+        return LaunchPath(False, f"this Triton lacks what the direct launch reads: {', '.join(missing)}")
+    if force == "1":
+        return LaunchPath(True, f"{DIRECT_ENV}=1")
+    if not tested:
+        return LaunchPath(False, "pyproject.toml names no [tool.systems.gpu-tested] versions")
+    outside = [f"{name} {versions.get(name)} (tested: {spec})" for name, spec in tested.items()
+               if versions.get(name) is None or not version_in_range(versions[name], spec)]
+    if outside:
+        return LaunchPath(False, f"outside the GPU-tested versions: {'; '.join(outside)} ({DIRECT_ENV}=1 forces "
+                                 "the direct launch)")
+    return LaunchPath(True, "inside the GPU-tested versions: " + ", ".join(f"{n} {versions[n]}" for n in tested))
+
+
+@functools.cache
+def _compiled_kernel_class() -> type:
+    from triton.compiler import CompiledKernel
+
+    return CompiledKernel
+
+
+def missing_internals() -> list[str]:
+    """What the direct launch reads beyond Triton's public API, where this Triton lacks it: the
+    CompiledKernel the jit launch returns, launched as compiled[grid](*arguments), and each jit
+    kernel's arg_names (the order in which the launch appends the plan's parameters)."""
+    missing = []
+    try:
+        if not callable(getattr(_compiled_kernel_class(), "__getitem__", None)):
+            missing.append("CompiledKernel[grid]")
+    except ImportError:
+        missing.append("triton.compiler.CompiledKernel")
+    for kernel in TUNED.values():
+        fn = getattr(kernel.jit, "fn", None)
+        if fn is None or list(getattr(kernel.jit, "arg_names", ())) != list(inspect.signature(fn).parameters):
+            missing.append(f"{kernel.name}'s arg_names")
+    return missing
+
+
+@functools.cache  # decided at the first launch, for good
+def launch_path() -> LaunchPath:
+    """Whether this process launches compiled kernels directly (see the module's docstring)."""
+    force = os.environ.get(DIRECT_ENV)
+    path = choose_launch_path(interpreting=INTERPRETING, force=force,
+                              versions={"torch": torch.__version__, "triton": triton.__version__},
+                              tested=gpu_tested_versions(), missing=[] if INTERPRETING else missing_internals())
+    if not path.direct and not INTERPRETING and force != "0":
+        warnings.warn(f"flash attention launches its kernels through Triton's dispatch, which costs host time "
+                      f"per call: {path.reason}", stacklevel=2)
+    return path
+
+
 # ----------------------------------------------------------------------------- plans
 
 
@@ -130,14 +246,13 @@ class _Plan:
     config: dict  # the chosen tiles, num_warps and num_stages
     kwargs: dict  # the autotune key's meta-parameters and the config: what the jit launch takes
     origin: str  # "tuned" by this process's autotuner, or "stored" in the persisted plans
-    tail: tuple  # the kernel's parameters after the runtime arguments (SEQ_BUCKET, constexprs), in order
+    tail: tuple | None  # the direct launch's parameters after the runtime arguments (SEQ_BUCKET,
+    # constexprs), in order; None where every launch goes through kernel[grid](...)
     compiled: dict = field(default_factory=dict)  # specialisation(args) -> Triton's CompiledKernel
 
 
 # (kernel name, dtype, autotune key) -> its _Plan. The first call of a key takes the persisted plan
-# or autotunes; the first call of each argument specialisation then goes through Triton's jit
-# dispatch, which returns the compiled kernel it launched; every later call launches that compiled
-# kernel directly (above).
+# or autotunes; later calls launch the jit kernel with the plan's config, or directly (above).
 _PLANS: dict[tuple, _Plan] = {}
 
 
@@ -172,7 +287,8 @@ def specialisation(args: tuple) -> tuple:
 
 def _new_plan(kernel: TunedKernel, n_args: int, meta: dict, config: dict, origin: str) -> _Plan:
     kwargs = {**meta, **config}
-    return _Plan(config, kwargs, origin, tuple(kwargs[name] for name in kernel.jit.arg_names[n_args:]))
+    tail = tuple(kwargs[name] for name in kernel.jit.arg_names[n_args:]) if launch_path().direct else None
+    return _Plan(config, kwargs, origin, tail)
 
 
 def _first_plan(kernel: TunedKernel, key: tuple, grid, args: tuple, meta: dict) -> _Plan | None:
@@ -206,11 +322,14 @@ def _launch(kernel: TunedKernel, grid, args: tuple, meta: dict, config: dict | N
         plan = _first_plan(kernel, key, grid, args, meta)
         if plan is None:
             return
+    if plan.tail is None:
+        kernel.jit[grid](*args, **plan.kwargs)
+        return
     spec = specialisation(args)
     compiled = plan.compiled.get(spec)
     if compiled is None:
         compiled = kernel.jit[grid](*args, **plan.kwargs)
-        if compiled is not None and not INTERPRETING:  # the interpreter compiles nothing
+        if isinstance(compiled, _compiled_kernel_class()):
             plan.compiled[spec] = compiled
         return
     g = grid(plan.kwargs)
