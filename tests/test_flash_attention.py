@@ -3,18 +3,25 @@
 CPU: FlashAttentionPytorch; the Triton kernels (both backwards, split and atomic, and the
 TMA-descriptor forward and split pair) under TRITON_INTERPRET=1 in a subprocess (the variable must
 be set before triton is imported, and must not leak into other tests); the atomic and TMA kernels
-compiled for an H100; errors.
-GPU (marked gpu, skipped without CUDA): bf16/fp16/fp32 at larger shapes, against SDPA too.
+compiled for an H100; errors; the choice between the direct and the public launch, and persisted
+plans launched without autotuning.
+GPU (marked gpu, skipped without CUDA): bf16/fp16/fp32 at larger shapes, against SDPA too; the
+direct and the public launch against each other.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
-from systems.testing import have_triton, interpreting, run_interpreter_cases
+from systems.testing import REPO, have_triton, interpreting, run_interpreter_cases
 from systems.attention import BACKENDS, FlashAttentionPytorch, get_backend
 from systems.attention.flash_pytorch import flash_forward
 
@@ -35,12 +42,12 @@ def reference(q, k, v, is_causal):
 
 def pointer_and_tma(q, k, v, do, is_causal):
     """(O, dQ, dK, dV) through the pointer kernels, then the same through the TMA kernels."""
-    from systems.attention.flash_triton import flash_attention_triton
+    from systems.attention.flash_triton import FlashVariant, flash_attention_triton
 
     results = []
-    for forward, backward in (("triton_pointer", "triton_split"), ("triton_tma", "triton_tma")):
+    for variant in (FlashVariant(forward="pointer", backward="split"), FlashVariant(forward="tma", backward="tma")):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = flash_attention_triton(*leaves, is_causal, forward=forward, backward=backward)
+        out = flash_attention_triton(*leaves, is_causal, variant=variant)
         results.append((out, *torch.autograd.grad(out, leaves, do)))
     return results
 
@@ -168,9 +175,9 @@ INTERP_CASES = [
 ]
 
 
-INTERP_BACKWARDS = ("triton_split", "triton_atomic")
-# the kernels the TMA variant (the default) runs, as _PLANS names them
-TMA_KERNELS = {"_flash_fwd_tma_kernel", "_flash_bwd_dq_tma_kernel", "_flash_bwd_dkdv_tma_kernel"}
+INTERP_BACKWARDS = ("split", "atomic")
+# the kernels the TMA variant runs, as tuned_plans names them
+TMA_KERNELS = {"fwd_tma", "dq_tma", "dkdv_tma"}
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -178,13 +185,15 @@ TMA_KERNELS = {"_flash_fwd_tma_kernel", "_flash_bwd_dq_tma_kernel", "_flash_bwd_
 @pytest.mark.parametrize("shape_q,n_k,dtype,causal", INTERP_CASES)
 def test_interp_triton_matches_reference(shape_q, n_k, dtype, causal, backward):
     from systems.attention import FlashAttentionTriton
+    from systems.attention.flash_triton import FlashVariant
 
     # the interpreter's dots are numpy: fp32 is exact to rounding; fp16 inputs and P/dS cast to
     # fp16 before the dots give ~1e-3 relative error. The atomic backward's dQ sums the same
     # products in fp32 in another order (one add per key tile), which is within the same bounds.
     # The pointer forward with both (the default, TMA, has its own test below).
     tol = 1e-5 if dtype == torch.float32 else 5e-3
-    run_and_compare(lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c, backward, "triton_pointer"),
+    variant = FlashVariant(forward="pointer", backward=backward)
+    run_and_compare(lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c, variant),
                     shape_q, n_k, dtype, causal, "cpu", tol=tol)
 
 
@@ -205,7 +214,7 @@ def test_interp_atomic_backward_other_tiles(shape_q, n_k, causal, tiles, defer):
     shape_k = (*shape_q[:-2], n_k, shape_q[-1])
     q, k, v, do = (torch.randn(s, generator=gen) for s in (shape_q, shape_k, shape_k, shape_q))
     o, lse = ft.flash_forward_triton(q, k, v, causal)
-    want = ft.flash_backward_triton(q, k, v, o, lse, do, causal, variant="split")
+    want = ft.flash_backward_triton(q, k, v, o, lse, do, causal, variant=ft.FlashVariant(backward="split"))
     delta = torch.empty_like(lse)
     dq_acc = torch.empty_like(q)  # fp32 inputs: the accumulator is dQ itself
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -218,9 +227,9 @@ def test_interp_atomic_backward_other_tiles(shape_q, n_k, causal, tiles, defer):
 
 
 def _tma_kernels_ran(dtype) -> set[str]:
-    from systems.attention import flash_triton as ft
+    from systems.attention.flash_triton import tuned_plans
 
-    return {key[0] for key in ft._PLANS if key[1] == dtype and key[0].endswith("_tma_kernel")}
+    return {row["kernel"] for row in tuned_plans() if row["dtype"] == str(dtype) and row["kernel"].endswith("_tma")}
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -228,11 +237,12 @@ def _tma_kernels_ran(dtype) -> set[str]:
 def test_interp_tma_matches_reference(shape_q, n_k, dtype, causal):
     """The TMA-descriptor forward and split backward: rows past the sequence and columns past d
     come from the descriptors' zero fill instead of masks, so the ragged and padded cases matter."""
-    from systems.attention.flash_triton import flash_attention_triton, tma_usable
+    from systems.attention.flash_triton import FlashVariant, flash_attention_triton, tma_usable
 
     assert tma_usable(torch.zeros(*shape_q[-2:], dtype=dtype))  # every case here takes descriptors
     tol = 1e-5 if dtype == torch.float32 else 5e-3  # as the pointer kernels: the same arithmetic
-    run_and_compare(lambda q, k, v, c: flash_attention_triton(q, k, v, c, forward="triton_tma", backward="triton_tma"),
+    variant = FlashVariant(forward="tma", backward="tma")
+    run_and_compare(lambda q, k, v, c: flash_attention_triton(q, k, v, c, variant=variant),
                     shape_q, n_k, dtype, causal, "cpu", tol=tol)
     assert _tma_kernels_ran(dtype) == TMA_KERNELS
 
@@ -256,13 +266,17 @@ def test_interp_default_takes_tma_above_its_threshold():
     run the pointer kernels."""
     from systems.attention import flash_triton as ft
 
-    assert (ft.FORWARDS["triton"], ft.BACKWARDS["triton"]) == ("auto", "split_auto")
+    default = ft.FlashVariant()
+    assert (default.forward, default.backward) == ("auto", "auto")
     short = torch.zeros(1, ft.TMA_MIN_SEQ, 16, dtype=torch.float16)
     long = torch.zeros(1, ft.TMA_MIN_SEQ + 1, 16, dtype=torch.float16)
-    assert not ft._wants_tma("auto", short, short) and ft._wants_tma("auto", short, long)
-    assert not ft._wants_tma("auto", short.float(), long.float())  # fp32: not measured, pointers
-    assert ft._wants_tma("tma", short) and not ft._wants_tma("pointer", long)
-    ft._PLANS.clear()
+    for wants_tma in (default.forward_tma, default.backward_tma):
+        assert not wants_tma(short, short) and wants_tma(short, long)
+        assert not wants_tma(short.float(), long.float())  # fp32: not measured, pointers
+    assert ft.FlashVariant(forward="tma").forward_tma(short) and not ft.FlashVariant(forward="pointer").forward_tma(long)
+    assert ft.FlashVariant(backward="tma").backward_tma(short)
+    assert not any(ft.FlashVariant(backward=b).backward_tma(long) for b in ("split", "atomic", "pytorch"))
+    ft.clear_tuned_plans()
     run_and_compare(ft.FlashAttentionTriton.apply, (2, 37, 16), 37, torch.float32, True, "cpu", tol=1e-5)
     assert not _tma_kernels_ran(torch.float32)
 
@@ -274,38 +288,45 @@ def test_interp_tma_falls_back_where_descriptors_cannot_read():
     from systems.attention import flash_triton as ft
 
     assert not ft.tma_usable(torch.zeros(2, 33, 20, dtype=torch.float16))
-    ft._PLANS.clear()
-    run_and_compare(lambda q, k, v, c: ft.flash_attention_triton(q, k, v, c, forward="triton_tma",
-                                                                 backward="triton_tma"),
+    ft.clear_tuned_plans()
+    variant = ft.FlashVariant(forward="tma", backward="tma")
+    run_and_compare(lambda q, k, v, c: ft.flash_attention_triton(q, k, v, c, variant=variant),
                     (2, 33, 20), 33, torch.float16, True, "cpu", tol=5e-3)
     assert not _tma_kernels_ran(torch.float16)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 def test_interp_triton_pytorch_backward_path():
-    from systems.attention.flash_triton import flash_attention_triton
+    from systems.attention.flash_triton import FlashVariant, flash_attention_triton
 
-    run_and_compare(lambda q, k, v, c: flash_attention_triton(q, k, v, c, backward="pytorch"),
+    variant = FlashVariant(backward="pytorch")
+    run_and_compare(lambda q, k, v, c: flash_attention_triton(q, k, v, c, variant=variant),
                     (2, 40, 16), 40, torch.float32, True, "cpu", tol=1e-5)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 @pytest.mark.parametrize("forward,backward,kernels", [
-    ("triton_pointer", "triton_split", {"_flash_fwd_kernel", "_flash_bwd_dq_kernel", "_flash_bwd_dkdv_kernel"}),
-    ("triton_pointer", "triton_atomic", {"_flash_fwd_kernel", "_flash_bwd_atomic_kernel"}),  # prep: no autotuner
-    ("triton_tma", "triton_tma", TMA_KERNELS),
+    ("pointer", "split", {"fwd", "dq", "dkdv"}),
+    ("pointer", "atomic", {"fwd", "atomic"}),  # prep: no autotuner
+    ("tma", "tma", TMA_KERNELS),
 ])
 def test_interp_second_call_launches_the_stored_plan(forward, backward, kernels):
+    """The second call launches the jit'ed kernels with the plan's config through kernel[grid](...):
+    the public launch, which is all the interpreter has (launch_path says so)."""
     from systems.attention import flash_triton as ft
+
+    assert not ft.launch_path().direct and "interpreter" in ft.launch_path().reason
+    variant = ft.FlashVariant(forward=forward, backward=backward)
 
     def run():
         q, k, v = (torch.randn(2, 37, 24, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(3))
-        out = ft.flash_attention_triton(q, k, v, is_causal=True, backward=backward, forward=forward)
+        out = ft.flash_attention_triton(q, k, v, is_causal=True, variant=variant)
         out.backward(torch.ones_like(out))
         return out.detach(), q.grad, k.grad, v.grad
 
     first = run()  # through the autotuner, which stores each kernel's choice
-    names = {key[0] for key in ft._PLANS if key[1:] == (torch.float32, 256, 24, True, "ieee")}
+    key = dict(dtype=str(torch.float32), SEQ_BUCKET=256, HEAD_DIM=24, IS_CAUSAL=True, INPUT_PRECISION="ieee")
+    names = {row["kernel"] for row in ft.tuned_plans() if key.items() <= row.items()}
     assert kernels <= names
     second = run()  # straight to the jit'ed kernels with the stored meta-parameters
     for a, b in zip(first, second):
@@ -316,15 +337,15 @@ def test_interp_second_call_launches_the_stored_plan(forward, backward, kernels)
 def test_specialisation_separates_what_triton_compiles_separately():
     # a compiled kernel is reused only under an equal key, so every property Triton specialises
     # on (for these argument types) must change the key: alignment, divisibility by 16, == 1, width
-    from systems.attention.flash_triton import _specialisation
+    from systems.attention.flash_triton.launch import specialisation
 
     buf = torch.zeros(1024)
     aligned, misaligned = buf[:512], buf[1:513]  # 4-byte offset: not 16-byte aligned
-    base = _specialisation((aligned, 1024, 0.5))
-    assert base == _specialisation((buf[4:516], 2048, 0.25))  # 16-byte offset, another multiple of 16, any float
+    base = specialisation((aligned, 1024, 0.5))
+    assert base == specialisation((buf[4:516], 2048, 0.25))  # 16-byte offset, another multiple of 16, any float
     for other in [(misaligned, 1024, 0.5), (aligned, 1000, 0.5), (aligned, 1, 0.5), (aligned, 2**31, 0.5),
                   (aligned.half(), 1024, 0.5)]:
-        assert _specialisation(other) != base, other
+        assert specialisation(other) != base, other
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -337,31 +358,119 @@ def test_interp_triton_rejects_bad_inputs():
     with pytest.raises(ValueError, match="head dim"):
         y = torch.zeros(1, 16, 8)
         FlashAttentionTriton.apply(y, y, y, False)
-    with pytest.raises(ValueError, match="backward"):
-        FlashAttentionTriton.apply(x, x, x, False, "cuda-graphs")
-    with pytest.raises(ValueError, match="forward"):
-        FlashAttentionTriton.apply(x, x, x, False, "triton", "tma")  # a variant, not a forward= name
-    from systems.attention.flash_triton import flash_backward_triton
+    from systems.attention.flash_triton import FlashVariant, flash_backward_triton
 
+    with pytest.raises(ValueError, match="backward must be one of auto, split, tma, atomic, pytorch"):
+        FlashVariant(backward="cuda-graphs")
+    with pytest.raises(ValueError, match="forward must be one of auto, pointer, tma"):
+        FlashVariant(forward="triton_tma")  # an old forward= name, not a variant's
+    with pytest.raises(ValueError, match="variant"):
+        FlashAttentionTriton.apply(x, x, x, False, "cuda-graphs")  # a name, not a FlashVariant
     lse = torch.zeros(1, 16)
     with pytest.raises(ValueError, match="variant"):
-        flash_backward_triton(x, x, x, x, lse, x, False, variant="triton")  # a backward= name, not a variant
+        flash_backward_triton(x, x, x, x, lse, x, False, variant="triton")
+
+
+# ----------------------------------------------------------------------------- launch path, persisted plans
+
+
+@pytest.mark.skipif(not have_triton(), reason="needs triton")
+def test_launch_path_decision():
+    """The direct launch only inside pyproject.toml's GPU-tested versions, unless forced; never
+    under the interpreter or where this Triton lacks what it reads."""
+    from systems.attention.flash_triton.launch import choose_launch_path, gpu_tested_versions, version_in_range
+
+    tested = gpu_tested_versions()
+    assert set(tested) == {"torch", "triton"}, tested
+    assert version_in_range("3.6.0", ">=3.6,<3.7") and version_in_range("2.11.0+cu130", ">=2.11,<2.12")
+    assert not version_in_range("3.7.0rc1", ">=3.6,<3.7") and not version_in_range("3.5.1", ">=3.6,<3.7")
+    inside = {"torch": "2.11.0+cu130", "triton": "3.6.0"}
+    newer = {"torch": "2.11.0+cu130", "triton": "3.8.0"}
+
+    def choose(versions=inside, force=None, missing=(), interpreting=False, table=tested):
+        return choose_launch_path(interpreting=interpreting, force=force, versions=versions, tested=table,
+                                  missing=list(missing))
+
+    assert choose().direct
+    outside = choose(newer)
+    assert not outside.direct and "triton 3.8.0" in outside.reason
+    assert choose(newer, force="1").direct  # forced past the tested versions
+    assert not choose(force="0").direct
+    assert not choose(force="1", missing=["CompiledKernel[grid]"]).direct  # nothing to launch it with
+    assert not choose(force="1", interpreting=True).direct
+    assert not choose(table=None).direct  # no pyproject.toml beside the package: the public launch
+    with pytest.raises(ValueError, match="must be 0, 1 or unset"):
+        choose(force="yes")
+
+
+@pytest.mark.skipif(not have_triton() or INTERPRETING or torch.cuda.is_available(),
+                    reason="this CPU machine's Triton, outside the interpreter")
+def test_launch_path_finds_the_internals_in_this_triton():
+    # the check runs at the first launch; here it reads this Triton's classes without launching
+    from systems.attention.flash_triton import launch
+
+    assert launch.missing_internals() == [], "Triton changed what the direct launch reads"
+
+
+@pytest.fixture
+def fresh_plans():
+    from systems.attention.flash_triton import clear_tuned_plans
+
+    clear_tuned_plans()
+    yield
+    clear_tuned_plans()  # the next test starts from the interpreter's own configs
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_interp_persisted_plans_spare_the_autotuner(tmp_path, monkeypatch, fresh_plans):
+    """A process that finds its keys' plans persisted launches the jit kernels with them and never
+    calls an autotuner, and gets the same outputs as the process that tuned them."""
+    from systems.attention import flash_triton as ft
+    from systems.attention.flash_triton import tuning
+
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path / "first"))
+    variant = ft.FlashVariant(forward="pointer", backward="split")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, 37, 16, generator=gen) for _ in range(4))
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ft.flash_attention_triton(*leaves, True, variant=variant)
+        return [out, *torch.autograd.grad(out, leaves, do)]
+
+    tuned = run()
+    assert {(r["kernel"], r["origin"]) for r in ft.tuned_plans()} == {("fwd", "tuned"), ("dq", "tuned"),
+                                                                     ("dkdv", "tuned")}
+    assert len(list((tmp_path / "first").glob("plans-*.json"))) == 1
+    # a new process: its own plans empty, the file read afresh (a copy, which no store has read yet)
+    ft.clear_tuned_plans()
+    shutil.copytree(tmp_path / "first", tmp_path / "second")
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path / "second"))
+
+    def no_tuning(*args, **kwargs):
+        raise AssertionError("an autotuner ran although the plan was persisted")
+
+    for kernel in tuning.TUNED.values():
+        monkeypatch.setattr(kernel.autotuner, "run", no_tuning)
+    stored = run()
+    assert {(r["kernel"], r["origin"]) for r in ft.tuned_plans()} == {("fwd", "stored"), ("dq", "stored"),
+                                                                     ("dkdv", "stored")}
+    for a, b in zip(tuned, stored):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="the autotuned config tables exist outside the interpreter")
 def test_pruners_keep_each_kernels_own_configs_that_fit():
     # each autotuner prunes to its own kernel's list for the input's dtype family; at d = 64 every
     # listed tile fits shared memory, while at d = 512 (far past any real head) the largest ones do not
-    from systems.attention import flash_triton as ft
+    from systems.attention.flash_triton import tuning
 
-    if not ft.autotuning():
+    if not tuning.autotuning():
         pytest.skip("FLASH_TRITON_AUTOTUNE=0: one config per kernel, nothing to prune")
-    kernels = {"fwd": ft._flash_fwd_kernel, "fwd_tma": ft._flash_fwd_tma_kernel, "dkdv": ft._flash_bwd_dkdv_kernel,
-               "dkdv_tma": ft._flash_bwd_dkdv_tma_kernel, "dq": ft._flash_bwd_dq_kernel,
-               "dq_tma": ft._flash_bwd_dq_tma_kernel}
-    for name, kernel in kernels.items():
+    for name in ("fwd", "fwd_tma", "dkdv", "dkdv_tma", "dq", "dq_tma"):
+        kernel = tuning.TUNED[name].autotuner
         for dtype, family in ((torch.bfloat16, "half"), (torch.float32, "fp32")):
-            listed = ft._CONFIGS[name][family]
+            listed = tuning.CONFIGS[name][family]
             q = torch.empty(1, 1, 1, dtype=dtype)
             kept = kernel.early_config_prune(kernel.configs, {"Q": q, "BLOCK_D": 64})
             assert [id(c) for c in kept] == [id(c) for c in listed], (name, family)
@@ -375,7 +484,7 @@ def test_atomic_kernel_compiles_for_h100(defer):
     """The atomic kernel at the leaderboard shape's tiles compiled for sm_90: its dQ adds are
     relaxed (no acq_rel fences) 16-byte fp32 adds (Triton 3.9 writes red, 3.6 atom with the
     result unused), the dots run on wgmma, and nothing spills to local memory."""
-    from systems.attention.flash_triton import _flash_bwd_atomic_kernel
+    from systems.attention.flash_triton.kernels import flash_bwd_atomic_kernel
     from systems.testing import compile_ptx_for_h100
 
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "dO": "*bf16", "L": "*fp32", "Delta": "*fp32",
@@ -384,7 +493,7 @@ def test_atomic_kernel_compiles_for_h100(defer):
     constexprs = dict(HEAD_DIM=64, BLOCK_D=64, IS_CAUSAL=True, INPUT_PRECISION="ieee", BLOCK_M3=64, BLOCK_N3=128,
                       DEFER_DQ_ADD=defer)
     signature = {**pointers, **scalars, **{name: "constexpr" for name in constexprs}}
-    ptx = compile_ptx_for_h100(_flash_bwd_atomic_kernel.fn, signature=signature, constexprs=constexprs,
+    ptx = compile_ptx_for_h100(flash_bwd_atomic_kernel, signature=signature, constexprs=constexprs,
                                aligned_args=tuple(range(len(pointers))) + (9, 10), num_warps=8)
     adds = [line for line in ptx.splitlines() if ".add" in line and ("red.global" in line or "atom.global" in line)]
     assert adds and all("relaxed" in a and ".v4.f32" in a for a in adds), adds[:4]
@@ -394,18 +503,18 @@ def test_atomic_kernel_compiles_for_h100(defer):
 
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
 @pytest.mark.parametrize("kernel,tiles", [
-    ("_flash_fwd_tma_kernel", dict(BLOCK_M=128, BLOCK_N=128)),
-    ("_flash_bwd_dq_tma_kernel", dict(BLOCK_M2=128, BLOCK_N2=64)),
-    ("_flash_bwd_dkdv_tma_kernel", dict(BLOCK_M1=64, BLOCK_N1=128)),
+    ("flash_fwd_tma_kernel", dict(BLOCK_M=128, BLOCK_N=128)),
+    ("flash_bwd_dq_tma_kernel", dict(BLOCK_M2=128, BLOCK_N2=64)),
+    ("flash_bwd_dkdv_tma_kernel", dict(BLOCK_M1=64, BLOCK_N1=128)),
 ])
 def test_tma_kernels_compile_for_h100(kernel, tiles):
     """The TMA kernels at their largest leaderboard tiles (8 warps) compiled for sm_90: they build
     descriptors in the kernel (tensormap), their streamed loads are TMA bulk copies, the dots run
     on wgmma, and nothing spills to local memory."""
-    from systems.attention import flash_triton as ft
+    from systems.attention.flash_triton import kernels
     from systems.testing import compile_ptx_for_h100
 
-    fn = getattr(ft, kernel).fn
+    fn = getattr(kernels, kernel)
     kinds = {"L": "*fp32", "Delta": "*fp32", "n_q": "i32", "n_k": "i32", "SEQ_BUCKET": "i32", "qk_scale": "fp32",
              "sm_scale": "fp32"}
     signature = {name: kinds.get(name, "*bf16" if name[-1] in "QKVO" or name.startswith("d") else "constexpr")
@@ -444,10 +553,12 @@ GPU_PARAMS = ([(*case, torch.bfloat16) for case in GPU_CASES]
 @pytest.mark.parametrize("shape_q,n_k,causal,dtype", GPU_PARAMS)
 def test_gpu_triton_matches_reference(shape_q, n_k, causal, dtype):
     from systems.attention import FlashAttentionTriton
+    from systems.attention.flash_triton import FlashVariant
 
     # the pointer kernels (what the default runs at these lengths); test_gpu_triton_tma_matches_reference
     # runs the same cases through the TMA kernels
-    run_and_compare(lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c, "triton_split", "triton_pointer"),
+    variant = FlashVariant(forward="pointer", backward="split")
+    run_and_compare(lambda q, k, v, c: FlashAttentionTriton.apply(q, k, v, c, variant),
                     shape_q, n_k, dtype, causal, "cuda", tol=GPU_TOL[dtype])
 
 
@@ -459,10 +570,11 @@ ATOMIC_GPU_PARAMS = [(*case, torch.bfloat16) for case in GPU_CASES] + [(*GPU_CAS
 @needs_cuda
 @pytest.mark.parametrize("shape_q,n_k,causal,dtype", ATOMIC_GPU_PARAMS)
 def test_gpu_triton_atomic_backward_matches_reference(shape_q, n_k, causal, dtype):
-    from systems.attention.flash_triton import flash_attention_triton
+    from systems.attention.flash_triton import FlashVariant, flash_attention_triton
 
     # the same bounds as the split backward: dQ's fp32 sum only runs in another order
-    run_and_compare(lambda q, k, v, c: flash_attention_triton(q, k, v, c, backward="triton_atomic"),
+    variant = FlashVariant(backward="atomic")
+    run_and_compare(lambda q, k, v, c: flash_attention_triton(q, k, v, c, variant=variant),
                     shape_q, n_k, dtype, causal, "cuda", tol=GPU_TOL[dtype])
 
 
@@ -479,8 +591,8 @@ def test_gpu_triton_tma_matches_reference(shape_q, n_k, causal, dtype):
     from systems.attention import flash_triton as ft
 
     # the same bounds as the pointer kernels: the same arithmetic, only the loads differ
-    run_and_compare(lambda q, k, v, c: ft.flash_attention_triton(q, k, v, c, forward="triton_tma",
-                                                                 backward="triton_tma"),
+    variant = ft.FlashVariant(forward="tma", backward="tma")
+    run_and_compare(lambda q, k, v, c: ft.flash_attention_triton(q, k, v, c, variant=variant),
                     shape_q, n_k, dtype, causal, "cuda", tol=GPU_TOL[dtype])
     assert _tma_kernels_ran(dtype) == TMA_KERNELS  # and not the pointer fallback
 
@@ -530,17 +642,67 @@ def test_gpu_repeated_calls_launch_compiled_kernels_for_their_own_arguments():
             grads = torch.autograd.grad(got, (q, k, v), do)
             errors = [rel_err(got, want)] + [rel_err(g, w) for g, w in zip(grads, want_grads)]
             assert max(errors) < GPU_TOL[torch.bfloat16], (n, misaligned, errors)
-    for name in ("_flash_fwd_kernel", "_flash_bwd_dq_kernel", "_flash_bwd_dkdv_kernel"):
-        plans = [plan for key, plan in ft._PLANS.items() if key[0] == name and key[1:3] == (torch.bfloat16, 1024)]
-        assert plans and len(plans[0].compiled) >= 3, name  # aligned/1024, aligned/1000, misaligned/1024
+    direct = ft.launch_path().direct  # outside the GPU-tested versions every call went through Triton's dispatch
+    for name in ("fwd", "dq", "dkdv"):
+        plans = [row for row in ft.tuned_plans()
+                 if row["kernel"] == name and (row["dtype"], row["SEQ_BUCKET"]) == (str(torch.bfloat16), 1024)]
+        assert plans and (plans[0]["compiled"] >= 3 if direct else plans[0]["compiled"] == 0), name
+        # (direct: aligned/1024, aligned/1000, misaligned/1024)
+
+
+# Both variants of the split path, at a length divisible by 16 and one that is not, three calls
+# each (the first of each plan goes through Triton's dispatch, the later ones straight to the
+# compiled kernel where the launch is direct); outputs, launch path and plans to argv[1].
+BOTH_PATHS_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from systems.attention import flash_triton as ft
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    outputs = {}
+    for n in (1000, 1024):
+        q, k, v, do = (torch.randn(2, 2, n, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+        for name, variant in (("pointer", ft.FlashVariant(forward="pointer", backward="split")),
+                              ("tma", ft.FlashVariant(forward="tma", backward="tma"))):
+            for call in range(3):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = ft.flash_attention_triton(*leaves, True, variant=variant)
+                outputs[f"{name}_{n}_{call}"] = [out.detach(), *torch.autograd.grad(out, leaves, do)]
+    path = ft.launch_path()
+    torch.save(dict(outputs=outputs, direct=path.direct, reason=path.reason, plans=ft.tuned_plans()), sys.argv[1])
+""")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_direct_and_public_launches_agree(tmp_path):
+    """The public launch (kernel[grid](...)) in one process autotunes and persists its plans; the
+    direct launch in a second process loads them and must give bit-identical outputs."""
+    results = {}
+    for direct in ("0", "1"):
+        env = {**os.environ, "FLASH_TRITON_DIRECT_LAUNCH": direct, "FLASH_TRITON_CACHE_DIR": str(tmp_path / "plans")}
+        out = tmp_path / f"direct_{direct}.pt"
+        proc = subprocess.run([sys.executable, "-c", BOTH_PATHS_SCRIPT, str(out)], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        results[direct] = torch.load(out, weights_only=False)
+    public, direct = results["0"], results["1"]
+    assert not public["direct"] and direct["direct"], (public["reason"], direct["reason"])
+    assert public["plans"] and all(r["origin"] == "tuned" and r["compiled"] == 0 for r in public["plans"])
+    assert direct["plans"] and all(r["origin"] == "stored" and r["compiled"] >= 1 for r in direct["plans"])
+    assert public["outputs"].keys() == direct["outputs"].keys()
+    for name, want in public["outputs"].items():
+        for a, b in zip(want, direct["outputs"][name]):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_triton_pytorch_backward_path_matches():
-    from systems.attention.flash_triton import flash_attention_triton
+    from systems.attention.flash_triton import FlashVariant, flash_attention_triton
 
-    run_and_compare(lambda q, k, v, c: flash_attention_triton(q, k, v, c, backward="pytorch"),
+    variant = FlashVariant(backward="pytorch")
+    run_and_compare(lambda q, k, v, c: flash_attention_triton(q, k, v, c, variant=variant),
                     (2, 4, 512, 64), 512, torch.bfloat16, True, "cuda", tol=3e-2)
 
 

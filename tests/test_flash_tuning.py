@@ -1,18 +1,27 @@
 """The tile explorer launches the same kernels the autotuned path runs: with explicit tiles it
 must produce the autotuned path's outputs. Runs under the Triton interpreter in a subprocess
-(TRITON_INTERPRET must be set before triton is imported)."""
+(TRITON_INTERPRET must be set before triton is imported).
 
+Then the store that persists tuned plans across processes (flash_triton/tuning.py): its key, its
+file, and what it does with a file it cannot use."""
+
+import dataclasses
+import inspect
+import json
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
+
+from systems.testing import have_triton
 
 SCRIPT = textwrap.dedent("""
     import torch
     from systems.bench import flash_tuning as t
-    from systems.attention.flash_triton import flash_backward_triton, flash_forward_triton
+    from systems.attention.flash_triton import FlashVariant, flash_backward_triton, flash_forward_triton
 
     x = t.make_inputs(batch=2, seq=48, d=16, dtype="fp16", device="cpu")
     o_ref, lse_ref = flash_forward_triton(x.q, x.k, x.v, True)
@@ -37,7 +46,8 @@ SCRIPT = textwrap.dedent("""
     torch.testing.assert_close(dq["delta"], x.delta, rtol=0, atol=1e-5)  # the dQ kernel's D, fp32 sums
     # the whole atomic backward with the interpreter's tiles reproduces the public atomic path
     # exactly (the interpreter runs the programs, and so the atomic adds, in one fixed order)
-    dq_at, dk_at, dv_at = flash_backward_triton(x.q, x.k, x.v, x.o, x.lse, x.do, True, variant="atomic")
+    dq_at, dk_at, dv_at = flash_backward_triton(x.q, x.k, x.v, x.o, x.lse, x.do, True,
+                                                variant=FlashVariant(backward="atomic"))
     atomic = outputs("atomic", (16, 32, 4, 1))
     for name, want in (("dq", dq_at), ("dk", dk_at), ("dv", dv_at)):
         torch.testing.assert_close(atomic[name], want, rtol=0, atol=0)
@@ -54,6 +64,10 @@ SCRIPT = textwrap.dedent("""
     assert "0.50x" in table and "triton_atomic  bwd: 2.000" in table, table
     rows = t.host_overhead(shapes=((1, 32, 16),), dtype="fp16", calls=1, device="cpu")
     assert [r["path"] for r in rows] == ["public_fwd", "public_fwd_bwd", "kernel_fwd", "sdpa_flash_fwd_bwd"]
+    # the plans those calls chose, as --compare-backward records them
+    plans = t.stored_plans()
+    assert {"fwd", "dq", "dkdv", "atomic"} <= {r["kernel"] for r in plans}, plans
+    assert all(r["kind"] == "plan" and r["origin"] == "tuned" and "num_warps" in r for r in plans), plans
     print("OK")
 """)
 
@@ -64,3 +78,101 @@ def test_explicit_tiles_reproduce_the_autotuned_kernels():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- persisted plans
+
+needs_triton = pytest.mark.skipif(not have_triton(), reason="needs triton")
+TUNE_KEY = (1024, 64, True, "ieee")  # SEQ_BUCKET, HEAD_DIM, IS_CAUSAL, INPUT_PRECISION
+
+
+def _store_key(tuning, **changes):
+    key = tuning.StoreKey(gpu="NVIDIA H100 80GB HBM3", triton="3.6.0", source=tuning.current_source_hash())
+    return dataclasses.replace(key, **changes)
+
+
+def _listed(tuning, kernel, i=0):
+    return tuning.config_meta((tuning.CONFIGS[kernel]["half"] + tuning.CONFIGS[kernel]["fp32"])[i])
+
+
+@needs_triton
+def test_source_hash_follows_the_kernels_and_their_configs():
+    from systems.attention.flash_triton import kernels, tuning
+
+    source = inspect.getsource(kernels)
+    base = tuning.source_hash(source, tuning.CONFIGS)
+    assert base == tuning.current_source_hash()
+    edited = source.replace("acc = acc * alpha[:, None]", "acc = acc * alpha[:, None] * 1.0")
+    assert edited != source and tuning.source_hash(edited, tuning.CONFIGS) != base
+    fewer = {**tuning.CONFIGS, "fwd": {"half": tuning.CONFIGS["fwd"]["half"][:1], "fp32": []}}
+    assert tuning.source_hash(source, fewer) != base
+
+
+@needs_triton
+def test_plan_store_round_trip_and_key(tmp_path):
+    from systems.attention.flash_triton import tuning
+
+    key = _store_key(tuning)
+    fwd, dq = _listed(tuning, "fwd"), _listed(tuning, "dq", 1)
+    tuning.PlanStore(tmp_path, key).put("fwd", torch.bfloat16, TUNE_KEY, fwd)
+    tuning.PlanStore(tmp_path, key).put("dq", torch.bfloat16, TUNE_KEY, dq)  # another process, same file
+    store = tuning.PlanStore(tmp_path, key)  # a new process reads both
+    assert store.get("fwd", torch.bfloat16, TUNE_KEY) == fwd and store.get("dq", torch.bfloat16, TUNE_KEY) == dq
+    assert store.get("fwd", torch.float16, TUNE_KEY) is None
+    assert store.get("fwd", torch.bfloat16, (4096, *TUNE_KEY[1:])) is None
+    assert [p.name for p in tmp_path.iterdir()] == [key.file_name()]
+    # another GPU, another Triton, edited kernels: another file, nothing in it yet
+    for other in (_store_key(tuning, gpu="NVIDIA H200"), _store_key(tuning, triton="3.8.0"),
+                  _store_key(tuning, source="0" * 64)):
+        assert other.file_name() != key.file_name()
+        assert tuning.PlanStore(tmp_path, other).get("fwd", torch.bfloat16, TUNE_KEY) is None
+
+
+@needs_triton
+def test_plan_store_ignores_corrupt_and_foreign_files(tmp_path):
+    from systems.attention.flash_triton import tuning
+
+    key = _store_key(tuning)
+    fwd = _listed(tuning, "fwd")
+    tuning.PlanStore(tmp_path, key).put("fwd", torch.bfloat16, TUNE_KEY, fwd)
+    path = tmp_path / key.file_name()
+    good = json.loads(path.read_text())
+
+    def entry(**changes):
+        return {**good, "plans": [{**good["plans"][0], **changes}]}
+
+    unusable = ["{not json", "[]", json.dumps({**good, "format": 2}),
+                json.dumps({**good, "gpu": "NVIDIA H200"}),  # foreign: written for another GPU
+                json.dumps(entry(config={**fwd, "BLOCK_M": 7})),  # no listed config
+                json.dumps(entry(tune_key=[1024, 64])), json.dumps(entry(kernel="bwd")), json.dumps(entry(dtype=3))]
+    for text in unusable:
+        path.write_text(text)
+        with pytest.warns(UserWarning, match="ignoring the flash-attention plan cache"):
+            assert tuning.PlanStore(tmp_path, key).get("fwd", torch.bfloat16, TUNE_KEY) is None, text
+    # a new plan replaces the unusable file
+    tuning.PlanStore(tmp_path, key).put("fwd", torch.bfloat16, TUNE_KEY, fwd)
+    assert tuning.PlanStore(tmp_path, key).get("fwd", torch.bfloat16, TUNE_KEY) == fwd
+    # a directory that cannot be made: a warning, and the plan kept in memory
+    (tmp_path / "blocker").write_text("")
+    store = tuning.PlanStore(tmp_path / "blocker" / "plans", key)
+    with pytest.warns(UserWarning, match="cannot write"):
+        store.put("fwd", torch.bfloat16, TUNE_KEY, fwd)
+    assert store.get("fwd", torch.bfloat16, TUNE_KEY) == fwd
+
+
+@needs_triton
+def test_cache_dir_only_where_asked_inside_tests(tmp_path, monkeypatch):
+    from systems.attention.flash_triton import tuning
+
+    monkeypatch.setenv(tuning.CACHE_ENV, str(tmp_path))
+    assert tuning.cache_dir() == tmp_path
+    store = tuning.plan_store(torch.device("cpu"))
+    assert store.path.parent == tmp_path and store.key.triton and store.key.gpu == "cpu"
+    monkeypatch.delenv(tuning.CACHE_ENV)
+    assert tuning.cache_dir() is None and tuning.plan_store(torch.device("cpu")) is None  # inside pytest
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    if tuning.INTERPRETING or not tuning.autotuning():
+        assert tuning.cache_dir() is None
+    else:
+        assert tuning.cache_dir() == tmp_path / "xdg" / "systems" / "flash_triton"

@@ -49,17 +49,21 @@ def _sdpa_with(backend_name: str) -> Callable:
     return run
 
 
-def get_impl(name: str) -> Callable:
-    """IMPLS ("triton": our default, TMA kernels above flash_triton.TMA_MIN_SEQ), plus named variants
-    for timing them side by side:
-    "triton_split" and "triton_atomic" (the pointer forward with that ``backward=`` of
-    flash_attention_triton) and "triton_tma" (the TMA-descriptor forward and split backward)."""
-    if name in ("triton", "triton_split", "triton_atomic", "triton_tma"):
-        from systems.attention.flash_triton import flash_attention_triton
+# The Triton implementations get_impl knows, as FlashVariant fields: our default (TMA kernels above
+# flash_triton.TMA_MIN_SEQ), and named variants for timing them side by side: the pointer forward
+# with the split or the atomic backward, and the TMA-descriptor forward and split backward.
+TRITON_VARIANTS = {"triton": {}, "triton_split": dict(forward="pointer", backward="split"),
+                   "triton_atomic": dict(forward="pointer", backward="atomic"),
+                   "triton_tma": dict(forward="tma", backward="tma")}
 
-        forward = {"triton": "triton", "triton_tma": "triton_tma"}.get(name, "triton_pointer")
-        return lambda q, k, v, is_causal: flash_attention_triton(q, k, v, is_causal=is_causal, backward=name,
-                                                                 forward=forward)
+
+def get_impl(name: str) -> Callable:
+    """IMPLS, plus the named Triton variants of TRITON_VARIANTS."""
+    if name in TRITON_VARIANTS:
+        from systems.attention.flash_triton import FlashVariant, flash_attention_triton
+
+        variant = FlashVariant(**TRITON_VARIANTS[name])
+        return lambda q, k, v, is_causal: flash_attention_triton(q, k, v, is_causal=is_causal, variant=variant)
     if name == "naive":
         return naive_attention
     if name == "sdpa_flash":

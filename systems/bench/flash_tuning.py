@@ -335,18 +335,10 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
 
 
 def stored_plans() -> list[dict]:
-    """The kernels' autotuned choices so far, one row per (kernel, dtype, autotune key)."""
-    from systems.attention import flash_triton as ft
+    """The kernels' chosen configs so far, one row per (kernel, dtype, autotune key)."""
+    from systems.attention.flash_triton import tuned_plans
 
-    rows = []
-    for key, plan in ft._PLANS.items():
-        name, dtype, *tune_key = key
-        # the tile sizes and the kernel's own options (not the shape-derived meta-parameters)
-        chosen = plan.kwargs
-        tiles = {k: v for k, v in chosen.items() if k.isupper() and k not in ("BLOCK_D", *ft._TUNE_KEY)}
-        rows.append(dict(kind="plan", kernel=name, dtype=str(dtype), **dict(zip(ft._TUNE_KEY, tune_key)), **tiles,
-                         num_warps=chosen.get("num_warps"), num_stages=chosen.get("num_stages")))
-    return rows
+    return [dict(kind="plan", **row) for row in tuned_plans()]
 
 
 def compare_table(rows: list[dict]) -> str:

@@ -1,0 +1,496 @@
+"""Launching the kernels: the variant choice (FlashVariant), the plan cache, the direct launch of
+compiled kernels and its fallback, the launchers, and the forward and backward passes.
+
+The direct launch: after a key's first call, each argument specialisation's first call goes
+through Triton's jit dispatch, which returns the compiled kernel it launched; every later call
+launches that compiled kernel directly. Triton's per-call dispatch (the autotuner's, then the
+jit's: binding, specialising and hashing every argument) cost more host time than a short
+sequence's kernel takes on the GPU (docs/flash_attention_notes.md, entry 6). It reads Triton
+internals, so it runs only with the torch and Triton versions pyproject.toml's
+[tool.systems.gpu-tested] names (it was run on an H100 with those); elsewhere every launch goes
+through the public ``kernel[grid](...)``. ``launch_path()`` says which, decided once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import re
+import tomllib
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, get_args
+
+import torch
+import triton
+
+from systems.attention.flash_pytorch import backward_reference
+from systems.attention.flash_triton import kernels
+from systems.attention.flash_triton.tuning import INTERPRETING, TUNE_KEY, TUNED, TunedKernel, config_meta, plan_store, seq_bucket
+
+# ----------------------------------------------------------------------------- variants
+
+Forward = Literal["auto", "pointer", "tma"]
+Backward = Literal["auto", "split", "tma", "atomic", "pytorch"]
+FORWARDS: tuple[str, ...] = get_args(Forward)
+BACKWARDS: tuple[str, ...] = get_args(Backward)
+# Longest sequence (max of queries, keys) the "auto" variants still run on the pointer kernels. On
+# the H100 the TMA kernels were faster at 16k and 64k (d 64 and 128) but slower at 4k, d 64 (bare
+# launches: fwd 0.048 against 0.037 ms, backward 0.127 against 0.094): building descriptors costs
+# each program a fixed amount that a short key loop does not earn back. 4096 is that measured point.
+TMA_MIN_SEQ = 4096
+
+
+@dataclass(frozen=True)
+class FlashVariant:
+    """Which kernels run. The default, "auto" for both, is what measured fastest on the H100
+    (docs/flash_attention_notes.md, entries 4 and 5); every other choice stays selectable so they
+    can be timed side by side.
+
+    forward: "pointer" (tiles loaded through pointers), "tma" (the streamed tiles read through TMA
+    tensor descriptors; the pointer kernel where tma_usable says no), or "auto" (tma for 16-bit
+    inputs longer than TMA_MIN_SEQ, pointer otherwise).
+    backward: "split" (a dQ kernel, then a dK/dV kernel, through pointers), "tma" (the same pair
+    through descriptors, as forward "tma"), "auto" (the pair, through descriptors where forward
+    "auto" would be), "atomic" (one kernel over key tiles adding dQ with atomics), or "pytorch"
+    (flash_pytorch's compiled reference backward on the same saved tensors).
+    """
+    forward: Forward = "auto"
+    backward: Backward = "auto"
+
+    def __post_init__(self):
+        if self.forward not in FORWARDS:
+            raise ValueError(f"FlashVariant forward must be one of {', '.join(FORWARDS)}; got {self.forward!r}")
+        if self.backward not in BACKWARDS:
+            raise ValueError(f"FlashVariant backward must be one of {', '.join(BACKWARDS)}; got {self.backward!r}")
+
+    def forward_tma(self, *tensors: torch.Tensor) -> bool:
+        """Whether the forward reads these (..., seq, d) tensors through TMA descriptors."""
+        return _wants_tma(self.forward, tensors)
+
+    def backward_tma(self, *tensors: torch.Tensor) -> bool:
+        """Whether the split backward reads these tensors through TMA descriptors."""
+        return self.backward in ("auto", "tma") and _wants_tma(self.backward, tensors)
+
+
+DEFAULT_VARIANT = FlashVariant()
+
+
+def _check_variant(variant) -> None:
+    if not isinstance(variant, FlashVariant):
+        raise ValueError(f"variant must be a FlashVariant(forward=..., backward=...), got {variant!r}")
+
+
+def tma_usable(*tensors: torch.Tensor) -> bool:
+    """Whether the TMA kernels can read these (batch, seq, d) contiguous tensors: a descriptor's base
+    must be 16-byte aligned and its row stride a multiple of 16 bytes (so d * element size must be,
+    which holds for every d that is a multiple of 8), and the TMA engine exists from Hopper on.
+    Where it does not hold, the TMA variants run the pointer kernels instead."""
+    for t in tensors:
+        # (with d * element size a multiple of 16, every (batch, head)'s base stays aligned too)
+        if t.data_ptr() % 16 or (t.shape[-1] * t.element_size()) % 16:
+            return False
+    if INTERPRETING:
+        return True
+    return all(t.is_cuda for t in tensors) and _major_capability(tensors[0].device.index) >= 9
+
+
+@functools.cache  # asked once per device: every call needs it
+def _major_capability(index) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _wants_tma(choice: str, tensors: tuple[torch.Tensor, ...]) -> bool:
+    if choice == "auto":
+        # where TMA was measured faster: 16-bit inputs (fp32 was not measured) of long sequences
+        long = max(t.shape[-2] for t in tensors) > TMA_MIN_SEQ
+        choice = "tma" if long and tensors[0].dtype != torch.float32 else "pointer"
+    return choice == "tma" and tma_usable(*tensors)
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # where the kernels write the descriptors they build (128 bytes each per program); torch's
+    # caching allocator hands back the same block launch after launch
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def _ensure_tma_allocator() -> None:
+    """Give Triton an allocator for device-side descriptors unless this thread has one.
+
+    Checked at every TMA launch, not once: Triton keeps the allocator in a ContextVar, which every
+    thread starts without, and autograd runs the backward on a thread of its own. Never at import:
+    importing this package must not change Triton's global state."""
+    from triton.runtime import _allocation  # cached after the first call: a dict lookup
+
+    current = getattr(_allocation, "_allocator", None)
+    null = getattr(_allocation, "NullAllocator", None)
+    if current is None or null is None or isinstance(current.get(), null):
+        triton.set_allocator(_tma_scratch)
+
+
+# ----------------------------------------------------------------------------- launch path
+
+DIRECT_ENV = "FLASH_TRITON_DIRECT_LAUNCH"
+
+
+@dataclass(frozen=True)
+class LaunchPath:
+    """direct: compiled kernels launched directly after their first call; otherwise every launch
+    goes through the public kernel[grid](...). reason: why, in words."""
+    direct: bool
+    reason: str
+
+
+def gpu_tested_versions(pyproject: Path | None = None) -> dict[str, str] | None:
+    """The repository's pyproject.toml's [tool.systems.gpu-tested]: package -> version range
+    (">=3.6,<3.7"), or None where the file or the table is missing (an installed copy without the
+    repository's pyproject.toml)."""
+    pyproject = pyproject or Path(__file__).resolve().parents[3] / "pyproject.toml"
+    try:
+        with open(pyproject, "rb") as f:
+            return tomllib.load(f).get("tool", {}).get("systems", {}).get("gpu-tested")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    # the leading release numbers: (2, 11, 0) of "2.11.0+cu130", (3, 7, 0) of "3.7.0rc1"
+    return tuple(int(n) for n in re.findall(r"\d+", re.match(r"[\d.]*", version).group()))
+
+
+def version_in_range(version: str, spec: str) -> bool:
+    """Whether ``version`` meets every comma-separated clause of ``spec``, each ">=X" or "<Y"."""
+    v = _release(version)
+    for clause in (c.strip() for c in spec.split(",")):
+        if clause.startswith(">="):
+            ok = v >= _release(clause[2:])
+        elif clause.startswith("<"):
+            ok = v < _release(clause[1:])
+        else:
+            raise ValueError(f"a gpu-tested version clause is '>=X' or '<Y', got {clause!r}")
+        if not ok:
+            return False
+    return True
+
+
+def choose_launch_path(*, interpreting: bool, force: str | None, versions: dict[str, str],
+                       tested: dict[str, str] | None, missing: list[str]) -> LaunchPath:
+    """The decision behind launch_path(). force: $FLASH_TRITON_DIRECT_LAUNCH ("1" takes the direct
+    launch outside the tested versions, "0" never takes it); missing: the Triton internals the
+    direct launch reads that this Triton lacks (then it is never taken)."""
+    if force not in (None, "", "0", "1"):
+        raise ValueError(f"{DIRECT_ENV} must be 0, 1 or unset, got {force!r}")
+    if interpreting:
+        return LaunchPath(False, "the Triton interpreter compiles no kernel to launch")
+    if force == "0":
+        return LaunchPath(False, f"{DIRECT_ENV}=0")
+    if missing:
+        return LaunchPath(False, f"this Triton lacks what the direct launch reads: {', '.join(missing)}")
+    if force == "1":
+        return LaunchPath(True, f"{DIRECT_ENV}=1")
+    if not tested:
+        return LaunchPath(False, "pyproject.toml names no [tool.systems.gpu-tested] versions")
+    outside = [f"{name} {versions.get(name)} (tested: {spec})" for name, spec in tested.items()
+               if versions.get(name) is None or not version_in_range(versions[name], spec)]
+    if outside:
+        return LaunchPath(False, f"outside the GPU-tested versions: {'; '.join(outside)} ({DIRECT_ENV}=1 forces "
+                                 "the direct launch)")
+    return LaunchPath(True, "inside the GPU-tested versions: " + ", ".join(f"{n} {versions[n]}" for n in tested))
+
+
+@functools.cache
+def _compiled_kernel_class() -> type:
+    from triton.compiler import CompiledKernel
+
+    return CompiledKernel
+
+
+def missing_internals() -> list[str]:
+    """What the direct launch reads beyond Triton's public API, where this Triton lacks it: the
+    CompiledKernel the jit launch returns, launched as compiled[grid](*arguments), and each jit
+    kernel's arg_names (the order in which the launch appends the plan's parameters)."""
+    missing = []
+    try:
+        if not callable(getattr(_compiled_kernel_class(), "__getitem__", None)):
+            missing.append("CompiledKernel[grid]")
+    except ImportError:
+        missing.append("triton.compiler.CompiledKernel")
+    for kernel in TUNED.values():
+        fn = getattr(kernel.jit, "fn", None)
+        if fn is None or list(getattr(kernel.jit, "arg_names", ())) != list(inspect.signature(fn).parameters):
+            missing.append(f"{kernel.name}'s arg_names")
+    return missing
+
+
+@functools.cache  # decided at the first launch, for good
+def launch_path() -> LaunchPath:
+    """Whether this process launches compiled kernels directly (see the module's docstring)."""
+    force = os.environ.get(DIRECT_ENV)
+    path = choose_launch_path(interpreting=INTERPRETING, force=force,
+                              versions={"torch": torch.__version__, "triton": triton.__version__},
+                              tested=gpu_tested_versions(), missing=[] if INTERPRETING else missing_internals())
+    if not path.direct and not INTERPRETING and force != "0":
+        warnings.warn(f"flash attention launches its kernels through Triton's dispatch, which costs host time "
+                      f"per call: {path.reason}", stacklevel=2)
+    return path
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+@dataclass
+class _Plan:
+    """What one (kernel, dtype, autotune key) runs with, and the kernels compiled for it."""
+    config: dict  # the chosen tiles, num_warps and num_stages
+    kwargs: dict  # the autotune key's meta-parameters and the config: what the jit launch takes
+    origin: str  # "tuned" by this process's autotuner, or "stored" in the persisted plans
+    tail: tuple | None  # the direct launch's parameters after the runtime arguments (SEQ_BUCKET,
+    # constexprs), in order; None where every launch goes through kernel[grid](...)
+    compiled: dict = field(default_factory=dict)  # specialisation(args) -> Triton's CompiledKernel
+
+
+# (kernel name, dtype, autotune key) -> its _Plan. The first call of a key takes the persisted plan
+# or autotunes; later calls launch the jit kernel with the plan's config, or directly (above).
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def tuned_plans() -> list[dict]:
+    """One row per (kernel, dtype, autotune key) launched so far in this process: the kernel (its
+    name in tuning.CONFIGS), dtype, the autotune key, the chosen config, its origin ("tuned" by
+    this process, or "stored" by an earlier one) and how many compiled kernels the direct launch
+    holds for it (one per argument specialisation)."""
+    return [dict(kernel=name, dtype=str(dtype), **dict(zip(TUNE_KEY, tune_key)), **plan.config,
+                 origin=plan.origin, compiled=len(plan.compiled))
+            for (name, dtype, *tune_key), plan in _PLANS.items()]
+
+
+def clear_tuned_plans() -> None:
+    """Forget this process's plans (the persisted ones stay): each key's next call starts over."""
+    _PLANS.clear()
+
+
+def specialisation(args: tuple) -> tuple:
+    """What Triton specialises a compiled kernel on, for the argument types these kernels take, or
+    finer (so a cached kernel is never launched where Triton would have compiled another): a
+    tensor's dtype, device and 16-byte alignment; an int's width, equality to 1 and divisibility
+    by 16. Python floats always pass as fp32."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.get_device(), a.data_ptr() % 16 == 0))
+        elif isinstance(a, int):
+            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
+    return tuple(key)
+
+
+def _new_plan(kernel: TunedKernel, n_args: int, meta: dict, config: dict, origin: str) -> _Plan:
+    kwargs = {**meta, **config}
+    tail = tuple(kwargs[name] for name in kernel.jit.arg_names[n_args:]) if launch_path().direct else None
+    return _Plan(config, kwargs, origin, tail)
+
+
+def _first_plan(kernel: TunedKernel, key: tuple, grid, args: tuple, meta: dict) -> _Plan | None:
+    """A key's first call in this process: the persisted plan, returned for the caller to launch,
+    or else the autotuner's choice, which it has launched itself (None)."""
+    store = plan_store(args[0].device)
+    stored = store.get(kernel.name, args[0].dtype, key[2:]) if store is not None else None
+    if stored is not None:  # launched with this config by the caller: no benchmarking
+        plan = _PLANS[key] = _new_plan(kernel, len(args), meta, stored, "stored")
+        return plan
+    kernel.autotuner[grid](*args, **meta)  # autotunes on the first call of a key
+    best = getattr(kernel.autotuner, "best_config", None)
+    if best is not None:
+        config = config_meta(best)
+        _PLANS[key] = _new_plan(kernel, len(args), meta, config, "tuned")
+        if store is not None:
+            store.put(kernel.name, args[0].dtype, key[2:], config)
+    return None
+
+
+def _launch(kernel: TunedKernel, grid, args: tuple, meta: dict, config: dict | None) -> None:
+    """The kernel under its plan, or with ``config`` (its tile sizes, num_warps and num_stages) the
+    jit kernel under it, bypassing plans and autotuner (what systems.bench.flash_tuning measures
+    candidates with)."""
+    if config is not None:
+        kernel.jit[grid](*args, **meta, **config)
+        return
+    key = (kernel.name, args[0].dtype, *(meta[k] for k in TUNE_KEY))  # the autotuner's own key
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _first_plan(kernel, key, grid, args, meta)
+        if plan is None:
+            return
+    if plan.tail is None:
+        kernel.jit[grid](*args, **plan.kwargs)
+        return
+    spec = specialisation(args)
+    compiled = plan.compiled.get(spec)
+    if compiled is None:
+        compiled = kernel.jit[grid](*args, **plan.kwargs)
+        if isinstance(compiled, _compiled_kernel_class()):
+            plan.compiled[spec] = compiled
+        return
+    g = grid(plan.kwargs)
+    compiled[(g[0], g[1], 1)](*args, *plan.tail)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs follow torch's global matmul setting (TF32 only when the user allowed it)
+    if dtype == torch.float32 and not INTERPRETING and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _block_d(d: int) -> int:
+    # the head dim padded to a power of two of at least 16 (tl.dot's smallest K); bit arithmetic,
+    # as triton.next_power_of_2 is a jit-aware function that costs microseconds per call
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def _common(d: int, n: int, dtype: torch.dtype, is_causal: bool) -> dict:
+    """The constexprs every kernel of one call shares: head dim, causal, dot precision, and the
+    autotuning bucket of the longer sequence ``n``."""
+    return dict(HEAD_DIM=d, BLOCK_D=_block_d(d), IS_CAUSAL=bool(is_causal), INPUT_PRECISION=_dot_precision(dtype),
+                SEQ_BUCKET=seq_bucket(n))
+
+
+def _dims(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
+    """(batch, n_q, n_k, d) of contiguous (..., seq, d) tensors. The kernels address a (batch,
+    head)'s rows from the base pointer alone, so leading dims need no reshape into one batch dim."""
+    n_q, d = q.shape[-2], q.shape[-1]
+    return q.numel() // (n_q * d), n_q, k.shape[-2], d
+
+
+def _contiguous(*tensors: torch.Tensor) -> None:
+    # the kernels index (..., seq, d) tensors with the strides of the contiguous layout
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError(f"flash_triton kernels take contiguous tensors, got strides {t.stride()}")
+
+
+# (pointer kernel, TMA kernel) of the forward and the split pair, indexed by tma (a bool)
+_FWD, _DQ, _DKDV = ((TUNED[name], TUNED[f"{name}_tma"]) for name in ("fwd", "dq", "dkdv"))
+
+
+def _pick(twins: tuple[TunedKernel, TunedKernel], tma: bool) -> TunedKernel:
+    """The TMA kernel (after making sure this thread has a descriptor allocator) or the pointer one.
+    The caller has checked tma_usable."""
+    if tma and not INTERPRETING:  # the interpreter builds descriptors on the host, without scratch
+        _ensure_tma_allocator()
+    return twins[tma]
+
+
+# The launchers take contiguous tensors shaped (..., seq, d) (every leading dim is batch) and
+# L, D shaped (..., n_q) fp32.
+
+def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None = None, tma: bool = False) -> None:
+    """Fill O (like Q) and L (Q's leading dims and n_q, fp32) from Q (..., n_q, d) and K, V
+    (..., n_k, d). tma: the TMA kernel (the tensors must pass tma_usable)."""
+    batch, n_q, n_k, d = _dims(q3, k3)
+
+    def grid(meta):
+        return (triton.cdiv(n_q, meta["BLOCK_M"]), batch)
+
+    _launch(_pick(_FWD, tma), grid,
+            (q3, k3, v3, o, lse, n_q, n_k, d ** -0.5 * kernels.LOG2E), _common(d, max(n_q, n_k), q3.dtype, is_causal),
+            config)
+
+
+def launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal: bool, *, config: dict | None = None,
+              meta: dict | None = None, tma: bool = False) -> None:
+    """Fill dQ and D = rowsum(O * dO) (the dK/dV kernel's input), given L. ``meta``: ``_common``'s
+    dict when the caller already has it."""
+    batch, n_q, n_k, d = _dims(q3, k3)
+
+    def grid(meta):
+        return (triton.cdiv(n_q, meta["BLOCK_M2"]), batch)
+
+    args = (q3, k3, v3, o3, do3, lse, delta, dq, n_q, n_k, d ** -0.5 * kernels.LOG2E, d ** -0.5)
+    _launch(_pick(_DQ, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal), config)
+
+
+def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config: dict | None = None,
+                meta: dict | None = None, tma: bool = False) -> None:
+    """Fill dK and dV, given L and D (written by launch_dq)."""
+    batch, n_q, n_k, d = _dims(q3, k3)
+
+    def grid(meta):
+        return (triton.cdiv(n_k, meta["BLOCK_N1"]), batch)
+
+    args = (q3, k3, v3, do3, lse, delta, dk, dv, n_q, n_k, d ** -0.5 * kernels.LOG2E, d ** -0.5)
+    _launch(_pick(_DKDV, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal),
+            config)
+
+
+_PREP_ROWS = 64  # rows per program of the prep kernel: it is memory-bound, any tile that fills the GPU does
+
+
+def launch_bwd_prep(o3, do3, delta, dq_acc) -> None:
+    """Fill D = rowsum(O * dO) (..., n_q) and zero dq_acc (like O, fp32): the atomic kernel's inputs."""
+    batch, n_q, _, d = _dims(o3, o3)
+    kernels.flash_bwd_prep_kernel[(triton.cdiv(n_q, _PREP_ROWS), batch)](
+        o3, do3, delta, dq_acc, n_q, HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_P=_PREP_ROWS, num_warps=4)
+
+
+def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, *, config: dict | None = None,
+                  meta: dict | None = None) -> None:
+    """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D."""
+    batch, n_q, n_k, d = _dims(q3, k3)
+
+    def grid(meta):
+        return (triton.cdiv(n_k, meta["BLOCK_N3"]), batch)
+
+    args = (q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, n_q, n_k, d ** -0.5 * kernels.LOG2E, d ** -0.5)
+    _launch(TUNED["atomic"], grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal), config)
+
+
+def launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal: bool, *,
+                           config: dict | None = None, meta: dict | None = None) -> None:
+    """The whole atomic backward: the prep kernel, the atomic kernel, then dQ = sm_scale * dq_acc
+    written in dq's dtype (``dq`` may be ``dq_acc`` itself, for fp32 inputs)."""
+    launch_bwd_prep(o3, do3, delta, dq_acc)
+    launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal, config=config, meta=meta)
+    torch.mul(dq_acc, q3.shape[-1] ** -0.5, out=dq)  # one elementwise kernel: scale and cast together
+
+
+# ----------------------------------------------------------------------------- passes
+
+
+def flash_forward_triton(q3, k3, v3, is_causal: bool, *, variant: FlashVariant = DEFAULT_VARIANT
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous Q (..., n_q, d), K, V (..., n_k, d) -> O (like Q), L (..., n_q) fp32, through the
+    forward kernel ``variant.forward`` names."""
+    _check_variant(variant)
+    _contiguous(q3, k3, v3)
+    o = torch.empty_like(q3)
+    lse = torch.empty(q3.shape[:-1], device=q3.device, dtype=torch.float32)
+    launch_forward(q3, k3, v3, o, lse, is_causal, tma=variant.forward_tma(q3, k3, v3))
+    return o, lse
+
+
+def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant: FlashVariant = DEFAULT_VARIANT):
+    """dQ, dK, dV (like Q, K, V) from contiguous (..., seq, d) tensors and L (..., n_q), through the
+    backward ``variant.backward`` names: the split pair (the dQ kernel, which also writes D, then
+    the dK/dV kernel), launch_backward_atomic, or flash_pytorch's reference."""
+    _check_variant(variant)
+    if variant.backward == "pytorch":
+        return backward_reference(q3, k3, v3, o3, lse, do3, is_causal)
+    _contiguous(q3, k3, v3, o3, do3)
+    delta = torch.empty_like(lse)
+    dk, dv = torch.empty_like(k3), torch.empty_like(v3)
+    meta = _common(q3.shape[-1], max(q3.shape[-2], k3.shape[-2]), q3.dtype, is_causal)  # one dict for every launch
+    if variant.backward == "atomic":
+        dq_acc = torch.empty(q3.shape, device=q3.device, dtype=torch.float32)
+        dq = dq_acc if q3.dtype == torch.float32 else torch.empty_like(q3)
+        launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal, meta=meta)
+        return dq, dk, dv
+    dq = torch.empty_like(q3)
+    tma = variant.backward_tma(q3, k3, v3, o3, do3)
+    launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta, tma=tma)
+    launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal, meta=meta, tma=tma)
+    return dq, dk, dv

@@ -1,0 +1,394 @@
+"""Which tiles the kernels run with: the config tables, their pruners, the autotuners around the jit
+kernels of kernels.py, and the persisted store that spares a new process the autotuning its
+predecessors did.
+
+Tile sizes and warps are autotuned per (sequence-length bucket, head dim, causal, dtype): the
+autotune key. A key's chosen config (its plan, launch.py) is persisted per (GPU name, Triton
+version, source hash of the kernels and of these tables) in a JSON file under ``cache_dir()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from systems.measure.devices import triton_interpreting
+from systems.attention.flash_triton import kernels
+
+# read once: TRITON_INTERPRET is fixed before triton is imported, and the config tables below
+# are chosen from it at import anyway; the per-call checks then cost no environment lookup
+INTERPRETING = triton_interpreting()
+
+
+def seq_bucket(n: int) -> int:
+    """Autotuning key for a sequence length: powers of 4 from 256 to 16384.
+
+    Tuning per exact length would re-benchmark every config for every new length (a sweep
+    over ten lengths would spend most of its time tuning); the best tile barely changes
+    within a factor of four. Every bucket is a multiple of 16, so the unused kernel argument
+    never changes Triton's integer specialisation (and never forces a recompile).
+    """
+    bucket = 256
+    while bucket < n and bucket < 16384:
+        bucket *= 4
+    return bucket
+
+
+# ----------------------------------------------------------------------------- autotune configs
+
+
+def _cfg(**kw) -> triton.Config:
+    warps, stages = kw.pop("warps"), kw.pop("stages")
+    return triton.Config(kw, num_warps=warps, num_stages=stages)
+
+
+def autotuning() -> bool:
+    """False under the interpreter, or with FLASH_TRITON_AUTOTUNE=0 (one default config each:
+    no benchmarking, few compiles; what quick GPU tests want)."""
+    return not INTERPRETING and os.environ.get("FLASH_TRITON_AUTOTUNE", "1") != "0"
+
+
+# Per kernel: configs for 16-bit inputs and for fp32 inputs (fp32 tiles hold twice the bytes
+# and its ieee dots run on CUDA cores, so smaller tiles win and big ones spill). The lists are
+# short on purpose: each config costs a compile per (head dim, dtype, causal). The 16-bit ones
+# are the winners of systems.bench.flash_tuning's 8 candidates per kernel on an H100 (bf16, causal,
+# seq 1k-64k x d 64/128 and the leaderboard shape; results/06_flash_attention_tuning.jsonl):
+# 64-row tiles win up to 16k, 128-row query tiles (and 64x128 dK/dV tiles) at 64k with d=128.
+# Under the interpreter there is one small config each: multi-config autotuning benchmarks
+# on a GPU (it fails without a driver), and 16-row tiles exercise the tile loops at tiny sizes.
+if INTERPRETING:
+    CONFIGS = {
+        "fwd": {"half": [_cfg(BLOCK_M=16, BLOCK_N=16, warps=4, stages=1)], "fp32": []},
+        "dkdv": {"half": [_cfg(BLOCK_M1=16, BLOCK_N1=32, warps=4, stages=1)], "fp32": []},
+        "dq": {"half": [_cfg(BLOCK_M2=32, BLOCK_N2=16, warps=4, stages=1)], "fp32": []},
+        "atomic": {"half": [_cfg(BLOCK_M3=16, BLOCK_N3=32, DEFER_DQ_ADD=True, warps=4, stages=1)], "fp32": []},
+    }
+elif not autotuning():
+    # one config every dtype and head dim fits (fp32 included)
+    CONFIGS = {
+        "fwd": {"half": [_cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=2)], "fp32": []},
+        "dkdv": {"half": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2)], "fp32": []},
+        "dq": {"half": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2)], "fp32": []},
+        "atomic": {"half": [_cfg(BLOCK_M3=32, BLOCK_N3=64, DEFER_DQ_ADD=True, warps=4, stages=2)], "fp32": []},
+    }
+else:
+    CONFIGS = {
+        "fwd": {
+            "half": [_cfg(BLOCK_M=64, BLOCK_N=128, warps=4, stages=3),
+                     _cfg(BLOCK_M=128, BLOCK_N=64, warps=8, stages=3),
+                     _cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=4)],
+            "fp32": [_cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=3),
+                     _cfg(BLOCK_M=64, BLOCK_N=32, warps=4, stages=2)],
+        },
+        "dkdv": {
+            "half": [_cfg(BLOCK_M1=64, BLOCK_N1=64, warps=4, stages=3),
+                     _cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=3),
+                     _cfg(BLOCK_M1=64, BLOCK_N1=128, warps=8, stages=3)],
+            "fp32": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2),
+                     _cfg(BLOCK_M1=32, BLOCK_N1=32, warps=4, stages=2)],
+        },
+        "dq": {
+            "half": [_cfg(BLOCK_M2=128, BLOCK_N2=64, warps=8, stages=3),
+                     _cfg(BLOCK_M2=128, BLOCK_N2=32, warps=4, stages=3),
+                     _cfg(BLOCK_M2=64, BLOCK_N2=64, warps=4, stages=3)],
+            "fp32": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2),
+                     _cfg(BLOCK_M2=32, BLOCK_N2=32, warps=4, stages=2)],
+        },
+        # The atomic backward's key tile (BLOCK_N3) sets its atomic traffic: every key tile adds
+        # n_q x d fp32 into dQ, so a head moves about n_q * n_k / 2 / BLOCK_N3 * d * 4 bytes of
+        # atomics when causal. Hence no 16-bit config below 64 keys. On an H100 at the
+        # leaderboard shape (notes entry 4) 64x128/8 warps and 64x64/4 warps led; 32-row query
+        # tiles (whose dQ dot runs on mma.sync: wgmma needs 64 rows) ran 1.2-1.3x slower and
+        # 128-row ones 1.3-2x; deferring the dQ add by one query tile took 3% and 7% off the
+        # two leaders, so every config here defers it.
+        "atomic": {
+            "half": [_cfg(BLOCK_M3=64, BLOCK_N3=128, DEFER_DQ_ADD=True, warps=8, stages=3),
+                     _cfg(BLOCK_M3=64, BLOCK_N3=64, DEFER_DQ_ADD=True, warps=4, stages=3),
+                     _cfg(BLOCK_M3=64, BLOCK_N3=128, DEFER_DQ_ADD=True, warps=8, stages=4)],
+            "fp32": [_cfg(BLOCK_M3=32, BLOCK_N3=64, DEFER_DQ_ADD=True, warps=4, stages=2),
+                     _cfg(BLOCK_M3=32, BLOCK_N3=32, DEFER_DQ_ADD=True, warps=4, stages=2)],
+        },
+        # The TMA kernels: the streamed tiles are copied into shared memory by the TMA engine instead
+        # of by every thread's address arithmetic and loads, which leaves registers for larger tiles.
+        # systems.bench.flash_tuning's search over 8 candidates each on an H100 (leaderboard shape, notes
+        # entry 5, results/06_flash_tma_tuning.jsonl) found the larger ones slower: 128x128 over 8
+        # warps lost by 9% (fwd), 12% (dK/dV) and 12% (dQ) to 64-row tiles with 4 warps. So each list
+        # holds two: the search's winner at the leaderboard shape, and the pointer kernel's 128-row
+        # (or 128-key) tile that wins at 64k with d=128. Two, not more, because with the TMA
+        # kernels beside the pointer ones every config is one more compile per head dim and dtype
+        # in notebook 06's sweep, which has to fit its time budget.
+        "fwd_tma": {
+            "half": [_cfg(BLOCK_M=64, BLOCK_N=128, warps=4, stages=3),
+                     _cfg(BLOCK_M=128, BLOCK_N=64, warps=8, stages=3)],
+            "fp32": [_cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=3),
+                     _cfg(BLOCK_M=64, BLOCK_N=32, warps=4, stages=2)],
+        },
+        "dkdv_tma": {
+            "half": [_cfg(BLOCK_M1=64, BLOCK_N1=64, warps=4, stages=3),
+                     _cfg(BLOCK_M1=64, BLOCK_N1=128, warps=8, stages=3)],
+            "fp32": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2),
+                     _cfg(BLOCK_M1=32, BLOCK_N1=32, warps=4, stages=2)],
+        },
+        "dq_tma": {
+            "half": [_cfg(BLOCK_M2=64, BLOCK_N2=64, warps=4, stages=3),
+                     _cfg(BLOCK_M2=128, BLOCK_N2=32, warps=4, stages=3)],
+            "fp32": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2),
+                     _cfg(BLOCK_M2=32, BLOCK_N2=32, warps=4, stages=2)],
+        },
+    }
+
+if not autotuning():  # one config each: the TMA kernels run their pointer twins' tiles
+    CONFIGS.update({f"{k}_tma": CONFIGS[k] for k in ("fwd", "dkdv", "dq")})
+
+_SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KB per block, the rest is Triton's scratch
+# fp32 registers per thread the atomic kernel's dK and dV accumulators may take: a thread has at
+# most 255, and the S^T, P^T, dP^T tiles and the dot operands need the rest (beyond this it spills)
+_ACC_REGS_PER_THREAD = 128
+
+
+def _prune(kernel, configs, named_args, resident_keys, streamed_keys, **kwargs):
+    """Keep the configs of the input's dtype family whose tiles fit shared memory.
+
+    resident_keys: block sizes of tiles held for the whole program;
+    streamed_keys: block sizes of tiles multi-buffered over num_stages.
+    """
+    meta = {**named_args, **kwargs}
+    fp32 = meta["Q"].dtype == torch.float32
+    elt = 4 if fp32 else 2
+    family = CONFIGS[kernel]["fp32" if fp32 else "half"] or CONFIGS[kernel]["half"]
+    kept = []
+    for c in configs:
+        if not any(c is f for f in family):
+            continue
+        resident = sum(c.kwargs[key] for key in resident_keys) * meta["BLOCK_D"] * elt
+        streamed = sum(c.kwargs[key] for key in streamed_keys) * meta["BLOCK_D"] * elt * max(c.num_stages, 1)
+        if resident + streamed <= _SMEM_BUDGET:
+            kept.append(c)
+    if not kept:  # never return nothing: the family's smallest config
+        kept = [min(family, key=lambda c: sum(c.kwargs.values()) * c.num_stages)]
+    return kept
+
+
+# Per kernel family: the block sizes of the tiles a program holds throughout, and of those it
+# streams (multi-buffered over num_stages) through its loop. The TMA kernels hold and stream the
+# same tiles as their pointer twins.
+_TILE_ROLES = {
+    "fwd": (["BLOCK_M"], ["BLOCK_N", "BLOCK_N"]),  # Q; K and V
+    "dkdv": (["BLOCK_N1", "BLOCK_N1"], ["BLOCK_M1", "BLOCK_M1"]),  # K, V (dK, dV in registers); Q and dO
+    "dq": (["BLOCK_M2", "BLOCK_M2"], ["BLOCK_N2", "BLOCK_N2"]),  # Q, dO; K and V
+    "atomic": (["BLOCK_N3", "BLOCK_N3"], ["BLOCK_M3", "BLOCK_M3"]),  # K, V; Q and dO
+}
+
+
+def _pruner(kernel: str):
+    """The config pruner of one kernel's autotuner: its own config lists, its family's tile roles."""
+    resident, streamed = _TILE_ROLES[kernel.removesuffix("_tma")]
+    return functools.partial(_prune, kernel, resident_keys=resident, streamed_keys=streamed)
+
+
+def _prune_atomic(configs, named_args, **kwargs):
+    # shared memory first, then the register rule: the dK and dV accumulators (2 x BLOCK_N3 x
+    # BLOCK_D fp32, spread over the block's threads) must leave room for the rest
+    kept = _pruner("atomic")(configs, named_args, **kwargs)
+    block_d = {**named_args, **kwargs}["BLOCK_D"]
+
+    def acc_regs(c):
+        return 2 * c.kwargs["BLOCK_N3"] * block_d / (32 * c.num_warps)
+
+    return [c for c in kept if acc_regs(c) <= _ACC_REGS_PER_THREAD] or [min(kept, key=acc_regs)]
+
+
+TUNE_KEY = ["SEQ_BUCKET", "HEAD_DIM", "IS_CAUSAL", "INPUT_PRECISION"]
+
+
+def _tune_bench(fn, quantiles=None, **_):
+    # shorter than Triton's default 25 ms warm-up + 100 ms per config: a sweep meets many keys
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+def _autotune(configs, prune, restore_value=None):
+    """restore_value: outputs the kernel accumulates into (atomics), which the autotuner copies
+    before each benchmark run and puts back after it, so the real run adds to what it was given."""
+    try:
+        return triton.autotune(configs=configs, key=TUNE_KEY, do_bench=_tune_bench, restore_value=restore_value,
+                               prune_configs_by={"early_config_prune": prune})
+    except TypeError:  # a Triton without the do_bench hook: its default timing
+        return triton.autotune(configs=configs, key=TUNE_KEY, restore_value=restore_value,
+                               prune_configs_by={"early_config_prune": prune})
+
+
+def config_meta(config: triton.Config) -> dict:
+    """A config as the jit kernel takes it: its tiles and options, num_warps, num_stages (the
+    tables above set nothing else)."""
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+@dataclass(frozen=True)
+class TunedKernel:
+    """One kernel under its name in CONFIGS, by which plans are cached and persisted: the jit
+    function, launched with a known config, and the autotuner around it, launched on a key's
+    first call."""
+    name: str
+    jit: triton.JITFunction
+    autotuner: triton.runtime.Autotuner
+
+
+def _tuned(name: str, jit, prune=None, restore_value=None) -> TunedKernel:
+    configs = CONFIGS[name]["half"] + CONFIGS[name]["fp32"]
+    return TunedKernel(name, jit, _autotune(configs, prune or _pruner(name), restore_value)(jit))
+
+
+TUNED: dict[str, TunedKernel] = {t.name: t for t in (
+    _tuned("fwd", kernels.flash_fwd_kernel),
+    _tuned("fwd_tma", kernels.flash_fwd_tma_kernel),
+    _tuned("dkdv", kernels.flash_bwd_dkdv_kernel),
+    _tuned("dkdv_tma", kernels.flash_bwd_dkdv_tma_kernel),
+    _tuned("dq", kernels.flash_bwd_dq_kernel),
+    _tuned("dq_tma", kernels.flash_bwd_dq_tma_kernel),
+    _tuned("atomic", kernels.flash_bwd_atomic_kernel, _prune_atomic, restore_value=["DQ_ACC"]),
+)}
+
+
+# ----------------------------------------------------------------------------- persisted plans
+
+CACHE_ENV = "FLASH_TRITON_CACHE_DIR"
+_STORE_FORMAT = 1
+
+
+def cache_dir() -> Path | None:
+    """Where tuned plans persist: $FLASH_TRITON_CACHE_DIR, else $XDG_CACHE_HOME/systems/flash_triton
+    (~/.cache/... without XDG_CACHE_HOME). None, so that nothing is read or written, under the
+    interpreter, inside a pytest run and with autotuning off, unless $FLASH_TRITON_CACHE_DIR is
+    set: tests and quick runs leave the user's cache alone."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    if INTERPRETING or "PYTEST_CURRENT_TEST" in os.environ or not autotuning():
+        return None
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "systems" / "flash_triton"
+
+
+def source_hash(kernel_source: str, configs: dict) -> str:
+    """sha256 of the kernels' source and of the config lists the autotuners choose from: a plan
+    tuned before either changed is not reused."""
+    digest = hashlib.sha256(kernel_source.encode())
+    for name in sorted(configs):
+        for family in ("half", "fp32"):
+            digest.update(repr([(name, family, config_meta(c)) for c in configs[name][family]]).encode())
+    return digest.hexdigest()
+
+
+@functools.cache  # read from disk at the first lookup, never at import
+def current_source_hash() -> str:
+    return source_hash(inspect.getsource(kernels), CONFIGS)
+
+
+@dataclass(frozen=True)
+class StoreKey:
+    """What a persisted plan is valid for."""
+    gpu: str  # torch.cuda.get_device_name, or the device type where the interpreter runs
+    triton: str  # triton.__version__
+    source: str  # source_hash
+
+    def file_name(self) -> str:
+        digest = hashlib.sha256("\0".join((self.gpu, self.triton, self.source)).encode()).hexdigest()
+        return f"plans-{digest[:16]}.json"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_entry(entry) -> tuple[tuple, dict]:
+    """(kernel, dtype name, *autotune key) and config of one persisted plan; ValueError unless the
+    config is one the kernel's autotuner could have chosen for that dtype and key."""
+    kernel, dtype, tune_key, config = entry["kernel"], entry["dtype"], tuple(entry["tune_key"]), entry["config"]
+    if kernel not in CONFIGS or dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"unknown kernel or dtype in {entry}")
+    if [type(x) for x in tune_key] != [int, int, bool, str]:  # SEQ_BUCKET, HEAD_DIM, IS_CAUSAL, INPUT_PRECISION
+        raise ValueError(f"malformed autotune key in {entry}")
+    if config not in [config_meta(c) for c in CONFIGS[kernel]["half"] + CONFIGS[kernel]["fp32"]]:
+        raise ValueError(f"a config the autotuner does not list in {entry}")
+    return (kernel, dtype, *tune_key), config
+
+
+class PlanStore:
+    """The persisted plans of one StoreKey, one JSON file in ``directory``: read at the first
+    lookup, rewritten after each new plan (merged with what another process wrote meanwhile).
+    A corrupt or foreign file, or one that cannot be written, costs a warning, never an error."""
+
+    def __init__(self, directory: Path, key: StoreKey):
+        self.key = key
+        self.path = Path(directory) / key.file_name()
+        self._plans: dict | None = None
+        self._writable = True
+
+    def get(self, kernel: str, dtype: torch.dtype, tune_key: tuple) -> dict | None:
+        if self._plans is None:
+            self._plans = self._read()
+        return self._plans.get((kernel, _dtype_name(dtype), *tune_key))
+
+    def put(self, kernel: str, dtype: torch.dtype, tune_key: tuple, config: dict) -> None:
+        plans = self._read(quiet=True)  # what other processes added since this one read the file
+        plans.update(self._plans or {})
+        plans[(kernel, _dtype_name(dtype), *tune_key)] = dict(config)
+        self._plans = plans
+        if self._writable:
+            self._write()
+
+    def _read(self, quiet: bool = False) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+            if not isinstance(data, dict) or data.get("format") != _STORE_FORMAT:
+                raise ValueError(f"not a plan file of format {_STORE_FORMAT}")
+            written_for = StoreKey(**{name: data.get(name) for name in ("gpu", "triton", "source")})
+            if written_for != self.key:
+                raise ValueError(f"written for {written_for}, not for {self.key}")
+            return dict(_check_entry(entry) for entry in data["plans"])
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            if not quiet:
+                warnings.warn(f"ignoring the flash-attention plan cache {self.path}: {exc}", stacklevel=2)
+            return {}
+
+    def _write(self) -> None:
+        data = dict(format=_STORE_FORMAT, gpu=self.key.gpu, triton=self.key.triton, source=self.key.source,
+                    plans=[dict(kernel=kernel, dtype=dtype, tune_key=list(tune_key), config=config)
+                           for (kernel, dtype, *tune_key), config in sorted(self._plans.items(), key=repr)])
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, self.path)  # readers see the old file or the new one, never a half
+        except OSError as exc:
+            self._writable = False
+            warnings.warn(f"cannot write the flash-attention plan cache {self.path} ({exc}); "
+                          "plans tuned from now on are kept in this process only", stacklevel=2)
+
+
+_STORES: dict[tuple[Path, StoreKey], PlanStore] = {}
+
+
+def plan_store(device: torch.device) -> PlanStore | None:
+    """The persisted plans for ``device``'s GPU under this Triton and these kernels, or None
+    where cache_dir() says nothing persists."""
+    directory = cache_dir()
+    if directory is None:
+        return None
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    key = StoreKey(gpu=gpu, triton=triton.__version__, source=current_source_hash())
+    store = _STORES.get((directory, key))
+    if store is None:
+        store = _STORES[(directory, key)] = PlanStore(directory, key)
+    return store
