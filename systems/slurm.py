@@ -553,7 +553,7 @@ def outcomes(manifest: Manifest, *, states: Mapping[str, str]) -> list[Outcome]:
             took = f" in {record['seconds']:.0f} s" if "seconds" in record else ""
             result.append(Outcome(name=name, state="finished", detail=f"finished{took}", **where))
         elif scheduler in ACTIVE_STATES:
-            result.append(Outcome(name=name, state="in the queue", detail=scheduler, **where))
+            result.append(Outcome(name=name, state="in the queue", **where))
         elif failed.exists():
             result.append(Outcome(name=name, state="failed", detail=json.loads(failed.read_text())["error"], **where))
         else:
@@ -574,7 +574,7 @@ def _summary_html(manifest: Manifest, rows: list[Outcome], report_dir: Path) -> 
         job = f" (job {r.job_id}, attempt {r.attempt}" if r.job_id else ""
         log = f', <a href="{html.escape(os.path.relpath(r.log, report_dir))}">log</a>' if r.log else ""
         items.append(f"<li><b>{html.escape(r.name)}</b>: {label}"
-                     + (f": {html.escape(r.detail)}" if r.state != "finished" else "")
+                     + (f": {html.escape(r.detail)}" if r.state != "finished" and r.detail else "")
                      + (f"{html.escape(job)}{log})" if job else "") + "</li>")
     return (f'<section id="slurm-run" style="margin: 1em 2em; padding: 0.5em 1em; border: 1px solid #999">'
             f"<h2>Slurm run: {finished} of {len(notebooks)} notebooks finished</h2>"
