@@ -161,9 +161,12 @@ def test_smoke_profile_asks_for_no_gpu_and_flags_override_the_file(capsys, tmp_p
     assert "\nmodule load cuda\n" in scripts["02_kernel_profiling"]
 
 
-def test_the_example_config_is_valid():
-    options = slurm.load_config(REPO_ROOT / "slurm.example.toml")
-    assert set(options) == set(slurm.OPTION_KEYS)
+def test_the_example_config_is_valid_and_shows_every_key(tmp_path):
+    example = (REPO_ROOT / "slurm.example.toml").read_text()
+    assert slurm.load_config(REPO_ROOT / "slurm.example.toml")
+    uncommented = tmp_path / "slurm.toml"
+    uncommented.write_text(re.sub(r"(?m)^# (\w+ = )", r"\1", example))
+    assert set(slurm.load_config(uncommented)) == set(slurm.OPTION_KEYS)
 
 
 @pytest.mark.parametrize("text, message", [
