@@ -10,8 +10,9 @@ SLURM -> torchrun rendezvous of multi-node benchmarks.
 
 A submission is one run directory (default build/slurm/<timestamp>/): manifest.json, the job
 scripts (jobs/<attempt>/), the logs (logs/NAME-<jobid>.log), one marker per notebook
-(state/NAME.done on success, state/NAME.failed with the failing cell otherwise) and, unless
---out-dir names another place, the notebooks' outputs (writeup/, figures/, results/).
+(state/NAME.done on success, state/NAME.failed with the failing cell otherwise; state/report.done
+once the report is written) and, unless --out-dir names another place, the notebooks' outputs
+(writeup/, figures/, results/).
 
 The job scripts call back into this module:
 
@@ -42,6 +43,7 @@ from .env import REPO_ROOT, git_commit
 
 COMMANDS = ("submit", "status")
 CONFIG_NAME = "slurm.toml"
+DEFAULT_CONFIG = REPO_ROOT / CONFIG_NAME
 DEFAULT_ROOT = REPO_ROOT / "build" / "slurm"
 MANIFEST = "manifest.json"
 PROFILES = ("full", "smoke")
@@ -357,7 +359,10 @@ def new_run_dir(root: Path = DEFAULT_ROOT) -> Path:
 
 
 def _run(cmd: list[str], *, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:  # a controller that does not answer: no state, no submission
+        return subprocess.CompletedProcess(cmd, 124, "", f"{cmd[0]} did not answer within {timeout:g} s")
 
 
 def job_states(job_ids: list[str]) -> dict[str, str]:
@@ -448,9 +453,9 @@ def submit(request: SubmitRequest) -> Manifest:
     manifest = _plan_resume(request) if request.resume else _plan_new(request)
     run_dir, out_dir = Path(manifest.run_dir), Path(manifest.out_dir)
     todo = [n for n in manifest.names if not _marker(run_dir, n, "done").exists()]
-    report = out_dir / "writeup" / "report.html"
-    if not todo and (manifest.bench or report.exists()):
-        print(f"every job of {run_dir} finished; nothing to submit" + ("" if manifest.bench else f" (report: {report})"))
+    if not todo and (manifest.bench or _marker(run_dir, "report", "done").exists()):
+        print(f"every job of {run_dir} finished; nothing to submit"
+              + ("" if manifest.bench else f" (report: {out_dir / 'writeup' / 'report.html'})"))
         return manifest
     options = SlurmOptions.from_record(manifest.options)
     python = shlex.quote(options.python or sys.executable)
@@ -478,6 +483,7 @@ def submit(request: SubmitRequest) -> Manifest:
     manifest.save()  # before the first sbatch: a job can start at once and reads its settings here
     for name in todo:  # else a re-run's old failure would show until its job starts
         _marker(run_dir, name, "failed").unlink(missing_ok=True)
+    _marker(run_dir, "report", "done").unlink(missing_ok=True)  # the new report job writes it again
     records: list[JobRecord] = []
     try:
         for job, path, text in scripts:
@@ -547,9 +553,8 @@ def outcomes(manifest: Manifest, *, states: Mapping[str, str]) -> list[Outcome]:
         scheduler = states.get(job.job_id)
         where = dict(job_id=job.job_id, attempt=attempt, log=job.log, scheduler=scheduler)
         done, failed = _marker(run_dir, name, "done"), _marker(run_dir, name, "failed")
-        if done.exists() or (name == "report" and scheduler not in ACTIVE_STATES
-                             and (Path(manifest.out_dir) / "writeup" / "report.html").exists()):
-            record = json.loads(done.read_text() or "{}") if done.exists() else {}
+        if done.exists():
+            record = json.loads(done.read_text() or "{}")
             took = f" in {record['seconds']:.0f} s" if "seconds" in record else ""
             result.append(Outcome(name=name, state="finished", detail=f"finished{took}", **where))
         elif scheduler in ACTIVE_STATES:
@@ -812,7 +817,7 @@ def request_from_args(args: argparse.Namespace) -> SubmitRequest:
     elif args.nodes not in (None, 1) or args.nproc_per_node is not None or args.bench_args:
         raise SlurmUsageError("--nodes, --nproc-per-node and arguments after -- belong to --bench MODULE "
                               "(a notebook runs on one node)")
-    config = Path(args.config) if args.config else REPO_ROOT / CONFIG_NAME
+    config = Path(args.config) if args.config else DEFAULT_CONFIG
     file_options = load_config(config) if (args.config or config.exists()) and not args.resume else {}
     return SubmitRequest(only=tuple(args.only) if args.only else None, profile=args.profile,
                          parameters={k: workbook._parse_value(v) for k, v in args.parameter},
@@ -857,6 +862,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_notebook_job(run_dir=Path(args.run_dir), name=args.name)
         if args.command == "report":
             print(f"report: {write_report(Path(args.run_dir))}")
+            record = {"job_id": os.environ.get("SLURM_JOB_ID"), "finished": _now()}
+            _marker(Path(args.run_dir), "report", "done").write_text(json.dumps(record) + "\n")
             return 0
         return run_torchrun(module=args.module, args=args.args, nproc_per_node=args.nproc_per_node)
     except (SlurmUsageError, workbook.WorkbookError) as exc:

@@ -36,6 +36,12 @@ dist.destroy_process_group()
 """
 
 
+@pytest.fixture(autouse=True)
+def no_repository_config(monkeypatch, tmp_path):
+    """A slurm.toml a developer keeps in the repository must not change what these tests expect."""
+    monkeypatch.setattr(slurm, "DEFAULT_CONFIG", tmp_path / "absent.toml")
+
+
 # --------------------------------------------------------------------------- node lists and rendezvous
 
 
@@ -268,6 +274,7 @@ class Cluster:
     env: dict
     node: str
     partition: str
+    settings: Path  # an empty slurm.toml, so that the repository's own (if any) is not read
 
     def run(self, *cmd, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run([str(c) for c in cmd], env=self.env, capture_output=True, text=True, timeout=timeout,
@@ -354,7 +361,8 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
     daemons = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SLURM_CONF", str(conf))  # for slurm.job_states called in this process
-        cluster = Cluster(conf=conf, env=env, node=node, partition="debug")
+        (tmp / "empty.toml").write_text("")
+        cluster = Cluster(conf=conf, env=env, node=node, partition="debug", settings=tmp / "empty.toml")
         try:
             for cmd in (["slurmctld", "-D", "-c", "-f", conf], ["slurmd", "-D", "-N", node, "-f", conf]):
                 log = open(tmp / "log" / f"{cmd[0]}.out", "w")
@@ -382,7 +390,7 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 def _smoke_submit(cluster: Cluster, run: Path, *args) -> slurm.Manifest:
     # one core each, so that both notebooks run at once on a 2-core machine
     cluster.workbook("submit", "--profile", "smoke", "--only", *SMOKE_PAIR, "--cpus-per-task", "1", "--mem", "3G",
-                     "--run-dir", run, *args)
+                     "--config", cluster.settings, "--run-dir", run, *args)
     return slurm.read_manifest(run)
 
 
@@ -400,7 +408,7 @@ def test_scontrol_agrees_with_expand_nodelist(cluster):
 def test_dry_run_scripts_pass_sbatch_test_only(cluster, tmp_path):
     text = cluster.workbook("submit", "--dry-run", "--profile", "smoke", "--only", *SMOKE_PAIR, "--partition",
                             cluster.partition, "--time", "00:05:00", "--mem", "2G", "--extra=--comment=dry",
-                            "--run-dir", tmp_path / "run").stdout
+                            "--config", cluster.settings, "--run-dir", tmp_path / "run").stdout
     scripts = [part.split("\n", 1)[1] for part in text.split(slurm.SCRIPT_SEPARATOR)[1:]]
     assert len(scripts) == 3 and not (tmp_path / "run").exists()
     for i, script in enumerate(scripts):
@@ -409,7 +417,8 @@ def test_dry_run_scripts_pass_sbatch_test_only(cluster, tmp_path):
         proc = cluster.run("sbatch", "--test-only", path, check=False)
         assert proc.returncode == 0 and "to start at" in proc.stderr, proc.stderr
     # --test-only does judge the request: this node has no GPU for the full profile
-    full = cluster.workbook("submit", "--dry-run", "--only", "01", "--run-dir", tmp_path / "full").stdout
+    full = cluster.workbook("submit", "--dry-run", "--only", "01", "--config", cluster.settings,
+                            "--run-dir", tmp_path / "full").stdout
     (tmp_path / "full.sbatch").write_text(full.split(slurm.SCRIPT_SEPARATOR)[1].split("\n", 1)[1])
     assert cluster.run("sbatch", "--test-only", tmp_path / "full.sbatch", check=False).returncode != 0
 
@@ -433,6 +442,7 @@ def test_two_smoke_notebooks_then_the_report(cluster, tmp_path):
     assert list((run / "figures").glob("09_parallelism_math_*.png"))  # outputs land in the run dir
     html = (run / "writeup" / "report.html").read_text()
     assert "Slurm run: 2 of 2 notebooks finished" in html and "FAILED" not in html
+    assert (run / "state" / "report.done").exists()
     status = cluster.workbook("status", run).stdout
     for name, job in jobs.items():
         line = next(line for line in status.splitlines() if line.split()[0] == name)
@@ -477,7 +487,7 @@ def test_bench_job_starts_torchrun_through_srun(cluster, tmp_path):
     try:
         run = tmp_path / "run"
         cluster.workbook("submit", "--bench", "rank_probe", "--profile", "smoke", "--nodes", "1", "--mem", "3G",
-                         "--run-dir", run, "--", ".")  # the job works in the run dir, so "." lands there
+                         "--config", cluster.settings, "--run-dir", run, "--", ".")  # the job works in the run dir, so "." lands there
     finally:
         del cluster.env["PYTHONPATH"]
     job = _jobs(slurm.read_manifest(run))["bench"]
