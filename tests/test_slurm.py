@@ -319,7 +319,7 @@ def cluster(tmp_path_factory):
     """slurmctld + slurmd for this module on this machine (its real cores and memory), no munge."""
     missing = [p for p in SLURM_PROGRAMS if shutil.which(p) is None]
     if missing:
-        pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): `apt-get install slurm-wlm` "
+        pytest.skip(f"Slurm is not installed ({', '.join(missing)} not on PATH): `apt-get install slurm-wlm` "
                     "(Debian) provides slurmctld, slurmd and the client commands these tests need")
     if os.geteuid() != 0:
         pytest.skip("the scheduler tests start slurmd, which must run as root to launch jobs")
