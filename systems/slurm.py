@@ -146,7 +146,8 @@ def load_config(path: Path) -> dict:
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
-        raise SlurmUsageError(f"config file {path} does not exist; copy slurm.example.toml there or drop --config") from None
+        raise SlurmUsageError(f"config file {path} does not exist; copy slurm.example.toml there "
+                              "or drop --config") from None
     except tomllib.TOMLDecodeError as exc:
         raise SlurmUsageError(f"{path}: not valid TOML ({exc})") from None
     unknown = sorted(set(data) - set(OPTION_KEYS))
@@ -495,7 +496,8 @@ def submit(request: SubmitRequest) -> Manifest:
     except SlurmError as exc:
         if records:
             _run(["scancel", *(r.job_id for r in records)])
-            raise SlurmError(f"{exc}; cancelled the jobs already submitted ({', '.join(r.job_id for r in records)})") from None
+            submitted = ", ".join(r.job_id for r in records)
+            raise SlurmError(f"{exc}; cancelled the jobs already submitted ({submitted})") from None
         raise
     manifest.attempts.append(Attempt(number=number, submitted=_now(), parameters=dict(manifest.parameters),
                                      jobs=records))
@@ -535,8 +537,8 @@ def _running_cell(executed: Path) -> int | None:
         cells = json.loads(executed.read_text())["cells"]
     except (OSError, ValueError, KeyError):
         return None
-    return next((i for i, c in enumerate(cells) if c.get("metadata", {}).get("papermill", {}).get("status") == "running"),
-                None)
+    status = [c.get("metadata", {}).get("papermill", {}).get("status") for c in cells]
+    return status.index("running") if "running" in status else None
 
 
 def outcomes(manifest: Manifest, *, states: Mapping[str, str]) -> list[Outcome]:

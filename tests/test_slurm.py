@@ -29,7 +29,8 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 total = torch.tensor([dist.get_rank() + 1.0])
 dist.all_reduce(total)
-seen = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+seen = {k: os.environ[k] for k in names}
 with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
     json.dump({**seen, "sum": total.item()}, f)
 dist.destroy_process_group()
@@ -85,7 +86,8 @@ def test_rendezvous_of_a_multi_node_job():
 def test_rendezvous_ranks_per_node_and_port_sources():
     cpu = _slurm_env(SLURM_GPUS_ON_NODE=None, SLURM_NTASKS_PER_NODE="4(x4)")
     assert slurm.rendezvous_from_slurm(cpu).nproc_per_node == 4
-    assert slurm.rendezvous_from_slurm(_slurm_env(SLURM_GPUS_ON_NODE="0", SLURM_NTASKS_PER_NODE="2")).nproc_per_node == 2
+    no_gpus = _slurm_env(SLURM_GPUS_ON_NODE="0", SLURM_NTASKS_PER_NODE="2")
+    assert slurm.rendezvous_from_slurm(no_gpus).nproc_per_node == 2
     assert slurm.rendezvous_from_slurm(_slurm_env(), nproc_per_node=3).nproc_per_node == 3
     assert slurm.rendezvous_from_slurm(_slurm_env(MASTER_PORT="29400")).master_port == 29400
     legacy = _slurm_env(SLURM_JOB_NODELIST=None, SLURM_NODELIST="n[1-2]", SLURM_JOB_NUM_NODES=None, SLURM_NNODES="2",
@@ -216,8 +218,8 @@ def _fake_run(tmp_path: Path, names: list[str]) -> slurm.Manifest:
     """A run directory as a first attempt leaves it, jobs 11, 12, ... then the report."""
     jobs = [slurm.JobRecord(name=n, kind="notebook", job_id=str(11 + i), script="-",
                             log=str(tmp_path / "logs" / f"{n}-{11 + i}.log")) for i, n in enumerate(names)]
-    jobs.append(slurm.JobRecord(name="report", kind="report", job_id="99", script="-", log=str(tmp_path / "logs" / "r.log"),
-                                depends_on=[j.job_id for j in jobs]))
+    jobs.append(slurm.JobRecord(name="report", kind="report", job_id="99", script="-",
+                                log=str(tmp_path / "logs" / "r.log"), depends_on=[j.job_id for j in jobs]))
     manifest = slurm.Manifest(run_dir=str(tmp_path), out_dir=str(tmp_path), profile="smoke", notebooks=names,
                               parameters={"example_n": 0}, options={}, created="-",
                               attempts=[slurm.Attempt(number=1, submitted="-", parameters={}, jobs=jobs)])
@@ -487,7 +489,8 @@ def test_bench_job_starts_torchrun_through_srun(cluster, tmp_path):
     try:
         run = tmp_path / "run"
         cluster.workbook("submit", "--bench", "rank_probe", "--profile", "smoke", "--nodes", "1", "--mem", "3G",
-                         "--config", cluster.settings, "--run-dir", run, "--", ".")  # the job works in the run dir, so "." lands there
+                         "--config", cluster.settings, "--run-dir", run,
+                         "--", ".")  # the job works in the run dir, so "." lands there
     finally:
         del cluster.env["PYTHONPATH"]
     job = _jobs(slurm.read_manifest(run))["bench"]
