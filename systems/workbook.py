@@ -3,6 +3,7 @@
     python -m systems.workbook run [--only 01 03] [--profile auto|smoke|full] [--out-dir DIR] [-p NAME VALUE]
     python -m systems.workbook list
     python -m systems.workbook report [--out-dir DIR]
+    python -m systems.workbook submit|status ...   (Slurm batch jobs: systems/slurm.py)
 
 Notebooks are jupytext "percent" scripts (notebooks/NN_name.py): output-free in git,
 opened as notebooks in JupyterLab through jupytext. Each has one cell tagged
@@ -228,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="list the notebooks")
     rep = sub.add_parser("report", help="rebuild writeup/report.html from executed notebooks")
     rep.add_argument("--out-dir", default=str(REPO_ROOT))
+    from . import slurm  # imported here: slurm imports this module
+
+    slurm.add_commands(sub)
     args = parser.parse_args(argv)
+    if args.command in slurm.COMMANDS:
+        return slurm.run_command(args)
 
     try:
         if args.command == "list":
