@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from systems import slurm, workbook
-from systems.env import REPO_ROOT
+from systems import workbook
+from systems.workbook import slurm
+from systems.measure.env import REPO_ROOT
 
 # the two fastest smoke notebooks (about 7 s and 12 s on a 2-core CPU)
 SMOKE_PAIR = ("02_kernel_profiling", "09_parallelism_math")
@@ -121,7 +122,7 @@ def test_torchrun_launcher_outside_slurm(tmp_path):
     (tmp_path / "rank_probe.py").write_text(RANK_PROBE)
     env = {**os.environ, **_slurm_env(SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0",
                                       SLURM_GPUS_ON_NODE=None), "PYTHONPATH": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "systems.slurm", "torchrun", "--nproc-per-node", "2", "rank_probe",
+    proc = subprocess.run([sys.executable, "-m", "systems.workbook.slurm", "torchrun", "--nproc-per-node", "2", "rank_probe",
                            str(tmp_path)], env=env, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _check_probe(tmp_path, slurm.rendezvous_from_slurm(env, nproc_per_node=2))

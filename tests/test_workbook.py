@@ -48,8 +48,10 @@ def test_failing_cell_is_named(tmp_path):
 
 
 def test_full_profile_skips_notebooks_that_need_more_gpus(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(workbook, "_gpu_count", lambda: 1)
-    monkeypatch.setattr(workbook, "run_notebook", lambda *a, **k: pytest.fail("should not execute"))
+    from systems.workbook import notebooks as runner
+
+    monkeypatch.setattr(runner, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(runner, "run_notebook", lambda *a, **k: pytest.fail("should not execute"))
     runs = workbook.run_notebooks(only=["07", "08"], profile="full", out_dir=tmp_path, progress=False)
     assert [(r.name, r.ok, r.skipped) for r in runs] == [
         ("07_distributed", True, "its full profile needs 2 GPUs, this machine has 1"),

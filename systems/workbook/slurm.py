@@ -16,9 +16,9 @@ once the report is written) and, unless --out-dir names another place, the noteb
 
 The job scripts call back into this module:
 
-    python -m systems.slurm notebook --run-dir RUN NAME    # one notebook, then its marker
-    python -m systems.slurm report --run-dir RUN           # writeup/report.html with what finished
-    python -m systems.slurm torchrun [--nproc-per-node R] MODULE ARGS   # one per node, under srun
+    python -m systems.workbook.slurm notebook --run-dir RUN NAME    # one notebook, then its marker
+    python -m systems.workbook.slurm report --run-dir RUN           # writeup/report.html with what finished
+    python -m systems.workbook.slurm torchrun [--nproc-per-node R] MODULE ARGS   # one per node, under srun
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Mapping
 
-from . import workbook
-from .env import REPO_ROOT, git_commit
+from systems.measure.env import REPO_ROOT, git_commit
+from systems.workbook import html as report_html
+from systems.workbook import notebooks as runner
 
 COMMANDS = ("submit", "status")
 CONFIG_NAME = "slurm.toml"
@@ -203,14 +204,14 @@ def notebook_job(name: str, *, profile: str, options: SlurmOptions, run_dir: Pat
     if profile == "smoke":
         gpus, cpus, mem, time = 0, SMOKE["cpus"], SMOKE["mem"], SMOKE["time"]
     else:
-        need = workbook.MIN_GPUS_FULL.get(name, 1)
+        need = runner.MIN_GPUS_FULL.get(name, 1)
         gpus = need if need == 1 else (options.gpus_per_node or need)
         if gpus < need:
             raise SlurmUsageError(f"{name} needs {need} GPUs on one node in the full profile; --gpus-per-node {gpus} "
                                   f"is too few: ask for {need} or more, or leave it out with --only")
         cpus, mem = FULL_CPUS_PER_GPU * gpus, f"{FULL_MEM_GB_PER_GPU * gpus}G"
         time = _hhmm(FULL_MINUTES.get(name, FULL_MINUTES_DEFAULT))
-    work = (f"exec {python} -m systems.slurm notebook --run-dir {shlex.quote(str(run_dir))} {shlex.quote(name)}",)
+    work = (f"exec {python} -m systems.workbook.slurm notebook --run-dir {shlex.quote(str(run_dir))} {shlex.quote(name)}",)
     return JobSpec(name=name, kind="notebook", gpus_per_node=gpus, cpus_per_task=options.cpus_per_task or cpus,
                    mem=options.mem or mem, time=options.time or time, work=work)
 
@@ -227,7 +228,7 @@ def bench_job(bench: BenchSpec, *, profile: str, options: SlurmOptions, run_dir:
     nproc_flag = f" --nproc-per-node {nproc}" if nproc else ""
     launch = " ".join(shlex.quote(a) for a in (bench.module, *bench.args))
     work = (f"cd {shlex.quote(str(out_dir))}  # relative output paths of the benchmark land in the out dir",
-            f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {python} -m systems.slurm torchrun{nproc_flag} {launch}",
+            f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {python} -m systems.workbook.slurm torchrun{nproc_flag} {launch}",
             _done_marker_line(run_dir, "bench"))
     return JobSpec(name="bench", kind="bench", nodes=bench.nodes, gpus_per_node=gpus,
                    cpus_per_task=options.cpus_per_task or cpus, mem=options.mem or mem,
@@ -235,7 +236,7 @@ def bench_job(bench: BenchSpec, *, profile: str, options: SlurmOptions, run_dir:
 
 
 def report_job(*, run_dir: Path, python: str) -> JobSpec:
-    work = (f"exec {python} -m systems.slurm report --run-dir {shlex.quote(str(run_dir))}",)
+    work = (f"exec {python} -m systems.workbook.slurm report --run-dir {shlex.quote(str(run_dir))}",)
     return JobSpec(name="report", kind="report", cpus_per_task=REPORT["cpus"], mem=REPORT["mem"],
                    time=REPORT["time"], work=work)
 
@@ -427,7 +428,7 @@ def _plan_new(request: SubmitRequest) -> Manifest:
         raise SlurmUsageError(f"--run-dir {run_dir} is not empty: give a new or empty directory")
     if re.search(r"\s", str(run_dir)):
         raise SlurmUsageError(f"run dir {run_dir!s} contains whitespace, which #SBATCH lines cannot hold; pick another")
-    notebooks = [] if request.bench else [p.stem for p in workbook.discover(list(request.only or ()))]
+    notebooks = [] if request.bench else [p.stem for p in runner.discover(list(request.only or ()))]
     options = merge_options(request.file_options, request.flag_options)
     return Manifest(run_dir=str(run_dir), out_dir=str((request.out_dir or run_dir).resolve()), profile=profile,
                     notebooks=notebooks, parameters=dict(request.parameters), options=asdict(options),
@@ -599,9 +600,9 @@ def write_report(run_dir: Path) -> Path:
     report_dir = out_dir / "writeup"
     summary = _summary_html(manifest, rows, report_dir)
     try:
-        path = workbook.build_report(out_dir)
+        path = report_html.build_report(out_dir)
         text = path.read_text()
-    except workbook.WorkbookError:  # no notebook got as far as writing its executed copy
+    except runner.WorkbookError:  # no notebook got as far as writing its executed copy
         report_dir.mkdir(parents=True, exist_ok=True)
         path, text = report_dir / "report.html", "<!DOCTYPE html>\n<html><body></body></html>\n"
     body = re.search(r"<body[^>]*>", text)
@@ -738,9 +739,9 @@ def run_notebook_job(*, run_dir: Path, name: str) -> int:
     """One notebook inside its job: execute it, then leave state/NAME.done or state/NAME.failed."""
     manifest = read_manifest(run_dir)
     _marker(run_dir, name, "failed").unlink(missing_ok=True)
-    path = workbook.discover([name])[0]
+    path = runner.discover([name])[0]
     print(f"{name} ({manifest.profile}) -> {manifest.out_dir}", flush=True)
-    run = workbook.run_notebook(path, profile=manifest.profile, out_dir=Path(manifest.out_dir),
+    run = runner.run_notebook(path, profile=manifest.profile, out_dir=Path(manifest.out_dir),
                                 parameters=manifest.parameters, progress=False)
     record = {"job_id": os.environ.get("SLURM_JOB_ID"), "finished": _now(), "seconds": round(run.seconds, 1),
               "executed": str(run.output)}
@@ -789,7 +790,7 @@ def add_commands(sub) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", help="re-submit the jobs of RUN_DIR that did not finish")
     p.add_argument("--dry-run", action="store_true", help="print the scripts and sbatch commands; submit nothing")
     p.add_argument("--bench", metavar="MODULE", help="instead of notebooks: one torchrun job of MODULE "
-                   "(e.g. systems.distributed.ddp_bench) over --nodes nodes; its arguments follow --")
+                   "(e.g. systems.bench.ddp) over --nodes nodes; its arguments follow --")
     p.add_argument("--nodes", type=int, help="nodes of the --bench job (default 1)")
     p.add_argument("--nproc-per-node", type=int, help="ranks per node of --bench (default: the node's GPUs; smoke 2)")
     p.add_argument("bench_args", nargs="*", metavar="-- MODULE_ARGS", help="arguments of the --bench module")
@@ -822,7 +823,7 @@ def request_from_args(args: argparse.Namespace) -> SubmitRequest:
     config = Path(args.config) if args.config else DEFAULT_CONFIG
     file_options = load_config(config) if (args.config or config.exists()) and not args.resume else {}
     return SubmitRequest(only=tuple(args.only) if args.only else None, profile=args.profile,
-                         parameters={k: workbook._parse_value(v) for k, v in args.parameter},
+                         parameters={k: runner.parse_value(v) for k, v in args.parameter},
                          file_options=file_options, flag_options=flags,
                          run_dir=Path(args.run_dir) if args.run_dir else None,
                          out_dir=Path(args.out_dir) if args.out_dir else None,
@@ -837,7 +838,7 @@ def run_command(args: argparse.Namespace) -> int:
         else:
             submit(request_from_args(args))
         return 0
-    except (SlurmUsageError, workbook.WorkbookError) as exc:
+    except (SlurmUsageError, runner.WorkbookError, report_html.ReportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except SlurmError as exc:
@@ -846,7 +847,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m systems.slurm", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m systems.workbook.slurm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     nb = sub.add_parser("notebook", help="execute one notebook of a run (inside its job)")
@@ -868,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
             _marker(Path(args.run_dir), "report", "done").write_text(json.dumps(record) + "\n")
             return 0
         return run_torchrun(module=args.module, args=args.args, nproc_per_node=args.nproc_per_node)
-    except (SlurmUsageError, workbook.WorkbookError) as exc:
+    except (SlurmUsageError, runner.WorkbookError, report_html.ReportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
