@@ -77,7 +77,7 @@ def test_attention_backends_agree():
     ref = get_backend("naive")(q, k, v, is_causal=True)
     for name in BACKENDS:
         if name.startswith("flash_triton"):
-            continue  # needs a GPU or the interpreter; tested in test_flash_attention.py
+            continue  # needs a GPU or the interpreter; tested in tests/attention/test_flash_triton.py
         torch.testing.assert_close(get_backend(name)(q, k, v, is_causal=True), ref, atol=1e-5, rtol=1e-5)
 
 

@@ -197,17 +197,6 @@ def run_benchmark(plan: Plan, out_path: str | Path, *, budget_s: float = 2.0, mi
     return rows
 
 
-def fit_latency_bandwidth(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, float]:
-    """Least-squares fit of t = o + s / w (the alpha-beta model): (o seconds, w bytes/s algbw)."""
-    import numpy as np
-
-    s, t = np.asarray(sizes_bytes, float), np.asarray(times_s, float)
-    if len(s) < 2 or len(set(s.tolist())) < 2:
-        raise ValueError("need at least two distinct sizes to fit latency and bandwidth")
-    slope, intercept = np.polyfit(s, t, 1)
-    return max(float(intercept), 0.0), float(1.0 / slope)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m systems.bench.allreduce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -217,7 +206,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-gloo-world-size", type=int, default=None)
     parser.add_argument("--max-gloo-mb", type=float, default=None)
     parser.add_argument("--out", default="results/07_distributed_allreduce.jsonl")
-    parser.add_argument("--figure", help="also save the time / bus-bandwidth figure of this run here (.png)")
     args = parser.parse_args(argv)
     plan = plan_cases(backends=[resolve_backend(b) for b in args.backend], world_sizes=args.world_sizes,
                       sizes_bytes=[int(m * MB) for m in args.sizes_mb],
@@ -230,17 +218,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"algbw {row['algbw_GBps']:7.2f} GB/s  busbw {row['busbw_GBps']:7.2f} GB/s")
         else:
             print(f"{row['backend']} n={row['world_size']} {row['size_mb']:>7g} MB: not run ({row['reason']})")
-    if args.figure:
-        import pandas as pd
-
-        from systems.report.distributed import plot_allreduce
-
-        env = rows[0]["env"] if rows else {}
-        where = env.get("gpu") or f"{os.cpu_count()} CPU cores"
-        fig = plot_allreduce(pd.DataFrame(rows), title=f"all-reduce, fp32, on {where} ({env.get('date', '')[:10]})")
-        Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.figure, dpi=120, bbox_inches="tight")
-        print(f"figure: {args.figure}")
     return 0
 
 

@@ -224,7 +224,7 @@ PASS_NAMES = ("fwd", "bwd", "e2e")
 def check_backwards(*, cases=CHECK_CASES, dtype: str = "bf16", device: str = "cuda", tol: float = 3e-2,
                     paths: tuple[str, ...] = tuple(KERNEL_ROWS)) -> list[dict]:
     """Max error of O, dQ, dK, dV through each Triton path of ``paths`` against float64 autograd of
-    the direct formula, divided by max(1, max |reference|) as tests/test_flash_attention.py does.
+    the direct formula, divided by max(1, max |reference|) as tests/attention/test_flash_triton.py does.
 
     tol: the tests' bf16 bound (8 mantissa bits, ~4e-3 per rounding; P and dS are rounded to the
     input dtype before the tensor-core dots). Each row's status is "ok" or "error" (over tol)."""

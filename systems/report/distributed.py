@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from systems.bench.allreduce import fit_latency_bandwidth
+from systems.analysis.fits import fit_latency_bandwidth
 from systems.measure.trace import TraceIntervals, comm_compute_intervals, union
 
 
@@ -310,3 +311,34 @@ def plot_bucket_model(frame: pd.DataFrame, fit: dict, opt: dict, *, overhead_fn,
                           f"w = {fit['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s")
     fig.tight_layout()
     return fig
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m systems.report.distributed allreduce RESULTS.jsonl FIGURE.png``: the time and
+    bus-bandwidth figure of an all-reduce run (``python -m systems.bench.allreduce --out RESULTS``)."""
+    import argparse
+    import sys
+
+    from systems.measure.results import read_records
+
+    parser = argparse.ArgumentParser(prog="python -m systems.report.distributed", description=main.__doc__)
+    parser.add_argument("figure_kind", choices=["allreduce"])
+    parser.add_argument("results", help="the .jsonl file the benchmark wrote")
+    parser.add_argument("figure", help="the .png to write")
+    args = parser.parse_args(argv)
+    rows = read_records(args.results)
+    if not rows:
+        print(f"error: {args.results} holds no rows; run python -m systems.bench.allreduce --out {args.results} first",
+              file=sys.stderr)
+        return 2
+    env = rows[0].get("env", {})
+    where = env.get("gpu") or f"{env.get('cpu', 'CPU')}"
+    fig = plot_allreduce(pd.DataFrame(rows), title=f"all-reduce, fp32, on {where} ({env.get('date', '')[:10]})")
+    Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.figure, dpi=120, bbox_inches="tight")
+    print(f"figure: {args.figure}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

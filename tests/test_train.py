@@ -3,7 +3,7 @@
 CPU: the updates run inside the hooks, synchronously; FusedAdamW takes its torch._foreach_*
 fallback there (bit-identical to systems.optim.AdamW), so N steps must give exactly the
 parameters of N plain steps. The Triton kernel path runs under TRITON_INTERPRET=1 in a
-subprocess (as tests/test_fused_adamw.py does). GPU (marked gpu): the side stream.
+subprocess (as tests/kernels/test_fused_adamw.py does). GPU (marked gpu): the side stream.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ INTERPRETING = interpreting()
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 # the kernel against AdamW's fp32 torch ops: an ulp or so per moment, ~1e-7 relative per update
-# (the tolerance tests/test_fused_adamw.py explains)
+# (the tolerance tests/kernels/test_fused_adamw.py explains)
 KERNEL_TOL = dict(atol=1e-6, rtol=1e-5)
 
 

@@ -38,15 +38,6 @@ def test_summary_uses_slowest_rank_and_bus_factor():
     assert arb.bus_bandwidth_factor(2) == 1.0
 
 
-def test_fit_recovers_latency_and_bandwidth():
-    o, w = 50e-6, 100e9
-    sizes = [1e6, 1e7, 1e8, 1e9]
-    fo, fw = arb.fit_latency_bandwidth(sizes, [o + s / w for s in sizes])
-    assert fo == pytest.approx(o, rel=1e-6) and fw == pytest.approx(w, rel=1e-6)
-    with pytest.raises(ValueError, match="two distinct sizes"):
-        arb.fit_latency_bandwidth([1e6], [1e-3])
-
-
 @pytest.mark.slow
 def test_gloo_run_writes_rows_and_not_run_rows(tmp_path):
     plan = arb.plan_cases(backends=["gloo"], world_sizes=[2, 6], sizes_bytes=[100_000, 1 * MB],

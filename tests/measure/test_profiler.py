@@ -15,7 +15,7 @@ from systems.measure import profiler as P
 from systems.report import kernel_profiling as KP
 from systems.bench.benchmark import BenchmarkConfig
 
-FIXTURES = Path(__file__).parent / "fixtures" / "nsys"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "nsys"
 
 
 # ----------------------------------------------------------------------------- categories and names
