@@ -27,10 +27,10 @@ from systems.report import notebook as nb
 from systems.bench.benchmark import BenchmarkConfig, run_sweep
 from systems.report.benchmarking import (backward_forward_answer, phase_table, plot_phases, plot_warmup,
                                       warmup_answer, warmup_table)
-from systems.config import HANDOUT_SIZES
+from systems.config import handout_sizes
 
 ctx = nb.setup(name="01_benchmarking", profile=profile, out_dir=out_dir)
-sizes = sizes or (HANDOUT_SIZES if ctx.full else ["debug"])
+sizes = sizes or (list(handout_sizes("2025").values()) if ctx.full else ["debug"])
 context_length = context_length or (512 if ctx.full else 64)
 common = dict(context_length=context_length, batch_size=4, precision="fp32", device=ctx.device)
 

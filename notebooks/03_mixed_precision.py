@@ -27,7 +27,7 @@ import torch
 from systems.bench import precision as mp
 from systems.report import notebook as nb
 from systems.bench.benchmark import run_sweep
-from systems.config import HANDOUT_SIZES
+from systems.config import handout_sizes
 from systems.measure.results import ResultWriter, read_results
 
 ctx = nb.setup(name="03_mixed_precision", profile=profile, out_dir=out_dir)
@@ -41,7 +41,8 @@ ctx = nb.setup(name="03_mixed_precision", profile=profile, out_dir=out_dir)
 # %%
 acc = mp.accumulation_experiment()
 ResultWriter(ctx.result_path("accumulation")).write_many(acc.to_dict("records"))
-nb.show(acc, floatfmt="{:.6g}")
+nb.show(acc, formats={c: "{:.6g}" for c in ("stored_increment", "result", "abs_error",
+                                             "error_from_increment_rounding")})
 
 # %%
 a = acc.set_index("loop")
@@ -198,8 +199,8 @@ nb.md(
 # %%
 if ctx.full:
     sweep = mp.precision_sweep_configs(
-        HANDOUT_SIZES, context_length=512, batch_size=4, device="cuda",
-        steps={"small": (5, 10), "medium": (5, 10), "large": (3, 5), "xl": (3, 5), "2.7B": (3, 5)})
+        list(handout_sizes("2025").values()), context_length=512, batch_size=4, device="cuda",
+        steps={"small": (5, 10), "medium": (5, 10), "large": (3, 5), "xl-2025": (3, 5), "2.7B": (3, 5)})
 else:
     sweep = mp.precision_sweep_configs(["debug"], context_length=64, batch_size=2, device="cpu",
                                        default_steps=(1, 3))

@@ -38,7 +38,7 @@ from systems.bench.attention import (AttentionPoint, AttentionSweepConfig, atten
                                      run_attention_point, run_attention_sweep, run_model_compile_sweep,
                                      saved_memory_fits, fit_power_law, sdpa_one_head, simulated_memory_limit,
                                      smallest_oom, sweep_table)
-from systems.config import HANDOUT_SIZES
+from systems.config import handout_sizes
 from systems.measure.results import ResultWriter
 
 ctx = nb.setup(name="05_attention_compile", profile=profile, out_dir=out_dir)
@@ -108,7 +108,7 @@ if oom:
                                        free_bytes=free)
     a = acct.attrs
     nb.show(acct[["tensor", "GiB", "when"]], caption=f"naive attention, batch {a['batch']}, seq {a['seq']:,}, "
-            f"d {a['d']}, {a['dtype']}", floatfmt="{:,.4g}")
+            f"d {a['d']}, {a['dtype']}")
     free_txt = ("unknown free memory" if free is None else
                 f"{free / GIB:.4g} GiB free" + (" (simulated)" if not ctx.full else " (torch.cuda.mem_get_info)"))
     verdict = lambda fits: "(no free-memory figure)" if fits is None else ("fits" if fits else "does **not** fit")
@@ -264,7 +264,7 @@ if not both.empty:
 
 # %%
 if ctx.full:
-    sizes = model_sizes or HANDOUT_SIZES
+    sizes = model_sizes or list(handout_sizes("2025").values())
     model_rows = run_model_compile_sweep(sizes, context_length=512, batch_size=4, modes=("train_step", "forward"),
                                          tf32=True, device=ctx.device, budget_s=model_budget_s,
                                          compile_scope=compile_scope,

@@ -71,7 +71,7 @@ for name, impl, dtype, device in checks:
         writer.write(dict(impl=name, dtype=str(dtype).removeprefix("torch."), q_shape=str(shape_q), n_k=n_k,
                           causal=causal, **max_errors(impl, shape_q, n_k, causal, dtype, device)))
 check = read_results(ctx.result_path("check"))
-nb.show(check, caption="max |error| vs float64 naive attention", floatfmt="{:.2e}")
+nb.show(check, caption="max |error| vs float64 naive attention")
 worst = check.groupby("impl")[["O", "dQ", "dK", "dV"]].max().max(axis=1)
 nb.md("Worst absolute error over O, dQ, dK, dV: "
       + ", ".join(f"`{impl}` {err:.1e}" for impl, err in worst.items())
@@ -169,9 +169,9 @@ if ctx.full:
     from systems.bench.flash import RATIO_GRID, geomean_ratios, speed_ratios
 
     ratios = speed_ratios(sweep)
-    nb.show(ratios, caption="baseline ms / our ms per point (> 1: ours faster)", floatfmt="{:.2f}")
+    nb.show(ratios, caption="baseline ms / our ms per point (> 1: ours faster)")
     gm = geomean_ratios(ratios)
-    nb.show(gm, caption=f"geometric means over {RATIO_GRID}", floatfmt="{:.3f}")
+    nb.show(gm, caption=f"geometric means over {RATIO_GRID}")
     nb.md("Geometric-mean speed of ours: " + "; ".join(
         f"{r['pass']} {r['geomean speed']:.2f}x {r['baseline']} (target {r['target']:.1f}x: "
         f"{'met' if r['met'] else 'not met'})" for r in gm.to_dict("records"))

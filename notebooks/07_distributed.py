@@ -100,7 +100,7 @@ nb.md("**Commentary.**\n\n" + report.allreduce_commentary(allreduce) + "\n\n"
 
 # %%
 if ctx.full:
-    ddp_config = DDPBenchConfig(model="xl", context_length=512, batch_size=4, lp_reduce_buckets_mb=(1000.0,),
+    ddp_config = DDPBenchConfig(model="xl-2025", context_length=512, batch_size=4, lp_reduce_buckets_mb=(1000.0,),
                                 tail_buckets_mb=((1000.0, 1.0),), compiled_precisions=("bf16",),
                                 compile_mode="reduce-overhead")
 else:

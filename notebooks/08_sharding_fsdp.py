@@ -38,7 +38,7 @@ if ctx.full:
     if torch.cuda.device_count() < 2:
         raise RuntimeError("the full profile needs at least 2 GPUs (one NCCL rank per GPU)")
     BACKEND = "nccl"
-    config = fsdp_bench.FSDPBenchConfig(model="xl", context_length=512, batch_size=4, warmup=2, steps=5)
+    config = fsdp_bench.FSDPBenchConfig(model="xl-2025", context_length=512, batch_size=4, warmup=2, steps=5)
 else:  # the debug model on 2 CPU processes: same code paths, no allocator statistics
     BACKEND = "gloo"
     config = fsdp_bench.FSDPBenchConfig(model="debug", context_length=64, batch_size=4, warmup=1, steps=3)

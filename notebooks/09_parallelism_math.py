@@ -364,7 +364,7 @@ for TP alone.""")
 
 # %%
 symb = pm.symbolic_ddp_bucket()
-xl = get_config("xl")
+xl = get_config("xl-2025")
 grad_bytes = xl.n_params * 4  # FP32 gradients of the handout's XL model
 w_assumed = h100.link_bytes_per_s  # a 2-GPU ring's algbw equals the link's egress
 nstar = pm.optimal_n_buckets(total_bytes=grad_bytes, bandwidth_bytes_per_s=w_assumed,

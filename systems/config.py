@@ -54,7 +54,8 @@ PRESETS: dict[str, dict] = {
     "small": dict(d_model=768, d_ff=3072, n_layers=12, n_heads=12),
     "medium": dict(d_model=1024, d_ff=4096, n_layers=24, n_heads=16),
     "large": dict(d_model=1280, d_ff=5120, n_layers=36, n_heads=20),
-    "xl": dict(d_model=1600, d_ff=6400, n_layers=48, n_heads=25),
+    # the 2025 handout's xl; the 2026 handout's xl is the 2025 handout's 2.7B
+    "xl-2025": dict(d_model=1600, d_ff=6400, n_layers=48, n_heads=25),
     "2.7B": dict(d_model=2560, d_ff=10240, n_layers=32, n_heads=32),
     "10B": dict(d_model=4608, d_ff=12288, n_layers=50, n_heads=36),
     # the 2026 leaderboard configuration (a Qwen-like 8B shape)
@@ -62,12 +63,50 @@ PRESETS: dict[str, dict] = {
                context_length=32_768),
 }
 
-# The sizes the handout's benchmarking questions sweep, smallest first.
-HANDOUT_SIZES = ["small", "medium", "large", "xl", "2.7B"]
+HANDOUTS = ("2025", "2026")
+DEFAULT_HANDOUT = "2026"
+# Each handout's Table 1: its own size names, smallest first, and the preset each one is. The
+# two tables share small, medium and large; "xl" names a different model in each.
+HANDOUT_TABLES: dict[str, dict[str, str]] = {
+    "2025": {"small": "small", "medium": "medium", "large": "large", "xl": "xl-2025", "2.7B": "2.7B"},
+    "2026": {"small": "small", "medium": "medium", "large": "large", "xl": "2.7B", "10B": "10B"},
+}
+
+
+def check_handout(handout: str) -> str:
+    if handout not in HANDOUTS:
+        raise ValueError(f"handout must be one of {', '.join(HANDOUTS)}, got {handout!r}")
+    return handout
+
+
+def handout_sizes(handout: str = DEFAULT_HANDOUT) -> dict[str, str]:
+    """The handout's size names (its Table 1, smallest first) -> preset names."""
+    return dict(HANDOUT_TABLES[check_handout(handout)])
+
+
+def preset_of(size: str, handout: str = DEFAULT_HANDOUT) -> str:
+    """The preset a size name means in a handout: "xl" is "xl-2025" in 2025 and "2.7B" in 2026;
+    preset names (and "debug", "8B") pass through."""
+    table = handout_sizes(handout)
+    if size in table:
+        return table[size]
+    if size in PRESETS:
+        return size
+    raise ValueError(f"unknown model size {size!r} for the {handout} handout; choose one of "
+                     f"{', '.join([*table, *(p for p in PRESETS if p not in table.values())])}")
+
+
+def size_label(preset: str, handout: str = DEFAULT_HANDOUT) -> str:
+    """The handout's name for a preset ("2.7B" is "xl" in 2026), else the preset's own name."""
+    names = {p: name for name, p in handout_sizes(handout).items()}
+    return names.get(preset, preset)
 
 
 def get_config(name: str, **overrides) -> ModelConfig:
     """The named preset, optionally with some fields overridden."""
+    if name == "xl":
+        raise ValueError("'xl' names two sizes: 'xl-2025' (1600/6400/48/25, the 2025 handout's xl) and '2.7B' "
+                         "(2560/10240/32/32, the 2026 handout's xl); choose one, or preset_of('xl', handout)")
     if name not in PRESETS:
         raise ValueError(f"unknown model size {name!r}; choose one of {', '.join(PRESETS)}")
     return ModelConfig(name=name, **{**PRESETS[name], **overrides})

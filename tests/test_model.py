@@ -11,7 +11,7 @@ from systems.model import Embedding, Linear, RMSNorm, RotaryEmbedding, Transform
 
 # Counts of the CS336 reference implementation (untied head, no biases, RMSNorm gains only).
 REFERENCE_PARAMS = {"small": 128_625_408, "medium": 423_183_360, "large": 969_411_840,
-                    "xl": 1_998_235_200, "2.7B": 3_406_809_600}
+                    "xl-2025": 1_998_235_200, "2.7B": 3_406_809_600}
 
 
 @pytest.mark.parametrize("size", sorted(REFERENCE_PARAMS))

@@ -62,7 +62,7 @@ HANDOUT_BUCKETS_MB = (1.0, 10.0, 100.0, 1000.0)
 
 @dataclass
 class DDPBenchConfig(RunConfig):
-    model: str = "xl"
+    model: str = "xl-2025"
     batch_size: int = 4  # the global batch
     warmup: int = 3
     precisions: tuple[str, ...] = PRECISIONS

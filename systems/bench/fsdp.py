@@ -57,7 +57,7 @@ MiB = 1024 * 1024
 
 @dataclass
 class FSDPBenchConfig(RunConfig):
-    model: str = "xl"
+    model: str = "xl-2025"
     batch_size: int = 4  # the global batch
     warmup: int = 2  # >= 1: the first step creates the optimizer state
     steps: int = 5

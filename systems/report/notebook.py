@@ -1,15 +1,27 @@
-"""Small helpers the notebooks share: where outputs go, figures, tables and rendered answers."""
+"""What every notebook uses: its context (profile, handout, where outputs go), tables, figures, and
+answers rendered under the anchors the report's deliverables index links to.
+
+    ctx = nb.setup(name="01_benchmarking", profile=profile, out_dir=out_dir, handout=handout)
+    nb.show(df, caption=...)                   # a table, each column formatted for reading
+    nb.save_figure(fig, ctx, "phases")         # figures/01_benchmarking_phases.png
+    nb.answer(ctx, "benchmarking_script", "b", text)   # an answer, recorded for the index
+    nb.not_run(ctx, "nsys_profile", "e", "nsys is not installed on this machine")
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
+from systems.config import DEFAULT_HANDOUT, check_handout
 from systems.measure.env import environment
+from systems.measure.results import ResultWriter
 
 PROFILES = ("smoke", "full")
+ANSWER_STATUSES = ("answered", "not run")
 
 
 @dataclass
@@ -18,7 +30,9 @@ class NotebookContext:
     profile: str
     out_dir: Path
     device: str
+    handout: str = DEFAULT_HANDOUT
     env: dict = field(default_factory=dict)
+    answers: ResultWriter | None = None  # results/<name>_deliverables.jsonl
 
     @property
     def figures(self) -> Path:
@@ -41,22 +55,25 @@ class NotebookContext:
         return self.env.get("gpu") or "CPU"
 
 
-def setup(*, name: str, profile: str, out_dir: str | Path, needs_gpu_for_full: bool = True,
-          show_env: bool = True) -> NotebookContext:
+def setup(*, name: str, profile: str, out_dir: str | Path, handout: str = DEFAULT_HANDOUT,
+          needs_gpu_for_full: bool = True, show_env: bool = True) -> NotebookContext:
     """Validate the papermill parameters, make the output folders, and show the environment."""
     import torch
 
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
+    check_handout(str(handout))
     if profile == "full" and needs_gpu_for_full and not torch.cuda.is_available():
         raise RuntimeError("the full profile needs a CUDA GPU; run with profile='smoke' on a CPU")
     ctx = NotebookContext(name=name, profile=profile, out_dir=Path(out_dir).resolve(),
-                          device="cuda" if torch.cuda.is_available() else "cpu", env=environment())
+                          device="cuda" if torch.cuda.is_available() else "cpu", handout=str(handout),
+                          env=environment())
     ctx.figures.mkdir(parents=True, exist_ok=True)
     ctx.results.mkdir(parents=True, exist_ok=True)
+    ctx.answers = ResultWriter(ctx.result_path("deliverables"))
     if show_env:
         keys = ["gpu", "driver", "torch", "triton", "cuda", "git_commit", "date"]
-        md(f"**Run:** profile `{profile}` on {ctx.gpu}; "
+        md(f"**Run:** profile `{profile}`, {handout} handout, on {ctx.gpu}; "
            + ", ".join(f"{k} `{ctx.env.get(k)}`" for k in keys[1:]))
     return ctx
 
@@ -75,14 +92,92 @@ def md(text: str) -> None:
     print(text)
 
 
-def show(df: pd.DataFrame, *, caption: str | None = None, floatfmt: str = "{:,.3g}") -> None:
-    """Display a table with readable float formatting."""
+def _record(ctx: NotebookContext, problem: str, part: str, status: str, reason: str | None) -> str:
+    from systems.report.deliverables import find
+
+    item = find(ctx.handout, problem, part)  # a misspelt problem or part fails here, in the notebook
+    if ctx.answers is not None:
+        ctx.answers.write({"notebook": ctx.name, "handout": ctx.handout, "problem": problem, "part": part,
+                           "anchor": item.anchor, "status": status, "reason": reason, "profile": ctx.profile})
+    return item.anchor
+
+
+def answer(ctx: NotebookContext, problem: str, part: str = "", text: str = "") -> None:
+    """Render an answer to (problem, part) of the notebook's handout, under the anchor the report's
+    deliverables index links to, and record it as answered."""
+    anchor = _record(ctx, problem, part, "answered", None)
+    label = f"{problem} ({part})" if part else problem
+    md(f'<a id="{anchor}"></a>\n\n**{label}.** {text}')
+
+
+def not_run(ctx: NotebookContext, problem: str, part: str, reason: str) -> None:
+    """Record (and say) that this run could not answer (problem, part), and why."""
+    anchor = _record(ctx, problem, part, "not run", reason)
+    label = f"{problem} ({part})" if part else problem
+    md(f'<a id="{anchor}"></a>\n\n**{label}:** not answered in this run: {reason}.')
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _column_formatter(values: pd.Series):
+    """One format for a whole numeric column, chosen for reading: integers with thousands
+    separators, ordinary magnitudes in fixed point with about three significant digits for the
+    column's typical value, scientific notation only for very small magnitudes (errors, rates)."""
+    finite = [float(v) for v in values if v is not None and isinstance(v, (int, float)) and math.isfinite(v)]
+    if not finite:
+        return lambda v: "—"
+    if all(float(v).is_integer() for v in finite) and max(abs(v) for v in finite) < 1e15:
+        fmt = "{:,.0f}"
+    else:
+        nonzero = sorted(abs(v) for v in finite if v != 0)
+        typical = nonzero[len(nonzero) // 2] if nonzero else 0.0
+        if nonzero and nonzero[-1] < 1e-3:
+            fmt = "{:.2e}"
+        else:
+            decimals = 0 if typical >= 100 else 1 if typical >= 10 else 2 if typical >= 1 else 3 if typical >= 0.01 else 4
+            fmt = "{:,.%df}" % decimals
+
+    def format_value(v) -> str:
+        if v is None or (isinstance(v, float) and not math.isfinite(v)) or v is pd.NA:
+            return "—"
+        try:
+            return fmt.format(v)
+        except (TypeError, ValueError):
+            return str(v)
+
+    return format_value
+
+
+def format_table(df: pd.DataFrame, formats: dict[str, str] | None = None) -> pd.DataFrame:
+    """The table as strings, each numeric column formatted by ``_column_formatter`` (or by its
+    format string in ``formats``, where a value's digits are the point), missing values (None,
+    NaN) as an em dash."""
+    out = pd.DataFrame(index=df.index)
+    for col in df.columns:
+        series = df[col]
+        if formats and col in formats:
+            fmt = formats[col]
+            out[col] = series.map(lambda v, fmt=fmt: "—" if v is None or (isinstance(v, float) and math.isnan(v))
+                                  else fmt.format(v))
+        elif pd.api.types.is_bool_dtype(series):
+            out[col] = series.map(lambda v: "yes" if v else "no")
+        elif pd.api.types.is_numeric_dtype(series):
+            out[col] = series.map(_column_formatter(series))
+        else:
+            out[col] = series.map(lambda v: "—" if v is None or (isinstance(v, float) and math.isnan(v)) else v)
+    return out
+
+
+def show(df: pd.DataFrame, *, caption: str | None = None, formats: dict[str, str] | None = None) -> None:
+    """Display a table with each column formatted for reading (``format_table``)."""
+    table = format_table(df, formats)
     try:
         from IPython import get_ipython
         from IPython.display import display
 
         if get_ipython() is not None:
-            styler = df.style.format(floatfmt, subset=df.select_dtypes("number").columns, na_rep="—")
+            styler = table.style
             if isinstance(df.index, pd.RangeIndex):
                 styler = styler.hide(axis="index")  # a 0..n row counter says nothing
             if caption:
@@ -91,7 +186,7 @@ def show(df: pd.DataFrame, *, caption: str | None = None, floatfmt: str = "{:,.3
             return
     except ImportError:
         pass
-    print(df.to_string())
+    print(table.to_string())
 
 
 def save_figure(fig, ctx: NotebookContext, stem: str, *, dpi: int = 120) -> None:
