@@ -38,8 +38,7 @@ class RunConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        resolve_device(self.device)  # an unknown name, or CUDA asked for on a machine without it
         cfg = self.model_config()  # an unknown size or bad hyperparameters fail here, before any work
         if self.context_length > cfg.context_length:
             raise ValueError(f"context_length {self.context_length} exceeds the model's maximum {cfg.context_length} "

@@ -45,7 +45,8 @@ def resolve_device(name: str) -> torch.device:
     if name != "cpu" and not name.startswith("cuda"):
         raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} was requested but torch.cuda.is_available() is False")
+        raise ValueError(f"device {name!r} was requested but this machine has no CUDA GPU "
+                         "(torch.cuda.is_available() is False); use --device cpu or auto")
     return torch.device(name)
 
 

@@ -602,7 +602,7 @@ def write_report(run_dir: Path) -> Path:
     try:
         path = report_html.build_report(out_dir)
         text = path.read_text()
-    except runner.WorkbookError:  # no notebook got as far as writing its executed copy
+    except report_html.ReportError:  # no notebook got as far as writing its executed copy
         report_dir.mkdir(parents=True, exist_ok=True)
         path, text = report_dir / "report.html", "<!DOCTYPE html>\n<html><body></body></html>\n"
     body = re.search(r"<body[^>]*>", text)

@@ -48,15 +48,83 @@ def test_failing_cell_is_named(tmp_path):
 
 
 def test_full_profile_skips_notebooks_that_need_more_gpus(monkeypatch, tmp_path, capsys):
+    """In a run of every notebook, one that needs more GPUs than this machine has is skipped and
+    said so; asked for by name, not running it is a failure (the run exits non-zero)."""
     from systems.workbook import notebooks as runner
 
     monkeypatch.setattr(runner, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(runner, "check_commit", lambda **kw: None)
+    monkeypatch.setattr(runner, "discover", lambda only=None: [p for p in runner.NOTEBOOK_DIR.glob("0[78]_*.py")])
     monkeypatch.setattr(runner, "run_notebook", lambda *a, **k: pytest.fail("should not execute"))
-    runs = workbook.run_notebooks(only=["07", "08"], profile="full", out_dir=tmp_path, progress=False)
-    assert [(r.name, r.ok, r.skipped) for r in runs] == [
-        ("07_distributed", True, "its full profile needs 2 GPUs, this machine has 1"),
-        ("08_sharding_fsdp", True, "its full profile needs 2 GPUs, this machine has 1")]
+    why = "its full profile needs 2 GPUs, this machine has 1"
+    runs = workbook.run_notebooks(profile="full", out_dir=tmp_path, progress=False)
+    assert sorted((r.name, r.ok, r.skipped) for r in runs) == [("07_distributed", True, why),
+                                                                ("08_sharding_fsdp", True, why)]
     assert "skipped" in capsys.readouterr().out
+    runs = workbook.run_notebooks(only=["07", "08"], profile="full", out_dir=tmp_path, progress=False)
+    assert [(r.ok, r.error) for r in runs] == [(False, why), (False, why)]
+
+
+def test_full_profile_without_a_gpu_is_an_error(monkeypatch, tmp_path, capsys):
+    from systems.workbook import notebooks as runner
+
+    monkeypatch.setattr(runner, "_gpu_count", lambda: 0)
+    assert workbook.main(["run", "--only", "01", "--profile", "full", "--out-dir", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_full_profile_refuses_a_dirty_tree_unless_allowed(monkeypatch, tmp_path):
+    from systems.workbook import notebooks as runner
+
+    monkeypatch.setattr(runner, "tree_is_dirty", lambda: True)
+    with pytest.raises(workbook.WorkbookError, match="--allow-dirty"):
+        runner.check_commit(profile="full", allow_dirty=False)
+    runner.check_commit(profile="full", allow_dirty=True)
+    runner.check_commit(profile="smoke", allow_dirty=False)  # smoke results are never committed
+
+
+def test_unknown_parameter_lists_the_notebooks_parameters(capsys, tmp_path):
+    assert workbook.main(["run", "--only", "01", "--profile", "smoke", "--out-dir", str(tmp_path),
+                          "-p", "bogus_param", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "no parameter 'bogus_param'" in err and "profile" in err and "out_dir" in err
+
+
+def test_bad_json_parameter_is_named(capsys, tmp_path):
+    assert workbook.main(["run", "--only", "01", "--profile", "smoke", "--out-dir", str(tmp_path),
+                          "-p", "sizes", '["debug"']) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert workbook.parse_value("2025") == 2025 and workbook.parse_value("full") == "full"
+
+
+def test_out_dir_that_is_a_file_fails_before_running(capsys, tmp_path):
+    target = tmp_path / "a_file"
+    target.write_text("")
+    assert workbook.main(["run", "--only", "01", "--profile", "smoke", "--out-dir", str(target)]) == 2
+    assert "is a file" in capsys.readouterr().err
+
+
+def test_a_second_run_into_the_same_folder_is_refused(tmp_path):
+    from systems.workbook.notebooks import OutDirLock
+
+    with OutDirLock(tmp_path):
+        with pytest.raises(workbook.WorkbookError, match="another workbook run"):
+            workbook.run_notebooks(only=["01"], profile="smoke", out_dir=tmp_path, progress=False)
+    with OutDirLock(tmp_path):  # released: the next run may take it
+        pass
+
+
+def test_a_finished_notebook_drops_the_rows_its_writers_moved_aside(tmp_path):
+    src = tmp_path / "99_writes.py"
+    src.write_text('# %% tags=["parameters"]\nprofile = "smoke"\nout_dir = "x"\n\n# %%\n'
+                   'from systems.measure.results import ResultWriter\n'
+                   'ResultWriter(f"{out_dir}/results/99_writes_rows.jsonl").write({"x": 1})\n')
+    out = tmp_path / "out"
+    (out / "results").mkdir(parents=True)
+    (out / "results" / "99_writes_rows.jsonl").write_text('{"x": 0}\n')
+    run = workbook.run_notebook(src, profile="smoke", out_dir=out, progress=False)
+    assert run.ok, run.error
+    assert not list((out / "results").glob("*.previous"))
 
 
 def test_cli_unknown_notebook_exits_non_zero(capsys):
@@ -83,28 +151,3 @@ def test_ci_runs_the_readme_test_command():
     ci = (REPO_ROOT / ".ci" / "run").read_text()
     command = next(line for line in readme.splitlines() if "pytest" in line and line.startswith("python3"))
     assert command in ci.splitlines()
-
-
-def test_report_embeds_relative_images_and_repoints_links(tmp_path):
-    import base64
-
-    import nbformat
-
-    (tmp_path / "figures").mkdir()
-    png = b"\x89PNG\r\n\x1a\nfake"
-    (tmp_path / "figures" / "x.png").write_bytes(png)
-    (tmp_path / "figures" / "x.html").write_text("<html></html>")
-    nb = nbformat.v4.new_notebook()
-    cell = nbformat.v4.new_code_cell("")
-    cell.outputs = [nbformat.v4.new_output("display_data", data={
-        "text/markdown": "![t](figures/x.png) [viz](figures/x.html) [web](https://example.org) ![gone](figures/none.png)"}),
-        nbformat.v4.new_output("execute_result", data={"text/plain": "PosixPath('/tmp/x.png')"}, execution_count=1),
-        nbformat.v4.new_output("stream", name="stderr", text="progress 50%")]
-    nb.cells.append(cell)
-    (tmp_path / "writeup" / "executed").mkdir(parents=True)
-    nbformat.write(nb, tmp_path / "writeup" / "executed" / "01_x.ipynb")
-    html = workbook.build_report(tmp_path).read_text()
-    assert base64.b64encode(png).decode() in html  # embedded: the report stands alone
-    assert "../figures/x.html" in html  # resolves from writeup/
-    assert "https://example.org" in html and "figures/none.png" in html  # left alone
-    assert "PosixPath" not in html and "progress 50%" not in html  # reprs and stderr stay in the notebook

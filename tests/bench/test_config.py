@@ -1,0 +1,29 @@
+"""The fields every harness shares, checked once, before any work."""
+
+import pytest
+import torch
+
+from systems.bench.config import RunConfig
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(model="huge"), "unknown model size"),
+    (dict(model="xl"), "names two sizes"),
+    (dict(model="debug", context_length=4096), "exceeds the model's maximum 256 .*--max-context"),
+    (dict(model="debug", context_length=64, batch_size=0), "batch_size must be"),
+    (dict(model="debug", context_length=64, device="tpu"), "device must be"),
+])
+def test_bad_fields_fail_with_a_readable_message(bad, message):
+    with pytest.raises(ValueError, match=message):
+        RunConfig(**bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_on_a_machine_without_it_is_a_config_error():
+    with pytest.raises(ValueError, match="no CUDA GPU.*--device cpu"):
+        RunConfig(model="debug", context_length=64, device="cuda")
+
+
+def test_world_size_must_split_the_batch():
+    with pytest.raises(ValueError, match="does not split evenly over 3 ranks"):
+        RunConfig(model="debug", context_length=64, batch_size=4).check_world_size(3)

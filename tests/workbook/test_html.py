@@ -1,0 +1,89 @@
+"""The HTML report: the deliverables index with statuses from the recorded answers, provenance,
+the code toggle, embedded figures, and no tracebacks."""
+
+import json
+
+import nbformat
+import pytest
+
+from systems import workbook
+from systems.report.deliverables import deliverables
+
+
+def _executed(tmp_path, stem: str, cells: list) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.cells.extend(cells)
+    (tmp_path / "writeup" / "executed").mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, tmp_path / "writeup" / "executed" / f"{stem}.ipynb")
+
+
+def test_report_embeds_relative_images_and_repoints_links(tmp_path):
+    import base64
+
+    import nbformat
+
+    (tmp_path / "figures").mkdir()
+    png = b"\x89PNG\r\n\x1a\nfake"
+    (tmp_path / "figures" / "x.png").write_bytes(png)
+    (tmp_path / "figures" / "x.html").write_text("<html></html>")
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("")
+    cell.outputs = [nbformat.v4.new_output("display_data", data={
+        "text/markdown": "![t](figures/x.png) [viz](figures/x.html) [web](https://example.org) ![gone](figures/none.png)"}),
+        nbformat.v4.new_output("execute_result", data={"text/plain": "PosixPath('/tmp/x.png')"}, execution_count=1),
+        nbformat.v4.new_output("stream", name="stderr", text="progress 50%")]
+    nb.cells.append(cell)
+    (tmp_path / "writeup" / "executed").mkdir(parents=True)
+    nbformat.write(nb, tmp_path / "writeup" / "executed" / "01_x.ipynb")
+    html = workbook.build_report(tmp_path).read_text()
+    assert base64.b64encode(png).decode() in html  # embedded: the report stands alone
+    assert "../figures/x.html" in html  # resolves from writeup/
+    assert "https://example.org" in html and "figures/none.png" in html  # left alone
+    assert "PosixPath" not in html and "progress 50%" not in html  # reprs and stderr stay in the notebook
+
+
+def _answer_rows(tmp_path, notebook: str, handout: str, rows: list[tuple]) -> None:
+    env = {"git_commit": "0123456789ab", "gpu": None, "date": "2026-11-24T00:00:00+00:00"}
+    (tmp_path / "results").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for d, status, reason in rows:
+        lines.append(json.dumps({"notebook": notebook, "handout": handout, "problem": d.problem, "part": d.part,
+                                 "anchor": d.anchor, "status": status, "reason": reason, "profile": "smoke",
+                                 "env": env}))
+    (tmp_path / "results" / f"{notebook}_deliverables.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_index_status_comes_from_the_recorded_answers(tmp_path):
+    mine = [d for d in deliverables("2026") if d.notebook == "01_benchmarking"]
+    _answer_rows(tmp_path, "01_benchmarking", "2026", [(mine[0], "answered", None), (mine[1], "not run", "no GPU")])
+    cell = nbformat.v4.new_code_cell("x = 1")
+    cell.outputs = [nbformat.v4.new_output("display_data", data={"text/markdown": f'<a id="{mine[0].anchor}"></a> ok'})]
+    _executed(tmp_path, "01_benchmarking", [cell])
+    html = workbook.build_report(tmp_path, handout="2026").read_text()
+    assert f'href="#{mine[0].anchor}"' in html and f'id="{mine[0].anchor}"' in html  # the link resolves
+    assert "answered (smoke profile)" in html and "not run here: no GPU" in html
+    assert "missing: its notebook ran but recorded no answer" in html  # mine[2] was not recorded
+    two_gpu = next(d for d in deliverables("2026") if d.needs == "2 GPUs")
+    assert f"not run here: needs 2 GPUs" in html and two_gpu.title.split()[0] in html
+    assert "0123456789ab" in html and "Provenance" in html
+    with pytest.raises(ValueError, match="handout"):
+        workbook.build_report(tmp_path, handout="2027")
+
+
+def test_code_is_hidden_behind_a_toggle_and_tracebacks_become_a_note(tmp_path):
+    cell = nbformat.v4.new_code_cell("secret_source_line = 1\n1 / 0")
+    cell.outputs = [nbformat.v4.new_output("error", ename="ZeroDivisionError", evalue="division by zero",
+                                           traceback=["Traceback (most recent call last):", "ZeroDivisionError"])]
+    _executed(tmp_path, "02_fails", [cell])
+    html = workbook.build_report(tmp_path).read_text()
+    assert 'id="toggle-code"' in html and "body:not(.show-code)" in html
+    assert "secret_source_line" in html  # in the page, hidden until the toggle shows it
+    assert "Traceback (most recent call last)" not in html
+    assert "This cell raised" in html and "ZeroDivisionError" in html
+
+
+def test_a_truncated_notebook_is_named(tmp_path):
+    (tmp_path / "writeup" / "executed").mkdir(parents=True)
+    (tmp_path / "writeup" / "executed" / "03_cut.ipynb").write_text('{"cells": [')
+    with pytest.raises(workbook.ReportError, match="03_cut.ipynb: not a readable notebook"):
+        workbook.build_report(tmp_path)
