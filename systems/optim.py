@@ -20,6 +20,15 @@ def advance_state(state: dict, p: torch.Tensor) -> dict:
     return state
 
 
+def closure_loss(closure: Callable | None):
+    """The loss of an optimizer step's optional closure, evaluated with gradients on (the
+    torch.optim contract: step() itself runs under no_grad)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class AdamW(torch.optim.Optimizer):
     """Loshchilov & Hutter's AdamW, written to match torch.optim.AdamW's update order."""
 
@@ -36,10 +45,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:

@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from systems.kernels.blocks import load_f32, store_as
 from systems.measure.devices import triton_interpreting
-from systems.optim import AdamW, adamw_foreach_, advance_state
+from systems.optim import AdamW, adamw_foreach_, advance_state, closure_loss
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # parameter and gradient dtypes the kernel takes
 COPY_DTYPES = (torch.bfloat16, torch.float16)  # low-precision copies
@@ -136,30 +137,13 @@ def _pointer(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _load_f32(ptr, offs, numel, MASKED: tl.constexpr):
-    if MASKED:
-        x = tl.load(ptr + offs, mask=offs < numel, other=0.0)
-    else:
-        x = tl.load(ptr + offs)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _store(ptr, x, offs, numel, MASKED: tl.constexpr):
-    if MASKED:
-        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=offs < numel)
-    else:
-        tl.store(ptr + offs, x.to(ptr.dtype.element_ty))
-
-
-@triton.jit
 def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel,
                  decay, lerp_weight, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps,
                  HAS_COPY: tl.constexpr, MASKED: tl.constexpr):
-    p = _load_f32(p_ptr, offs, numel, MASKED)
-    g = _load_f32(g_ptr, offs, numel, MASKED)
-    m = _load_f32(m_ptr, offs, numel, MASKED)
-    v = _load_f32(v_ptr, offs, numel, MASKED)
+    p = load_f32(p_ptr, offs, numel, MASKED)
+    g = load_f32(g_ptr, offs, numel, MASKED)
+    m = load_f32(m_ptr, offs, numel, MASKED)
+    v = load_f32(v_ptr, offs, numel, MASKED)
     p = p * decay  # decoupled decay acts on the pre-update weights
     # torch's lerp(m, g, w): m + w (g - m) for w < 0.5, else g - (g - m)(1 - w) (exact at w = 1)
     m = tl.where(lerp_weight < 0.5, m + lerp_weight * (g - m), g - (g - m) * (1.0 - lerp_weight))
@@ -167,11 +151,11 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel,
     # sqrt and divisions rounded to nearest as torch's (tl.sqrt and / may be approximate on GPUs)
     denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p - tl.div_rn(step_size * m, denom)
-    _store(p_ptr, p, offs, numel, MASKED)
-    _store(m_ptr, m, offs, numel, MASKED)
-    _store(v_ptr, v, offs, numel, MASKED)
+    store_as(p_ptr, p, offs, numel, MASKED)
+    store_as(m_ptr, m, offs, numel, MASKED)
+    store_as(v_ptr, v, offs, numel, MASKED)
     if HAS_COPY:
-        _store(c_ptr, p, offs, numel, MASKED)
+        store_as(c_ptr, p, offs, numel, MASKED)
 
 
 @triton.jit
@@ -307,10 +291,7 @@ class FusedAdamW(AdamW):
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         kernel_buckets, fallback_buckets = self._buckets()
         # keep only this step's tables: the caches stay as small as the model
         tables, block_maps = {}, {}

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from systems.kernels.blocks import load_f32, store_as
 from systems.measure.devices import triton_interpreting
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -160,16 +161,10 @@ def _lse_update(m_i, l_i, x):
 @triton.jit
 def _grad_block(row_ptr, cols, target, lse2, row_scale, n_cols, MASKED: tl.constexpr):
     """Overwrite one block of logits with (softmax - onehot) * row_scale."""
-    if MASKED:
-        x = tl.load(row_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    else:
-        x = tl.load(row_ptr + cols).to(tl.float32)
+    x = load_f32(row_ptr, cols, n_cols, MASKED)
     p = tl.math.exp2(x * _LOG2E - lse2)
     g = (p - (cols == target).to(tl.float32)) * row_scale
-    if MASKED:
-        tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=cols < n_cols)
-    else:
-        tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty))
+    store_as(row_ptr, g, cols, n_cols, MASKED)
 
 
 @triton.jit

@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from systems.optim import closure_loss
+
 MiB = 1024 * 1024
 
 
@@ -156,10 +158,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     offset += p.numel()
 
     def step(self, closure: Callable | None = None, **kwargs):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._sync_options()
         self.optimizer.step(**kwargs)
         self.broadcast_parameters()
