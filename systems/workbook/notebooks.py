@@ -33,8 +33,9 @@ from systems.workbook.html import build_report
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 
-# GPUs a notebook's full profile needs (one process per GPU, NCCL); others need one.
-MIN_GPUS_FULL = {"07_distributed": 2, "08_sharding_fsdp": 2}
+# GPUs a notebook's full profile needs (one process per GPU, NCCL); others need one, and 09 (closed
+# forms and committed measurements) none.
+MIN_GPUS_FULL = {"07_distributed": 2, "08_sharding_fsdp": 2, "09_parallelism_math": 0}
 
 
 @dataclass
@@ -212,8 +213,10 @@ def run_notebooks(*, only: list[str] | None = None, profile: str = "auto", out_d
     parameters = dict(parameters or {})
     check_parameters(paths, parameters)
     n_gpus = _gpu_count() if profile == "full" else 0
-    if profile == "full" and n_gpus == 0:
-        raise WorkbookError("the full profile needs a CUDA GPU and this machine has none; run --profile smoke")
+    need = {p.stem: MIN_GPUS_FULL.get(p.stem, 1) if profile == "full" else 0 for p in paths}
+    if n_gpus == 0 and all(n > 0 for n in need.values()):
+        raise WorkbookError(f"the full profile of {', '.join(need)} needs a CUDA GPU and this machine has none; "
+                            "run --profile smoke")
     check_commit(profile=profile, allow_dirty=allow_dirty)
     if allow_dirty:
         os.environ["WORKBOOK_ALLOW_DIRTY"] = "1"  # the kernels inherit it and stamp it on every row
@@ -222,9 +225,8 @@ def run_notebooks(*, only: list[str] | None = None, profile: str = "auto", out_d
     runs: list[NotebookRun] = []
     with OutDirLock(out):
         for i, path in enumerate(paths, 1):
-            need = MIN_GPUS_FULL.get(path.stem, 1) if profile == "full" else 0
-            if n_gpus < need:
-                why = f"its full profile needs {need} GPUs, this machine has {n_gpus}"
+            if n_gpus < need[path.stem]:
+                why = f"its full profile needs {need[path.stem]} GPUs, this machine has {n_gpus}"
                 # asked for by name, not running it is a failure; in a run of every notebook, a skip
                 runs.append(NotebookRun(path.stem, not only, 0.0, None, error=None if not only else why, skipped=why))
                 print(f"[{i}/{len(paths)}] {path.stem}: skipped ({why})", flush=True)
