@@ -33,7 +33,7 @@ class ReportError(RuntimeError):
 _MD_LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 TOGGLE = """
 <style>
-  body:not(.show-code) .jp-Cell-inputWrapper, body:not(.show-code) .jp-InputArea { display: none; }
+  body:not(.show-code) .jp-CodeCell .jp-Cell-inputWrapper { display: none; }
   #toggle-code { position: fixed; top: 0.6em; right: 0.6em; z-index: 10; padding: 0.3em 0.8em; }
   table.deliverables td, table.deliverables th { padding: 0.15em 0.6em; text-align: left; vertical-align: top; }
   table.deliverables .answered { color: #1a7f37; } table.deliverables .not-run { color: #9a6700; }
