@@ -175,7 +175,7 @@ def time_attention(impl: str, *, batch: int, heads: int, seq: int, d: int, dtype
     with catch_oom() as oom:
         try:
             gen = torch.Generator(device=device).manual_seed(0)
-            shape = (batch, heads, seq, d)  # (batch, heads, seq, d)
+            shape = (batch, heads, seq, d)
             q, k, v = (torch.randn(shape, device=device, dtype=DTYPES[dtype], generator=gen).requires_grad_()
                        for _ in range(3))
             do = torch.randn(shape, device=device, dtype=DTYPES[dtype], generator=gen)
@@ -284,6 +284,21 @@ class SweepConfig:
     budget_s: float | None = None  # the sweep's wall-clock budget; points past it are skipped
     extra: dict = field(default_factory=dict)  # stamped on every row (e.g. the profile)
 
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.dtypes if t not in DTYPES]
+        if unknown:
+            raise ValueError(f"unknown dtypes {unknown}; choose from {', '.join(DTYPES)}")
+        for name in ("seq_lens", "head_dims"):
+            if not all(isinstance(n, int) and n > 0 for n in getattr(self, name)):
+                raise ValueError(f"{name} must be positive integers, got {getattr(self, name)}")
+        if self.min_reps < 1:
+            raise ValueError(f"min_reps must be at least 1, got {self.min_reps}")
+        known = {*TRITON_VARIANTS, *SDPA_BACKENDS, *BACKENDS}
+        for dtype, impls in self.impls.items():
+            if set(impls) - known:
+                raise ValueError(f"unknown implementations {sorted(set(impls) - known)} for {dtype}; choose from "
+                                 f"{', '.join(sorted(known))}")
+
     def points(self) -> list[tuple[str, int, int, str]]:
         """(dtype, d, seq, impl) in the order they run: by increasing length, every series at one
         length before the next, so the budget's estimates scale from a measured shorter point and
@@ -350,7 +365,7 @@ def flash_benchmarking(cfg: SweepConfig, *, writer: ResultWriter | None = None, 
     return pd.DataFrame(rows)
 
 
-def full_profile_grid(*, budget_s: float = 360.0) -> SweepConfig:
+def full_profile_grid(*, budget_s: float | None = None) -> SweepConfig:
     """The handout's grid, as notebook 06's full profile runs it on one H100: seq 128 ... 65536 x
     d 16, 32, 64, 128 x {bf16, fp32}; fp32 times our kernels with IEEE and with tf32x3 dots; 5 ms
     warm-up and 25 ms of repetitions per pass (at least 3 timed calls at long sequences)."""

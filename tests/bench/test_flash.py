@@ -119,6 +119,12 @@ def test_checker_finds_a_wrong_implementation(monkeypatch):
 def test_unknown_implementation_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown implementation 'cuda_magic'; choose one of triton"):
         flash.get_impl("cuda_magic")
+    with pytest.raises(ValueError, match="unknown implementations \\['cuda_magic'\\] for fp32"):
+        flash.SweepConfig(impls={"fp32": ("naive", "cuda_magic")})
+    with pytest.raises(ValueError, match="unknown dtypes \\['float32'\\]"):
+        flash.SweepConfig(dtypes=("float32",))
+    with pytest.raises(ValueError, match="min_reps must be at least 1"):
+        flash.SweepConfig(min_reps=0)
 
 
 @pytest.mark.slow
