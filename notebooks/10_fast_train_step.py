@@ -63,7 +63,7 @@ for model, variants in plan.variants.items():
                             peak_flops=peak_tflops * 1e12 if peak_tflops else None,
                             trace_variant=plan.trace[1] if model == plan.trace[0] else None, trace_path=trace_path,
                             **plan.step)
-table = report.step_table(rows)
+table = report.step_table(rows, handout=ctx.handout)
 step = plan.step
 nb.show(table, caption=f"Full training step, batch {step['batch_size']} x context {step['context_length']}, bf16 "
                        f"autocast, {step['steps']} timed steps after {step['warmup']} warm-up ({ctx.gpu})"

@@ -5,8 +5,9 @@ from __future__ import annotations
 from systems.bench.train_step import LEVERS, PHASES
 
 
-def step_table(rows, *, baseline: str = "hf_llama"):
-    """One line per (model, variant): times, MFU, memory, and speed-up over the baseline variant."""
+def step_table(rows, *, baseline: str = "hf_llama", handout: str | None = None):
+    """One line per (model, variant): times, MFU, memory, and speed-up over the baseline variant;
+    with ``handout``, the size as that handout names it beside the preset."""
     import pandas as pd
 
     df = pd.DataFrame(rows)
@@ -16,6 +17,8 @@ def step_table(rows, *, baseline: str = "hf_llama"):
     if "step_ms" in df.columns:
         base = df[df["variant"] == baseline].set_index("model")["step_ms"]
         df[f"speedup_vs_{baseline}"] = df["model"].map(base) / df["step_ms"]
+    if handout is not None:
+        df.insert(0, "size", df["model"].map(lambda preset: size_name(preset, handout)))
     return df
 
 
@@ -54,7 +57,7 @@ def plot_phases(table, *, title: str):
             left = [a + b for a, b in zip(left, part[phase])]
         ax.invert_yaxis()
         ax.set_xlabel("ms per step (median of each phase)")
-        ax.set_title(model)
+        ax.set_title(part["size"].iloc[0] if "size" in part else model)
     axes[0][0].legend(loc="lower right", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()

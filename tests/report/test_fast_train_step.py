@@ -25,6 +25,8 @@ def test_step_answer_reads_the_rows_and_labels_our_target():
     assert "2.00x Hugging Face Llama's 200.0 ms" in text and "MFU 50.0%" in text
     assert "Our target (the project's, not the handout's) <= 105 ms: **met** (0.95x the target)" in text
     assert "forward 45.0 -> 30.0 ms" in text and "**xl-2025**: no variant ran" in text
+    named = report.step_table([_row("2.7B", "ours_eager", 150.0)], handout="2026")
+    assert list(named.columns[:2]) == ["size", "model"] and named.loc[0, "size"] == "xl (2.7B)"
 
 
 def test_lever_answer_names_the_largest_lever():
