@@ -40,7 +40,24 @@ class Embedding(nn.Module):
         nn.init.trunc_normal_(self.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        check_token_ids(token_ids, self.weight.shape[0])
         return self.weight[token_ids]
+
+
+def check_token_ids(token_ids: torch.Tensor, vocab_size: int) -> None:
+    """Token ids must be integers in [0, vocab_size): indexing would wrap -1 to the last row
+    silently. On a GPU the range check is an asynchronous device assert (no host synchronisation
+    on the hot path; a failure surfaces at a later launch, as any device-side assert); on a CPU
+    it is a plain ValueError."""
+    if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+        raise ValueError(f"token ids must be an integer tensor, got dtype {token_ids.dtype}")
+    if token_ids.numel() == 0:
+        return
+    message = f"token ids must lie in [0, {vocab_size}) (the vocabulary size)"
+    if token_ids.is_cuda:
+        torch._assert_async(((token_ids >= 0) & (token_ids < vocab_size)).all(), message)
+    elif token_ids.device.type != "meta" and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size):
+        raise ValueError(f"{message}; got ids from {int(token_ids.min())} to {int(token_ids.max())}")
 
 
 class RMSNorm(nn.Module):
@@ -50,11 +67,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the mean of squares is taken in fp32: in fp16/bf16 it overflows or loses the small terms
+        # the mean of squares is taken in fp32: in fp16/bf16 it overflows or loses the small terms.
+        # The result has the input's dtype whatever the gain's (the CS336 reference's
+        # (weight * normalized).to(in_dtype)): a model whose matmul weights alone were cast to
+        # fp16 (mixed precision applied by hooks) keeps feeding its Linears fp16.
         in_dtype = x.dtype
         x = x.float()
         rms = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (x * rms).to(in_dtype) * self.weight
+        return (self.weight * (x * rms)).to(in_dtype)
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,11 +1,10 @@
-"""The Transformer LM: reference parameter counts, causality, RoPE, attention backends, input errors."""
-
-import math
+"""The Transformer LM: reference parameter counts, causality, RoPE, dtypes through RMSNorm, input
+errors (the attention backends themselves: tests/attention/)."""
 
 import pytest
 import torch
 
-from systems.attention import BACKENDS, get_backend
+from systems.attention import get_backend
 from systems.config import PRESETS, ModelConfig, get_config
 from systems.model import Embedding, Linear, RMSNorm, RotaryEmbedding, TransformerLM
 
@@ -71,22 +70,6 @@ def test_rope_matches_complex_rotation():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_attention_backends_agree():
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 20, 16) for _ in range(3))
-    ref = get_backend("naive")(q, k, v, is_causal=True)
-    for name in BACKENDS:
-        if name.startswith("flash_triton"):
-            continue  # needs a GPU or the interpreter; tested in tests/attention/test_flash_triton.py
-        torch.testing.assert_close(get_backend(name)(q, k, v, is_causal=True), ref, atol=1e-5, rtol=1e-5)
-
-
-def test_naive_attention_matches_formula():
-    q, k, v = (torch.randn(4, 7, 8, dtype=torch.float64) for _ in range(3))
-    out = get_backend("naive")(q, k, v, is_causal=False)
-    torch.testing.assert_close(out, torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8), -1) @ v)
-
-
 def test_invalid_hyperparameters_raise_clear_errors():
     with pytest.raises(ValueError, match="divisible by n_heads"):
         ModelConfig(d_model=64, d_ff=128, n_layers=1, n_heads=5)
@@ -102,3 +85,64 @@ def test_context_longer_than_maximum_raises():
     model = TransformerLM(get_config("debug", context_length=16))
     with pytest.raises(ValueError, match="exceeds the model's context_length 16"):
         model(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("bad", [-1, 512, 10**6])
+def test_token_ids_outside_the_vocabulary_are_a_clear_error(bad):
+    # -1 indexed the last embedding row silently, and 512 raised the indexing's own IndexError
+    model = TransformerLM(get_config("debug"))
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    tokens[1, 3] = bad
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 512\)"):
+        model(tokens)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 512\)"):
+        model.hidden_states(tokens)  # the fused loss's path reads the embeddings the same way
+
+
+def test_token_ids_must_be_integers():
+    model = TransformerLM(get_config("debug"))
+    with pytest.raises(ValueError, match="integer tensor"):
+        model(torch.zeros(1, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_token_id_check_does_not_synchronise():
+    # the range check is a device assert: the forward is queued without waiting for the GPU
+    model = TransformerLM(get_config("debug"), device="cuda")
+    tokens = torch.randint(0, 512, (2, 64), device="cuda")
+    model(tokens)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call inside raises
+    try:
+        model(tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rmsnorm_returns_its_inputs_dtype(dtype):
+    # the gain stays fp32; the CS336 reference returns (weight * normalized).to(input dtype)
+    norm = RMSNorm(8)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2.0)
+    x = torch.randn(3, 8).to(dtype)
+    out = norm(x)
+    assert out.dtype == dtype
+    xf = x.float()
+    want = (norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5))).to(dtype)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+def test_model_with_only_matmul_weights_in_fp16_runs():
+    # mixed precision applied by casting the Linear and Embedding weights alone (what FSDP-style
+    # hooks do) keeps the RMSNorm gains fp32: the norms must hand their Linears fp16, or the
+    # matmul fails with "expected m1 and m2 to have the same dtype"
+    from systems.model import Embedding
+
+    model = TransformerLM(get_config("debug"))
+    for module in model.modules():
+        if isinstance(module, (Linear, Embedding)):
+            module.weight.data = module.weight.data.half()
+    logits = model(torch.randint(0, 512, (2, 16)))
+    assert logits.dtype == torch.float16 and torch.isfinite(logits.float()).all()

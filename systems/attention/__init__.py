@@ -1,6 +1,10 @@
 """Attention backends behind one switch: ``attention(q, k, v, is_causal, impl=...)``.
 
-Every backend takes q, k, v shaped (..., seq, d_head) and returns (..., n_queries, d_head).
+Every backend takes q shaped (..., n_queries, d_head) and k, v shaped (..., n_keys, d_head), and
+returns (..., n_queries, d_head). Every backend checks its inputs the same way
+(``systems.attention.inputs.check_inputs``: one-line ValueErrors) and masks causally the same way
+(bottom-right aligned: with fewer queries than keys the queries are the last positions), so the
+backends give one result for one input.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from typing import Callable
 import torch
 
 from systems.attention.flash_pytorch import FlashAttentionPytorch, flash_attention_pytorch
+from systems.attention.inputs import check_inputs
 from systems.attention.naive import naive_attention, sdpa_attention
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -23,7 +28,7 @@ def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is
     return impl(q, k, v, is_causal=is_causal)
 
 
-__all__ = ["BACKENDS", "AttentionFn", "FlashAttentionPytorch", "attention",
+__all__ = ["BACKENDS", "AttentionFn", "FlashAttentionPytorch", "attention", "check_inputs",
            "flash_attention_pytorch", "flash_attention_triton", "get_backend", "naive_attention",
            "sdpa_attention"]
 

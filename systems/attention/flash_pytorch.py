@@ -5,49 +5,25 @@ This is the readable reference for the Triton kernels in ``flash_triton``: the s
 tiling, the same saved tensors (Q, K, V, O and one L of shape (batch..., n_queries)),
 the same causal convention and the same -1e6 for masked scores.
 
-Causal convention (shared with ``naive_attention``): queries are the *last* n_queries
-positions of the key sequence, so query i sees keys j <= i + (n_keys - n_queries).
+Causal convention (every backend's, ``systems.attention.inputs``): queries are the *last*
+n_queries positions of the key sequence, so query i sees keys j <= i + (n_keys - n_queries).
 With n_queries > n_keys the first queries would see no key at all; that is rejected.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from systems.attention.inputs import FLOAT_DTYPES, check_inputs
 
 MASKED_SCORE = -1e6  # the handout's value for masked scores; exp(-1e6 - m) underflows to 0
 TILE_Q = 32  # query rows per tile (the handout asks for tiles of at least 16 x 16)
 TILE_K = 32  # key rows per tile
-
-
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, *,
-                 dtypes: tuple[torch.dtype, ...]) -> None:
-    """Shape / dtype validation shared by the PyTorch and Triton versions."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() < 2:
-            raise ValueError(f"{name} must be shaped (..., seq, d), got shape {tuple(t.shape)}")
-        if t.dtype not in dtypes:
-            allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-            raise ValueError(f"{name} has dtype {t.dtype}; allowed dtypes are {allowed}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[:-2] != k.shape[:-2]:
-        raise ValueError(f"q and k must share leading (batch) dims, got {tuple(q.shape)} and {tuple(k.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must share the head dim, got {q.shape[-1]} and {k.shape[-1]}")
-    if q.shape[-2] == 0 or k.shape[-2] == 0:
-        raise ValueError(f"empty sequence: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if is_causal and q.shape[-2] > k.shape[-2]:
-        raise ValueError(
-            f"causal attention with more queries ({q.shape[-2]}) than keys ({k.shape[-2]}) leaves the "
-            "first queries with no visible key (queries are aligned to the end of the keys)")
 
 
 def causal_mask(q_idx: torch.Tensor, k_idx: torch.Tensor, offset: int) -> torch.Tensor:
@@ -123,8 +99,14 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-_compiled_backward = None
-_compile_failed = False
+@dataclass
+class _Compiled:
+    """The compiled backward, made at its first CUDA call; ``failed`` once compiling has failed."""
+    fn: Callable | None = None
+    failed: bool = False
+
+
+_BACKWARD = _Compiled()
 
 
 def backward_reference(q, k, v, o, lse, do, is_causal: bool):
@@ -133,18 +115,15 @@ def backward_reference(q, k, v, o, lse, do, is_causal: bool):
     CPU stays eager on purpose: inductor's C++ build costs tens of seconds per shape, which
     would dominate the small CPU tests this path serves there.
     """
-    global _compiled_backward, _compile_failed
-    if q.is_cuda and not _compile_failed:
+    if q.is_cuda and not _BACKWARD.failed:
         try:
-            if _compiled_backward is None:
-                _compiled_backward = torch.compile(flash_backward, dynamic=True)
-            return _compiled_backward(q, k, v, o, lse, do, is_causal)
+            if _BACKWARD.fn is None:
+                _BACKWARD.fn = torch.compile(flash_backward, dynamic=True)
+            return _BACKWARD.fn(q, k, v, o, lse, do, is_causal)
         except Exception as exc:  # a missing compiler toolchain must not break training
-            import warnings
-
             warnings.warn(f"torch.compile of the flash backward failed ({type(exc).__name__}: {exc}); "
                           "using eager PyTorch")
-            _compile_failed = True
+            _BACKWARD.failed = True
     return flash_backward(q, k, v, o, lse, do, is_causal)
 
 
@@ -153,7 +132,7 @@ class FlashAttentionPytorch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-        check_inputs(q, k, v, is_causal, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
+        check_inputs(q, k, v, is_causal, dtypes=FLOAT_DTYPES)
         o, lse = flash_forward(q, k, v, bool(is_causal))
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.is_causal = bool(is_causal)

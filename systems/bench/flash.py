@@ -1,19 +1,40 @@
-"""flash_benchmarking: attention implementations timed side by side with triton.testing.do_bench.
+"""flash_benchmarking: attention implementations checked and timed side by side.
 
 Forward, backward and end-to-end (forward + backward) latencies of
-- ``triton``: our FlashAttention-2 kernels (systems.attention.flash_triton),
-- ``naive``: the handout's PyTorch attention (OOM rows where the n x n scores do not fit),
-- ``sdpa_flash`` / ``sdpa_cudnn``: torch SDPA forced onto its flash / cuDNN backend
-  (a backend that cannot run a configuration gives a row with status "unsupported"),
-all measured in the same process so the comparison is fair. Rows are written as they are
-produced (systems.measure.results.ResultWriter), so an interrupted sweep keeps what it measured.
+- ``triton``: our FlashAttention-2 kernels (systems.attention.flash_triton), and its named
+  variants (``TRITON_VARIANTS``: the backwards side by side, the fp32 dot precisions);
+- ``naive``: the handout's PyTorch attention (a row "skipped (memory)" where the accounting of
+  ``naive_min_bytes`` proves the n x n matrices cannot fit, "oom" where they did not);
+- ``sdpa_flash`` / ``sdpa_cudnn``: torch SDPA forced onto its flash / cuDNN backend (a
+  configuration a backend cannot run gives a row with status "unsupported");
+- ``flash_pytorch`` and ``sdpa`` (torch's own choice): what a CPU can run, for the smoke profile;
+all timed in the same process by ``systems.measure.timer.time_fn`` (do_bench on a GPU: median and
+10th / 90th percentiles), so the comparison is fair. TFLOP/s are model FLOPs
+(``systems.measure.flops``: causal attention counts the pairs its mask keeps, the backward is 2x
+the forward, FlashAttention's recomputed Q K^T is not counted). Rows are written as they are
+produced, so an interrupted sweep keeps what it measured, and a sweep with a time budget writes
+"skipped (budget)" rows for the points it could not afford.
+
+``check_errors`` is the one correctness checker (notebook 06 and systems.bench.flash_tuning): an
+implementation's O, dQ, dK, dV against float64 autograd of the direct formula.
+
+    python -m systems.bench.flash --grid full --out build/flash/06_flash_attention_sweep.jsonl
+    TRITON_INTERPRET=1 python -m systems.bench.flash --check --impls triton --dtypes fp32 fp16 --device cpu
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -21,109 +42,229 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from systems.attention import BACKENDS
 from systems.attention.naive import naive_attention
-from systems.measure.devices import DTYPES, release_memory
+from systems.bench.config import DEFAULT_OUT_ROOT
+from systems.measure import flops as flop_count
+from systems.measure.devices import DTYPES, catch_oom, is_oom, release_memory
+from systems.measure.results import ResultWriter, read_records
+from systems.measure.timer import time_fn
+
 IMPLS = ("triton", "naive", "sdpa_flash", "sdpa_cudnn")
 PASSES = ("fwd", "bwd", "e2e")
+FLOP_PASS = {"fwd": "fwd", "bwd": "bwd", "e2e": "fwd_bwd"}  # our pass names -> measure.flops'
+SKIPPED_BUDGET = "skipped (budget)"
+SKIPPED_MEMORY = "skipped (memory)"
+
+# The Triton implementations get_impl knows, as FlashVariant fields: our default (TMA kernels above
+# flash_triton.TMA_MIN_SEQ, torch's fp32 matmul setting for fp32 dots), named variants for timing
+# the kernels side by side, the fp32 dot precisions, and the handout's compiled-PyTorch backward.
+TRITON_VARIANTS = {"triton": {}, "triton_split": dict(forward="pointer", backward="split"),
+                   "triton_atomic": dict(forward="pointer", backward="atomic"),
+                   "triton_tma": dict(forward="tma", backward="tma"),
+                   "triton_tf32x3": dict(fp32_dot="tf32x3"), "triton_ieee": dict(fp32_dot="ieee"),
+                   "triton_pytorch_bwd": dict(backward="pytorch")}
+SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
 
 
-def attention_flops(*, batch: int, n_q: int, n_k: int, d: int, is_causal: bool, pass_: str) -> float:
-    """Matmul FLOPs: forward 4 b n_q n_k d (QK^T and PV), halved when causal;
-    backward 2.5x the forward (five matmuls instead of two); e2e the sum."""
-    fwd = 4.0 * batch * n_q * n_k * d * (0.5 if is_causal else 1.0)
-    return {"fwd": fwd, "bwd": 2.5 * fwd, "e2e": 3.5 * fwd}[pass_]
-
-
-def _sdpa_with(backend_name: str) -> Callable:
+def _sdpa_with(backend: str) -> Callable:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+    chosen = getattr(SDPBackend, backend)
 
     def run(q, k, v, is_causal):
         # only this backend: a config it cannot run raises (its "why not" warnings are
         # silenced; the row's status and error say it)
-        with sdpa_kernel([backend]), warnings.catch_warnings():
+        with sdpa_kernel([chosen]), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
     return run
 
 
-# The Triton implementations get_impl knows, as FlashVariant fields: our default (TMA kernels above
-# flash_triton.TMA_MIN_SEQ), and named variants for timing them side by side: the pointer forward
-# with the split or the atomic backward, and the TMA-descriptor forward and split backward.
-TRITON_VARIANTS = {"triton": {}, "triton_split": dict(forward="pointer", backward="split"),
-                   "triton_atomic": dict(forward="pointer", backward="atomic"),
-                   "triton_tma": dict(forward="tma", backward="tma")}
+def _triton_variant(name: str):
+    from systems.attention.flash_triton import FlashVariant
+
+    return FlashVariant(**TRITON_VARIANTS[name])
 
 
 def get_impl(name: str) -> Callable:
-    """IMPLS, plus the named Triton variants of TRITON_VARIANTS."""
+    """``fn(q, k, v, is_causal)`` for IMPLS, the named Triton variants of TRITON_VARIANTS, and the
+    backends of systems.attention (``flash_pytorch``, ``sdpa``)."""
     if name in TRITON_VARIANTS:
-        from systems.attention.flash_triton import FlashVariant, flash_attention_triton
+        from systems.attention.flash_triton import flash_attention_triton
 
-        variant = FlashVariant(**TRITON_VARIANTS[name])
+        variant = _triton_variant(name)
         return lambda q, k, v, is_causal: flash_attention_triton(q, k, v, is_causal=is_causal, variant=variant)
-    if name == "naive":
-        return naive_attention
-    if name == "sdpa_flash":
-        return _sdpa_with("flash")
-    if name == "sdpa_cudnn":
-        return _sdpa_with("cudnn")
-    raise ValueError(f"unknown implementation {name!r}; choose one of {IMPLS}")
+    if name in SDPA_BACKENDS:
+        return _sdpa_with(SDPA_BACKENDS[name])
+    if name in BACKENDS:
+        return BACKENDS[name]
+    known = [*TRITON_VARIANTS, *SDPA_BACKENDS, *BACKENDS]
+    raise ValueError(f"unknown implementation {name!r}; choose one of {', '.join(dict.fromkeys(known))}")
+
+
+def dot_of(impl: str, dtype: str) -> str:
+    """How the implementation's matmuls multiply: the 16-bit dtype's tensor cores ("bf16", "fp16"),
+    or for fp32 "ieee" (fp32 products on the CUDA cores), "tf32" or "tf32x3" (tensor cores). Torch's
+    fp32 matmuls follow torch.backends.cuda.matmul.allow_tf32; ours FlashVariant.fp32_dot."""
+    if dtype != "fp32":
+        return dtype
+    if impl in TRITON_VARIANTS:
+        from systems.attention.flash_triton import dot_precision
+
+        return dot_precision(torch.float32, _triton_variant(impl).fp32_dot)
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def naive_min_bytes(*, batch: int, heads: int, n_q: int, n_k: int, dtype: str) -> int:
+    """A lower bound on naive attention's forward + backward memory: while the softmax's backward
+    runs, the saved probabilities P, the incoming dP and the outgoing dS (three n_q x n_k matrices
+    per (batch, head)) and the causal mask (one byte per pair) are all alive."""
+    pairs = batch * heads * n_q * n_k
+    return 3 * pairs * DTYPES[dtype].itemsize + n_q * n_k
 
 
 def _is_unsupported(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, (RuntimeError, ValueError, NotImplementedError)) and any(
-        s in text for s in ("No available kernel", "not supported", "unsupported", "No valid", "cuDNN"))
+        s in text for s in ("No available kernel", "No viable backend", "not supported", "unsupported", "No valid",
+                            "cuDNN"))
+
+
+def _error_text(exc: BaseException) -> str:
+    first_line = (str(exc).splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first_line[:200]}"
+
+
+def _add_rates(row: dict) -> dict:
+    """The TFLOP/s beside each measured pass: model FLOPs (systems.measure.flops) over the median."""
+    for p in PASSES:
+        ms = row.get(f"{p}_ms")
+        work = flop_count.attention_flops(batch=row["batch"], heads=row["heads"], n_q=row["seq"], n_k=row["seq"],
+                                          d=row["d"], causal=row["causal"], pass_=FLOP_PASS[p])
+        row[f"{p}_tflops"] = work / (ms * 1e-3) / 1e12 if ms else None
+    return row
 
 
 def time_attention(impl: str, *, batch: int, heads: int, seq: int, d: int, dtype: str, is_causal: bool = True,
-                   warmup_ms: float = 10, rep_ms: float = 50, device: str = "cuda") -> dict:
-    """One row: median fwd / bwd / e2e ms (do_bench) and TFLOP/s for one implementation and shape.
+                   warmup_ms: float = 10, rep_ms: float = 50, min_reps: int = 3,
+                   expected_ms: dict[str, float] | None = None, device: str = "cuda",
+                   free_bytes: int | None = None) -> dict:
+    """One row: median, p10 and p90 ms of the forward, the backward (of a kept graph) and both,
+    with the TFLOP/s of each median, for one implementation and shape.
 
-    q, k, v are (batch, heads, seq, d): every implementation takes that layout (ours treats
-    the leading dims as a batch). status is ok, oom, unsupported or error; passes measured
-    before an OOM keep their times.
+    q, k, v are (batch, heads, seq, d): every implementation takes that layout (ours treats the
+    leading dims as a batch). ``expected_ms`` (per pass, e.g. scaled from a shorter sequence):
+    each pass's repetition budget becomes at least ``min_reps`` calls, so long calls get a spread
+    without a fixed budget costing seconds. ``free_bytes``: the device memory naive attention may
+    use (default: what the device reports free). status is ok, oom, unsupported, error or
+    "skipped (memory)"; passes measured before an OOM keep their times.
     """
-    import triton.testing
-
-    fn = get_impl(impl)
     row: dict = dict(impl=impl, batch=batch, heads=heads, seq=seq, d=d, dtype=dtype, causal=is_causal,
-                     status="ok", error=None)
+                     dot=dot_of(impl, dtype), status="ok", error=None)
+    if impl == "naive" and (free_bytes is not None or torch.device(device).type == "cuda"):
+        need = naive_min_bytes(batch=batch, heads=heads, n_q=seq, n_k=seq, dtype=dtype)
+        free = free_bytes if free_bytes is not None else torch.cuda.mem_get_info(device)[0]
+        if need > free:
+            row.update(status=SKIPPED_MEMORY, error=f"needs at least {need / 2**30:.1f} GiB (P, dP, dS and the "
+                                                    f"mask), {free / 2**30:.1f} GiB free")
+            return _add_rates(row)
+    fn = get_impl(impl)
     q = k = v = do = out = None
-    try:
-        gen = torch.Generator(device=device).manual_seed(0)
-        shape = (batch, heads, seq, d)
-        q, k, v = (torch.randn(shape, device=device, dtype=DTYPES[dtype], generator=gen).requires_grad_()
-                   for _ in range(3))
-        do = torch.randn(shape, device=device, dtype=DTYPES[dtype], generator=gen)
-        bench = dict(warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    with catch_oom() as oom:
+        try:
+            gen = torch.Generator(device=device).manual_seed(0)
+            shape = (batch, heads, seq, d)
+            q, k, v = (torch.randn(shape, device=device, dtype=DTYPES[dtype], generator=gen).requires_grad_()
+                       for _ in range(3))
+            do = torch.randn(shape, device=device, dtype=DTYPES[dtype], generator=gen)
 
-        def fwd():
-            return fn(q, k, v, is_causal)
+            def fwd():
+                return fn(q, k, v, is_causal)
 
-        row["fwd_ms"] = triton.testing.do_bench(fwd, **bench)
-        out = fwd()
-        row["bwd_ms"] = triton.testing.do_bench(lambda: out.backward(do, retain_graph=True),
-                                                grad_to_none=[q, k, v], **bench)
-        out = None
-        row["e2e_ms"] = triton.testing.do_bench(lambda: fwd().backward(do), grad_to_none=[q, k, v], **bench)
-    except torch.OutOfMemoryError:
-        row["status"] = "oom"
-    except Exception as exc:  # noqa: BLE001 - a row per failure; the sweep goes on
-        row["status"] = "unsupported" if _is_unsupported(exc) else "error"
-        first_line = (str(exc).splitlines() or [""])[0]
-        row["error"] = f"{type(exc).__name__}: {first_line[:200]}"
-    finally:
-        q = k = v = do = out = None  # drop the references before freeing the cache
-        release_memory()
-    for p in PASSES:
-        ms = row.get(f"{p}_ms")
-        flops = attention_flops(batch=batch * heads, n_q=seq, n_k=seq, d=d, is_causal=is_causal, pass_=p)
-        row[f"{p}_tflops"] = flops / (ms * 1e-3) / 1e12 if ms else None
-    return row
+            def timed(name: str, call: Callable, **kw) -> None:
+                rep = max(rep_ms, min_reps * (expected_ms or {}).get(name, 0.0))
+                stats = time_fn(call, device=device, warmup_ms=warmup_ms, rep_ms=rep, **kw)
+                row[f"{name}_ms"], row[f"{name}_p10_ms"], row[f"{name}_p90_ms"] = (
+                    stats["median_ms"], stats["p10_ms"], stats["p90_ms"])
+
+            timed("fwd", fwd)
+            out = fwd()
+            timed("bwd", lambda: out.backward(do, retain_graph=True), grad_to_none=[q, k, v])
+            out = None
+            timed("e2e", lambda: fwd().backward(do), grad_to_none=[q, k, v])
+        except Exception as exc:  # noqa: BLE001 - a row per failure; the sweep goes on (OOM: catch_oom's)
+            if is_oom(exc):
+                raise
+            row["status"] = "unsupported" if _is_unsupported(exc) else "error"
+            row["error"] = _error_text(exc)
+    q = k = v = do = out = None  # drop the references before freeing the cache
+    if oom:
+        row.update(status="oom", error=oom.message)
+    release_memory(torch.device(device))
+    return _add_rates(row)
+
+
+# ----------------------------------------------------------------------------- correctness
+
+# (q shape, n_keys, causal): shapes that are not multiples of any tile, n_q != n_k (the queries are
+# the last positions), extra leading dims, head dims 16..64 (the Triton kernels take 16..128)
+CHECK_CASES = (((2, 100, 64), 100, True), ((2, 4, 77, 32), 130, True), ((3, 90, 16), 45, False))
+ERROR_NAMES = ("O", "dQ", "dK", "dV")
+
+
+def check_errors(impl: str, *, shape_q: tuple[int, ...], n_k: int, causal: bool, dtype: str,
+                 device: str = "cpu") -> dict:
+    """One row: the largest error of O, dQ, dK, dV through ``impl`` against float64 autograd of the
+    direct formula, each divided by max(1, max |reference|) (absolute for values of order one, relative
+    beyond), and whether the autograd graph saved the logsumexp L (a tensor shaped (..., n_q))."""
+    fn = get_impl(impl)
+    gen = torch.Generator(device=device).manual_seed(sum(shape_q) + n_k)
+    shape_k = (*shape_q[:-2], n_k, shape_q[-1])
+    q, k, v, do = (torch.randn(s, device=device, generator=gen).to(DTYPES[dtype])
+                   for s in (shape_q, shape_k, shape_k, shape_q))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, causal)
+    saved = getattr(out.grad_fn, "saved_tensors", ())  # an autograd.Function's; native nodes have none
+    got = (out, *torch.autograd.grad(out, leaves, do))
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = naive_attention(*ref_in, is_causal=causal)
+    want = (ref, *torch.autograd.grad(ref, ref_in, do.double()))
+    errors = {name: ((g.double() - w).abs().max() / w.abs().max().clamp(min=1)).item()
+              for name, g, w in zip(ERROR_NAMES, got, want)}
+    return dict(impl=impl, dtype=dtype, dot=dot_of(impl, dtype), device=str(device), q_shape=list(shape_q), n_k=n_k,
+                causal=causal, saves_lse=any(t.shape == q.shape[:-1] for t in saved), **errors,
+                worst=max(errors.values()))
+
+
+def check_rows(*, impls: tuple[str, ...], dtypes: tuple[str, ...], cases=CHECK_CASES, device: str = "cpu",
+               writer: ResultWriter | None = None) -> list[dict]:
+    """check_errors for every (impl, dtype, case), each row written as it is produced."""
+    rows = []
+    for impl, dtype, (shape_q, n_k, causal) in itertools.product(impls, dtypes, cases):
+        row = check_errors(impl, shape_q=shape_q, n_k=n_k, causal=causal, dtype=dtype, device=device)
+        if writer is not None:
+            writer.write(row)
+        rows.append(row)
+    return rows
+
+
+def check_in_interpreter(*, out_path: str | Path, impls: tuple[str, ...] = ("triton",),
+                         dtypes: tuple[str, ...] = ("fp32", "fp16"), timeout_s: float = 300) -> list[dict]:
+    """check_rows for the Triton kernels on the CPU, through Triton's interpreter in a subprocess
+    (TRITON_INTERPRET must be set before triton is imported, and must not leak into this process).
+    The interpreter's dots are numpy's: fp32 is exact to rounding, and it has no bf16."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "systems.bench.flash", "--check", "--device", "cpu", "--out", str(out_path),
+           "--impls", *impls, "--dtypes", *dtypes]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the interpreter check failed: {(proc.stdout + proc.stderr)[-1500:]}")
+    return read_records(out_path)
+
+
+# ----------------------------------------------------------------------------- the sweep
 
 
 @dataclass
@@ -132,31 +273,163 @@ class SweepConfig:
     seq_lens: tuple[int, ...] = tuple(2**i for i in range(7, 17))  # 128 ... 65536
     head_dims: tuple[int, ...] = (16, 32, 64, 128)
     dtypes: tuple[str, ...] = ("bf16", "fp32")
-    impls: tuple[str, ...] = IMPLS
+    impls: dict[str, tuple[str, ...]] = field(default_factory=lambda: {
+        "bf16": IMPLS, "fp32": ("triton", "triton_tf32x3", "naive", "sdpa_flash", "sdpa_cudnn")})
     batch: int = 1
     heads: int = 1
     is_causal: bool = True
-    warmup_ms: float = 10
-    rep_ms: float = 50
+    warmup_ms: float = 5
+    rep_ms: float = 25  # short calls: hundreds of timed calls; long ones: min_reps
+    min_reps: int = 3  # timed calls per pass at least, however long a call is
+    budget_s: float | None = None  # the sweep's wall-clock budget; points past it are skipped
     extra: dict = field(default_factory=dict)  # stamped on every row (e.g. the profile)
 
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.dtypes if t not in DTYPES]
+        if unknown:
+            raise ValueError(f"unknown dtypes {unknown}; choose from {', '.join(DTYPES)}")
+        for name in ("seq_lens", "head_dims"):
+            if not all(isinstance(n, int) and n > 0 for n in getattr(self, name)):
+                raise ValueError(f"{name} must be positive integers, got {getattr(self, name)}")
+        if self.min_reps < 1:
+            raise ValueError(f"min_reps must be at least 1, got {self.min_reps}")
+        known = {*TRITON_VARIANTS, *SDPA_BACKENDS, *BACKENDS}
+        for dtype, impls in self.impls.items():
+            if set(impls) - known:
+                raise ValueError(f"unknown implementations {sorted(set(impls) - known)} for {dtype}; choose from "
+                                 f"{', '.join(sorted(known))}")
 
-def flash_benchmarking(cfg: SweepConfig, *, writer=None, progress: bool = True,
-                       device: str = "cuda") -> pd.DataFrame:
-    """Every (dtype, d, seq, impl) of the grid; each row goes to ``writer`` as soon as it exists."""
+    def points(self) -> list[tuple[str, int, int, str]]:
+        """(dtype, d, seq, impl) in the order they run: by increasing length, every series at one
+        length before the next, so the budget's estimates scale from a measured shorter point and
+        a budget cut takes the longest (costliest) points of every series, not whole series."""
+        return [(dtype, d, seq, impl) for seq in sorted(self.seq_lens) for dtype in self.dtypes
+                for d in self.head_dims for impl in self.impls.get(dtype, IMPLS)]
+
+
+# do_bench's calls per pass besides the timed ones: the first call and five to estimate its length
+_UNTIMED_CALLS = 6
+
+
+def estimate_point_s(expected_ms: dict[str, float], cfg: SweepConfig) -> float:
+    """Wall seconds to time one point whose passes take ``expected_ms``: per pass, do_bench's
+    untimed calls, its warm-up (at least one call) and the timed repetitions (at least min_reps)."""
+    total_ms = 0.0
+    for ms in expected_ms.values():
+        ms = max(ms, 1e-3)
+        warm = max(1, int(cfg.warmup_ms / ms))
+        reps = max(1, int(max(cfg.rep_ms, cfg.min_reps * ms) / ms))
+        total_ms += (_UNTIMED_CALLS + warm + reps) * ms
+    return total_ms / 1e3
+
+
+def _scaled(prev: dict | None, *, seq: int, cfg: SweepConfig) -> dict[str, float] | None:
+    """The passes' expected ms at ``seq``: the same series' previous measured point scaled by the
+    ratio of FLOPs (attention's work grows with the pairs it keeps)."""
+    if prev is None or prev.get("status") != "ok":
+        return None
+
+    def pairs(n):
+        return flop_count.attention_pairs(n, n, causal=cfg.is_causal)
+
+    ratio = pairs(seq) / pairs(prev["seq"])
+    return {p: prev[f"{p}_ms"] * max(ratio, 1.0) for p in PASSES if prev.get(f"{p}_ms")}
+
+
+def flash_benchmarking(cfg: SweepConfig, *, writer: ResultWriter | None = None, progress: bool = True,
+                       device: str = "cuda", clock: Callable[[], float] = time.perf_counter) -> pd.DataFrame:
+    """Every (dtype, d, seq, impl) of the grid; each row goes to ``writer`` as soon as it exists.
+    With ``cfg.budget_s``, a point whose estimated time (its series' previous point scaled by the
+    FLOPs, estimate_point_s) would overrun the budget becomes a "skipped (budget)" row."""
     from tqdm.auto import tqdm
 
-    grid = list(itertools.product(cfg.dtypes, cfg.head_dims, cfg.seq_lens, cfg.impls))
-    rows = []
-    for dtype, d, seq, impl in tqdm(grid, desc="flash_benchmarking", disable=not progress):
-        row = time_attention(impl, batch=cfg.batch, heads=cfg.heads, seq=seq, d=d, dtype=dtype,
-                             is_causal=cfg.is_causal, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms, device=device)
+    start = clock()
+    rows: list[dict] = []
+    last: dict[tuple, dict] = {}  # (impl, dtype, d) -> its latest row
+    for dtype, d, seq, impl in tqdm(cfg.points(), desc="flash_benchmarking", disable=not progress):
+        series = (impl, dtype, d)
+        expected = _scaled(last.get(series), seq=seq, cfg=cfg)
+        point = dict(batch=cfg.batch, heads=cfg.heads, seq=seq, d=d, dtype=dtype)
+        left = None if cfg.budget_s is None else cfg.budget_s - (clock() - start)
+        if left is not None and (left <= 0 or (expected and estimate_point_s(expected, cfg) > left)):
+            row = _add_rates(dict(impl=impl, **point, causal=cfg.is_causal, dot=dot_of(impl, dtype),
+                                  status=SKIPPED_BUDGET, error=f"estimated past the sweep's {cfg.budget_s:g} s budget"))
+        else:
+            row = time_attention(impl, **point, is_causal=cfg.is_causal, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms,
+                                 min_reps=cfg.min_reps, expected_ms=expected, device=device)
         row = {**row, **cfg.extra}
+        last[series] = row
         if writer is not None:
             writer.write(row)
         rows.append(row)
     return pd.DataFrame(rows)
 
+
+def full_profile_grid(*, budget_s: float | None = None) -> SweepConfig:
+    """The handout's grid, as notebook 06's full profile runs it on one H100: seq 128 ... 65536 x
+    d 16, 32, 64, 128 x {bf16, fp32}; fp32 times our kernels with IEEE and with tf32x3 dots; 5 ms
+    warm-up and 25 ms of repetitions per pass (at least 3 timed calls at long sequences)."""
+    return SweepConfig(budget_s=budget_s)
+
+
+def smoke_grid() -> SweepConfig:
+    """What a CPU can time in seconds: the PyTorch FlashAttention against naive attention and
+    torch's SDPA, fp32, two lengths and two head dims."""
+    return SweepConfig(seq_lens=(128, 256), head_dims=(16, 32), dtypes=("fp32",),
+                       impls={"fp32": ("flash_pytorch", "naive", "sdpa")}, warmup_ms=2, rep_ms=10)
+
+
+# ----------------------------------------------------------------------------- the dot precision of fp32
+
+
+def matmul_ceilings(*, n: int = 8192) -> list[dict]:
+    """Measured cuBLAS rates of an n^3 matmul on this GPU, the ceilings of each dot precision: bf16
+    (tensor cores), fp32 with TF32 off (IEEE products on the CUDA cores: what torch's fp32 matmuls
+    run by default) and fp32 with TF32 on. torch's TF32 setting is restored afterwards."""
+    from systems.measure.hardware import measure_matmul_tflops
+
+    rows = [dict(dot="bf16", tflops=measure_matmul_tflops(n=n, dtype=torch.bfloat16))]
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for dot, tf32 in (("ieee", False), ("tf32", True)):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            rows.append(dict(dot=dot, tflops=measure_matmul_tflops(n=n, dtype=torch.float32)))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    return [dict(**r, n=n, what=f"cuBLAS {n}^3 matmul") for r in rows]
+
+
+def matmul_kernels(impl: str, *, seq: int, d: int, dtype: str, trace_path: str | Path,
+                   device: str = "cuda") -> pd.DataFrame:
+    """What one forward + backward of ``impl`` runs, from torch.profiler read by the one trace
+    reader: the GPU kernels (on a CPU, the operators) with their category, calls and total ms,
+    longest first; where a cuBLAS kernel's name says "tf32", its products ran as TF32 on the
+    tensor cores."""
+    from torch.profiler import profile
+
+    from systems.measure.devices import sync
+    from systems.measure.profiler import categorize, export_trace, load_trace, parse_trace, profiler_activities
+
+    fn = get_impl(impl)
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(1, 1, seq, d, device=dev, dtype=DTYPES[dtype], generator=gen).requires_grad_()
+               for _ in range(3))
+    fn(q, k, v, True).sum().backward()  # compile, autotune and allocate outside the profile
+    sync(dev)
+    with profile(activities=profiler_activities(dev)) as prof:
+        fn(q, k, v, True).sum().backward()
+        sync(dev)
+    export_trace(prof, Path(trace_path))
+    items, _ = parse_trace(load_trace(trace_path))
+    items = items[items["kind"].isin(("kernel", "cpu_op"))].assign(category=lambda t: t["name"].map(categorize))
+    table = items.groupby(["name", "category"], as_index=False).agg(calls=("dur", "size"), ms=("dur", "sum"))
+    table["ms"] /= 1e3  # the trace's microseconds
+    table["tf32"] = table["name"].str.contains("tf32", case=False)
+    return table.assign(impl=impl, dtype=dtype, seq=seq, d=d).sort_values("ms", ascending=False, ignore_index=True)
+
+
+# ----------------------------------------------------------------------------- leaderboard, targets
 
 # the 2025 CS336 leaderboard configuration: q, k, v (16, 16384, 64) bf16, causal, fwd + bwd
 LEADERBOARD = dict(batch=1, heads=16, seq=16384, d=64, dtype="bf16", is_causal=True)
@@ -174,9 +447,10 @@ def leaderboard(*, impls: tuple[str, ...] = ("triton", "sdpa_flash", "sdpa_cudnn
     return pd.DataFrame(rows)
 
 
-# The speed targets of the "beat cuDNN" work: over seq 1k-64k x d 64/128 (bf16, causal, batch 1),
-# the geometric mean of baseline time / our time, per pass, must reach these; at the leaderboard
-# shape our forward + backward must take at most LEADERBOARD_TARGET x cuDNN's time.
+# The project's own speed targets (not the handout's) for the "beat cuDNN" work: over seq 1k-64k x
+# d 64/128 (bf16, causal, batch 1), the geometric mean of baseline time / our time, per pass, should
+# reach these; at the leaderboard shape our forward + backward should take at most
+# LEADERBOARD_TARGET x cuDNN's time.
 SPEED_TARGETS = {"sdpa_cudnn": 1.0, "sdpa_flash": 1.3}
 RATIO_GRID = dict(dtype="bf16", seq_range=(1024, 65536), head_dims=(64, 128))
 LEADERBOARD_TARGET = 0.95
@@ -200,7 +474,7 @@ def speed_ratios(sweep: pd.DataFrame, *, ours: str = "triton", baselines: tuple[
 
 
 def geomean_ratios(ratios: pd.DataFrame, *, targets: dict[str, float] = SPEED_TARGETS) -> pd.DataFrame:
-    """One row per column of ``speed_ratios``: its geometric mean over the points that ran, the
+    """One row per column of ``speed_ratios``: its geometric mean over the points that ran, our
     target for that baseline, and whether the mean reaches it."""
     rows = []
     for col in ratios.columns:
@@ -209,16 +483,42 @@ def geomean_ratios(ratios: pd.DataFrame, *, targets: dict[str, float] = SPEED_TA
         gm = float(np.exp(np.log(vals).mean())) if len(vals) else float("nan")
         target = targets.get(base)
         rows.append({"pass": pass_, "baseline": base, "points": len(vals), "missing": int(ratios[col].isna().sum()),
-                     "geomean speed": gm, "target": target,
+                     "geomean speed": gm, "our target": target,
                      "met": bool(gm >= target) if target is not None and len(vals) else None})
     return pd.DataFrame(rows)
 
 
-def full_profile_grids() -> list[SweepConfig]:
-    """The grid notebook 06 runs in its full profile, trimmed to fit 8 minutes on one H100:
-    bf16 at every power-of-two length 128 ... 65536 and d 16, 32, 64, 128; fp32 (ieee dots, no
-    SDPA flash/cuDNN kernels) at every other length and d 64, 128."""
-    return [
-        SweepConfig(seq_lens=tuple(2**i for i in range(7, 17)), head_dims=(16, 32, 64, 128), dtypes=("bf16",)),
-        SweepConfig(seq_lens=tuple(2**i for i in range(7, 17, 2)), head_dims=(64, 128), dtypes=("fp32",)),
-    ]
+# ----------------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m systems.bench.flash", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="check errors against float64 instead of timing")
+    parser.add_argument("--grid", default="full", choices=["full", "smoke"], help="the sweep's grid (timing)")
+    parser.add_argument("--budget-s", type=float, default=None, help="the sweep's time budget (timing)")
+    parser.add_argument("--impls", nargs="+", default=None, help="implementations to check (default: triton)")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=list(DTYPES), help="dtypes to check")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None, help=f"JSON-lines results (default under {DEFAULT_OUT_ROOT}/flash/)")
+    args = parser.parse_args(argv)
+    stem = "check" if args.check else f"sweep_{args.grid}"
+    writer = ResultWriter(args.out or f"{DEFAULT_OUT_ROOT}/flash/06_flash_attention_{stem}.jsonl")
+    if args.check:
+        impls = tuple(args.impls or ("triton",))
+        for name in impls:
+            get_impl(name)  # an unknown name fails before any work
+        for row in check_rows(impls=impls, dtypes=tuple(args.dtypes), device=args.device, writer=writer):
+            print(json.dumps({k: row[k] for k in ("impl", "dtype", "q_shape", "n_k", "causal", "worst")}), flush=True)
+        return 0
+    if args.device == "cpu" and args.grid == "full":
+        parser.error("the full grid times GPU kernels; use --grid smoke on a CPU")
+    cfg = full_profile_grid() if args.grid == "full" else smoke_grid()
+    cfg.budget_s = args.budget_s if args.budget_s is not None else cfg.budget_s
+    sweep = flash_benchmarking(cfg, writer=writer, device=args.device)
+    print(sweep.groupby(["impl", "status"]).size().to_string())
+    print(f"rows: {writer.path}; config: {json.dumps(asdict(cfg), default=str)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

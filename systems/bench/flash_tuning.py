@@ -7,16 +7,20 @@ flash and cuDNN backends at the same shapes, so the short list can be chosen fro
 the kernels with explicit tile sizes, bypassing the autotuner, and writes one row per (shape,
 kernel, candidate) as it goes.
 
-    python -m systems.bench.flash_tuning --out results/06_flash_attention_tuning.jsonl
+    python -m systems.bench.flash_tuning --out build/flash/06_flash_attention_tuning.jsonl
 
 ``--compare-backward`` instead checks the Triton variants ("split", "atomic" and the TMA-descriptor
-forward + split pair) against a float64 reference, then times them through the public function
-(forward, backward, forward + backward) and as bare kernel launches, next to SDPA cuDNN and SDPA
-flash in the same process (``--paths`` picks a subset):
+forward + split pair) against a float64 reference (systems.bench.flash.check_errors), then times them
+through the public function (forward, backward, forward + backward) and as bare kernel launches,
+next to SDPA cuDNN and SDPA flash in the same process (``--paths`` picks a subset):
 
-    python -m systems.bench.flash_tuning --compare-backward --out results/06_flash_backward_compare.jsonl
+    python -m systems.bench.flash_tuning --compare-backward --out build/flash/06_flash_backward_compare.jsonl
     python -m systems.bench.flash_tuning --compare-backward --paths triton_split,triton_tma,sdpa_cudnn \
-        --shape 1,16,16384,64 --out results/06_flash_tma_compare.jsonl
+        --shape 1,16,16384,64 --out build/flash/06_flash_tma_compare.jsonl
+
+Timings are ``systems.measure.timer.time_fn`` medians with 10th / 90th percentiles; TFLOP/s are
+model FLOPs (``systems.measure.flops``), each kernel credited with the products it contributes to
+its pass (``KERNEL_SHARE``), recomputation not counted.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
+from systems.bench.config import DEFAULT_OUT_ROOT
+from systems.measure import flops as flop_count
 from systems.measure.devices import DTYPES, release_memory
 from systems.measure.results import ResultWriter
+from systems.measure.timer import time_fn
 
 # (block_m, block_n, num_warps, num_stages[, extra meta-parameters]); for dK/dV block_m is the
 # streamed query tile and block_n the resident key tile, for dQ block_m is the resident query tile.
@@ -85,9 +92,11 @@ DEFAULT_META = {"atomic": {"DEFER_DQ_ADD": True}}
 TILE_NAMES = {"fwd": ("BLOCK_M", "BLOCK_N"), "dkdv": ("BLOCK_M1", "BLOCK_N1"), "dq": ("BLOCK_M2", "BLOCK_N2"),
               "atomic": ("BLOCK_M3", "BLOCK_N3"), "fwd_tma": ("BLOCK_M", "BLOCK_N"),
               "dkdv_tma": ("BLOCK_M1", "BLOCK_N1"), "dq_tma": ("BLOCK_M2", "BLOCK_N2")}
-# matmul work each kernel really performs, in forwards: the dK/dV and dQ kernels both recompute S
-# and dP (4 + 3 matmuls against the forward's 2); the atomic backward does the five once
-KERNEL_FLOPS = {"fwd": 1.0, "dkdv": 2.0, "dq": 1.5, "atomic": 2.5, "fwd_tma": 1.0, "dkdv_tma": 2.0, "dq_tma": 1.5}
+# The model FLOPs (systems.measure.flops, in forward passes) each kernel is credited with: the
+# forward's two products (S = Q K^T, P V) are one forward; the backward's four (dV = P^T dO,
+# dP = dO V^T, dK = dS^T Q, dQ = dS K) are two. The dK/dV kernel produces dV, dP and dK, the dQ
+# kernel dQ (the S and dP each recomputes are not counted), the atomic backward all four.
+KERNEL_SHARE = {"fwd": 1.0, "dkdv": 1.5, "dq": 0.5, "atomic": 2.0, "fwd_tma": 1.0, "dkdv_tma": 1.5, "dq_tma": 0.5}
 
 
 def launch(kernel: str, x: Inputs, cfg: tuple, *, is_causal: bool = True):
@@ -125,9 +134,7 @@ def launch(kernel: str, x: Inputs, cfg: tuple, *, is_causal: bool = True):
 def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_path: str | None = None,
             rep_ms: float = 30) -> list[dict]:
     """Every candidate of every kernel at every shape, plus SDPA flash / cuDNN fwd and bwd."""
-    import triton.testing
-
-    from systems.bench.flash import attention_flops, time_attention
+    from systems.bench.flash import time_attention
 
     writer = ResultWriter(out_path) if out_path else None
     rows = []
@@ -140,14 +147,14 @@ def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_pa
 
     for batch, seq, d in shapes:
         shape = dict(batch=batch, seq=seq, d=d, dtype=dtype)
-        fwd_flops = attention_flops(batch=batch, n_q=seq, n_k=seq, d=d, is_causal=True, pass_="fwd")
+        fwd_flops = flop_count.attention_flops(batch=batch, heads=1, n_q=seq, n_k=seq, d=d, causal=True)
         for impl in ("sdpa_flash", "sdpa_cudnn"):
             r = time_attention(impl, batch=batch, heads=1, seq=seq, d=d, dtype=dtype, rep_ms=rep_ms)
             emit(dict(**shape, kernel="baseline", impl=impl, status=r["status"], fwd_ms=r.get("fwd_ms"),
                       bwd_ms=r.get("bwd_ms"), e2e_ms=r.get("e2e_ms")))
         x = make_inputs(batch=batch, seq=seq, d=d, dtype=dtype)
         for kernel, cands in candidates.items():
-            flops = fwd_flops * KERNEL_FLOPS[kernel]
+            flops = fwd_flops * KERNEL_SHARE[kernel]
             for cfg in cands:
                 row = dict(**shape, kernel=kernel, impl="triton", block_m=cfg[0], block_n=cfg[1],
                            warps=cfg[2], stages=cfg[3], meta={**DEFAULT_META.get(kernel, {}), **(cfg[4:] or [{}])[0]},
@@ -155,8 +162,9 @@ def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_pa
                 try:
                     fn = launch(kernel, x, cfg)
                     fn()
-                    ms = triton.testing.do_bench(fn, warmup=5, rep=rep_ms, return_mode="median")
-                    row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+                    stats = time_fn(fn, device="cuda", warmup_ms=5, rep_ms=rep_ms)
+                    ms = stats["median_ms"]
+                    row.update(ms=ms, p10_ms=stats["p10_ms"], p90_ms=stats["p90_ms"], tflops=flops / (ms * 1e-3) / 1e12)
                 except Exception as exc:  # noqa: BLE001 - out of shared memory etc.: a row, go on
                     row.update(status="error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
                 emit(row)
@@ -223,60 +231,45 @@ PASS_NAMES = ("fwd", "bwd", "e2e")
 
 def check_backwards(*, cases=CHECK_CASES, dtype: str = "bf16", device: str = "cuda", tol: float = 3e-2,
                     paths: tuple[str, ...] = tuple(KERNEL_ROWS)) -> list[dict]:
-    """Max error of O, dQ, dK, dV through each Triton path of ``paths`` against float64 autograd of
-    the direct formula, divided by max(1, max |reference|) as tests/attention/test_flash_triton.py does.
+    """systems.bench.flash.check_errors (O, dQ, dK, dV against float64, divided by max(1, max
+    |reference|)) through each Triton path of ``paths``, with a status: "ok" within ``tol``, else "error".
 
     tol: the tests' bf16 bound (8 mantissa bits, ~4e-3 per rounding; P and dS are rounded to the
-    input dtype before the tensor-core dots). Each row's status is "ok" or "error" (over tol)."""
-    from systems.attention.naive import naive_attention
-    from systems.bench.flash import get_impl
+    input dtype before the tensor-core dots)."""
+    from systems.bench.flash import check_errors
 
     rows = []
     for shape_q, n_k, causal in cases:
-        gen = torch.Generator(device=device).manual_seed(n_k)
-        shape_k = (*shape_q[:-2], n_k, shape_q[-1])
-        q, k, v, do = (torch.randn(s, device=device, generator=gen).to(DTYPES[dtype])
-                       for s in (shape_q, shape_k, shape_k, shape_q))
-        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-        ref_o = naive_attention(q64, k64, v64, causal)  # query i sees keys j <= i + (n_k - n_q), as the kernels
-        want = (ref_o, *torch.autograd.grad(ref_o, (q64, k64, v64), do.double()))
         for path in paths:
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = get_impl(path)(*leaves, causal)
-            got = (out, *torch.autograd.grad(out, leaves, do))
-            errors = {f"err_{name}": ((g.double() - w).abs().max() / w.abs().max().clamp(min=1)).item()
-                      for name, g, w in zip(("o", "dq", "dk", "dv"), got, want)}
-            rows.append(dict(kind="check", shape_q=list(shape_q), n_k=n_k, causal=causal, dtype=dtype, impl=path,
-                             tol=tol, status="ok" if max(errors.values()) <= tol else "error", **errors))
-        del q64, k64, v64, ref_o, want
+            row = check_errors(path, shape_q=shape_q, n_k=n_k, causal=causal, dtype=dtype, device=device)
+            rows.append(dict(kind="check", **row, tol=tol, status="ok" if row["worst"] <= tol else "error"))
     release_memory()
     return rows
 
 
 def _bench(fn, *, warmup_ms: float, rep_ms: float) -> dict:
-    """Median, 20th and 80th percentile ms of ``fn``; its first call (compiles, autotunes,
-    allocates) runs before do_bench, whose repetition count it would otherwise skew."""
-    import triton.testing
-
+    """Median, 10th and 90th percentile ms of ``fn`` (time_fn); its first call (compiles,
+    autotunes, allocates) runs before, whose length would otherwise skew the repetition count."""
     fn()
     torch.cuda.synchronize()
-    med, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=(0.5, 0.2, 0.8))
-    return dict(ms=med, p20=p20, p80=p80)
+    stats = time_fn(fn, device="cuda", warmup_ms=warmup_ms, rep_ms=rep_ms)
+    return dict(ms=stats["median_ms"], p10_ms=stats["p10_ms"], p90_ms=stats["p90_ms"])
 
 
 def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: float = 25, rep_ms: float = 100,
                    emit=print, paths: tuple[str, ...] = COMPARE_PATHS) -> list[dict]:
     """Per shape (causal): fwd, bwd and fwd+bwd ms of each of ``paths`` through its public
-    function (attention_bench.time_attention: the backward of a retained graph; do_bench
+    function (systems.bench.flash.time_attention: the backward of a retained graph; time_fn
     medians), then the Triton paths' backwards as bare kernel launches (no autograd, no allocation:
     the GPU time the launches themselves take), KERNEL_ROWS names which."""
     from systems.attention import flash_triton as ft
-    from systems.bench.flash import attention_flops, time_attention
+    from systems.bench.flash import time_attention
 
     rows = []
     for batch, heads, seq, d in shapes:
         point = dict(batch=batch, heads=heads, seq=seq, d=d, dtype=dtype)
-        bwd_flops = attention_flops(batch=batch * heads, n_q=seq, n_k=seq, d=d, is_causal=True, pass_="bwd")
+        bwd_flops = flop_count.attention_flops(batch=batch, heads=heads, n_q=seq, n_k=seq, d=d, causal=True,
+                                               pass_="bwd")
         bench = dict(warmup_ms=warmup_ms, rep_ms=rep_ms)
         for path in paths:
             row = dict(kind="time", **time_attention(path, batch=batch, heads=heads, seq=seq, d=d, dtype=dtype,
@@ -322,7 +315,7 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
             fn = closures[name]
             row = dict(kind="time", **point, impl=name, status="ok")
             pass_ = "fwd" if name.startswith("part_fwd") else "bwd"
-            row.update({f"{pass_}_{stat}": val for stat, val in _bench(fn, **bench).items()})
+            row.update({f"{pass_}_{stat}": val for stat, val in _bench(fn, **bench).items()})  # fwd_ms, fwd_p10_ms, ...
             if name.startswith("kernels_"):
                 row["bwd_tflops"] = bwd_flops / (row["bwd_ms"] * 1e-3) / 1e12
             if name.endswith("_tma"):
@@ -427,7 +420,7 @@ def _shape_arg(text: str) -> tuple[int, int, int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results/06_flash_attention_tuning.jsonl")
+    parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/flash/06_flash_attention_tuning.jsonl")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--rep-ms", type=float, default=30)
     parser.add_argument("--host-overhead", action="store_true",

@@ -5,10 +5,13 @@
   weight copy, and torch's ``AdamW(fused=True)``): median ms and the effective bandwidth of the
   bytes each element must move at least (p, m, v read and written, g read, the copy written).
 - loss: LM head + cross-entropy, forward + backward under bf16 autocast, unfused
-  (``cross_entropy(h @ W.T)``) against ``linear_cross_entropy``: median ms and peak memory
-  above the inputs.
+  (``cross_entropy(h @ W.T)``) against ``linear_cross_entropy``: median ms, the TFLOP/s of the
+  head's model FLOPs (``systems.measure.flops``' convention: the head's matmul, backward 2x) and
+  peak memory above the inputs.
 
-    python -m systems.bench.fused --model 2.7B --out results/10_fused_kernels.jsonl
+Times are ``systems.measure.timer.time_fn`` medians with their 10th / 90th percentiles.
+
+    python -m systems.bench.fused --model 2.7B            # rows under build/fused/
 """
 
 from __future__ import annotations
@@ -17,17 +20,20 @@ import argparse
 
 import torch
 
+from systems.bench.config import DEFAULT_OUT_ROOT
 from systems.config import get_config
-from systems.measure.devices import release_memory
+from systems.measure.devices import catch_oom, release_memory
+from systems.measure.flops import FLOPS_PER_MAC, pass_factor
 from systems.measure.results import ResultWriter
+from systems.measure.timer import time_fn
 
 GIB = 2**30
 
 
-def _bench(fn, *, rep_ms: float) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=3 * rep_ms / 10, rep=rep_ms, return_mode="median")
+def _timed(fn, *, rep_ms: float, device: str) -> dict:
+    """ms (median), p10_ms, p90_ms of ``fn``, after a warm-up of 30% of the repetition budget."""
+    stats = time_fn(fn, device=device, warmup_ms=3 * rep_ms / 10, rep_ms=rep_ms)
+    return dict(ms=stats["median_ms"], p10_ms=stats["p10_ms"], p90_ms=stats["p90_ms"])
 
 
 def preset_param_shapes(model: str) -> list[tuple[int, ...]]:
@@ -61,16 +67,15 @@ def optimizer_rows(*, model: str, rep_ms: float = 400, device: str = "cuda") -> 
     for name, (make, bytes_per_elt) in variants.items():
         row = dict(bench="optimizer", model=model, variant=name, n_params=n, status="ok")
         opt = None
-        try:
+        with catch_oom() as oom:
             opt = make()
             opt.step()  # creates the state outside the timed region
-            ms = _bench(opt.step, rep_ms=rep_ms)
-            row.update(ms=ms, min_bytes=bytes_per_elt * n, gbps=bytes_per_elt * n / (ms * 1e-3) / 1e9)
-        except torch.OutOfMemoryError:
-            row["status"] = "oom"
-        finally:
-            opt = None
-            release_memory()
+            row.update(_timed(opt.step, rep_ms=rep_ms, device=device))
+            row.update(min_bytes=bytes_per_elt * n, gbps=bytes_per_elt * n / (row["ms"] * 1e-3) / 1e9)
+        if oom:
+            row.update(status="oom", error=oom.message)
+        opt = None
+        release_memory()
         rows.append(row)
     return rows
 
@@ -87,31 +92,31 @@ def loss_rows(*, tokens: int, d_model: int, vocab: int, rep_ms: float = 300, dev
         "unfused": lambda: cross_entropy(hidden @ weight.T, targets),
         "fused": lambda: linear_cross_entropy(hidden, weight, targets, check_targets=False),
     }
-    flops = 6 * tokens * d_model * vocab  # forward matmul + the two gradient matmuls
+    flops = FLOPS_PER_MAC * tokens * d_model * vocab * pass_factor("fwd_bwd")  # the head's matmul, backward 2x
     rows = []
     for name, loss_fn in impls.items():
         row = dict(bench="loss", variant=name, tokens=tokens, d_model=d_model, vocab=vocab, status="ok")
 
         def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
                 loss = loss_fn()
             loss.backward()
 
-        try:
+        with catch_oom() as oom:
             step()
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
-            ms = _bench(step, rep_ms=rep_ms)
-            row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
-        except torch.OutOfMemoryError:
-            row["status"] = "oom"
-        finally:
-            hidden.grad = weight.grad = None
-            release_memory()
+            if torch.device(device).type == "cuda":  # the allocator's high-water mark: CUDA only
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
+            row.update(_timed(step, rep_ms=rep_ms, device=device))
+            row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+        if oom:
+            row.update(status="oom", error=oom.message)
+        hidden.grad = weight.grad = None
+        release_memory()
         rows.append(row)
     return rows
 
@@ -119,7 +124,7 @@ def loss_rows(*, tokens: int, d_model: int, vocab: int, rep_ms: float = 300, dev
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="2.7B", help="preset whose parameter shapes the optimizer updates")
-    parser.add_argument("--out", default="results/10_fused_kernels.jsonl")
+    parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/fused/10_fused_kernels.jsonl")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the fused kernels are timed on a GPU; none is visible")

@@ -130,6 +130,32 @@ LEVERS: tuple[tuple[str, str, str], ...] = (
     ("optimizer inside the backward", "ours_graphs", "ours_graphs_overlap"),
 )
 
+# The project's own step-time targets on one H100 (not the handout's, which sets none for these
+# sizes): batch 4 x context 512, bf16 autocast over fp32 master weights, forward to AdamW.
+OUR_TARGETS_MS = {"2.7B": 105.0, "xl-2025": 75.0}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What notebook 10 runs: the variants of each preset, the step's shape and counts, and which
+    (preset, variant) it profiles."""
+    variants: dict[str, tuple[str, ...]]
+    step: dict
+    trace: tuple[str, str]
+
+
+# GPU: the 2.7B preset (the 2026 handout's xl) and the 2025 handout's xl; the overlap variant's
+# timeline shows whether the side-stream updates overlap the backward
+FULL_PLAN = Plan(
+    variants={"2.7B": ("hf_llama", "ours_eager", "ours_compiled", "ours_fused", "ours_fast", "ours_master",
+                       "ours_master_overlap"),
+              "xl-2025": ("hf_llama", "ours_eager", "ours_fast", "ours_master", "ours_graphs", "ours_graphs_overlap")},
+    step=dict(batch_size=4, context_length=512, warmup=5, steps=20), trace=("2.7B", "ours_master_overlap"))
+# CPU: the debug model; compiled variants are left out (inductor's CPU compile dominates a smoke run
+# and needs a C++ toolchain)
+SMOKE_PLAN = Plan(variants={"debug": ("hf_llama", "ours_eager", "ours_fused", "ours_fused_master")},
+                  step=dict(batch_size=2, context_length=64, warmup=1, steps=3), trace=("debug", "ours_fused"))
+
 
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from systems.bench.train_step import LEVERS, PHASES
 
 
-def step_table(rows, *, baseline: str = "hf_llama"):
-    """One line per (model, variant): times, MFU, memory, and speed-up over the baseline variant."""
+def step_table(rows, *, baseline: str = "hf_llama", handout: str | None = None):
+    """One line per (model, variant): times, MFU, memory, and speed-up over the baseline variant;
+    with ``handout``, the size as that handout names it beside the preset."""
     import pandas as pd
 
     df = pd.DataFrame(rows)
@@ -16,6 +17,8 @@ def step_table(rows, *, baseline: str = "hf_llama"):
     if "step_ms" in df.columns:
         base = df[df["variant"] == baseline].set_index("model")["step_ms"]
         df[f"speedup_vs_{baseline}"] = df["model"].map(base) / df["step_ms"]
+    if handout is not None:
+        df.insert(0, "size", df["model"].map(lambda preset: size_name(preset, handout)))
     return df
 
 
@@ -54,10 +57,118 @@ def plot_phases(table, *, title: str):
             left = [a + b for a, b in zip(left, part[phase])]
         ax.invert_yaxis()
         ax.set_xlabel("ms per step (median of each phase)")
-        ax.set_title(model)
+        ax.set_title(part["size"].iloc[0] if "size" in part else model)
     axes[0][0].legend(loc="lower right", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     return fig
 
 
+
+
+# ----------------------------------------------------------------------------- answers
+
+
+def size_name(preset: str, handout: str) -> str:
+    """A preset as the handout names it: "xl (2.7B)" in 2026, "xl (xl-2025)" in 2025, else the preset."""
+    from systems.config import size_label
+
+    label = size_label(preset, handout)
+    return f"{label} ({preset})" if label != preset else preset
+
+
+def step_answer(table, *, targets: dict[str, float], handout: str) -> str:
+    """Per model: the fastest variant with its spread, rate and MFU, its speed-up over Hugging
+    Face's Llama, against our target where we set one, and what changed from ``ours_eager``."""
+    ok = table[table["status"] == "ok"].set_index(["model", "variant"])
+    lines = []
+    for model in dict.fromkeys(table["model"]):
+        name = size_name(model, handout)
+        if model not in ok.index.get_level_values(0):
+            lines.append(f"- **{name}**: no variant ran.")
+            continue
+        part = ok.loc[model]
+        best = part["step_ms"].idxmin()
+        b = part.loc[best]
+        text = (f"- **{name}**: the fastest variant is `{best}` at {b['step_ms']:.1f} ms per step "
+                f"(p10-p90 {b['step_ms_p10']:.1f}-{b['step_ms_p90']:.1f}), {b['achieved_tflops']:.3g} TFLOP/s")
+        if "mfu" in b and b["mfu"] == b["mfu"]:
+            text += f", MFU {b['mfu']:.1%}"
+        if "hf_llama" in part.index:
+            text += f"; {b['speedup_vs_hf_llama']:.2f}x Hugging Face Llama's {part.loc['hf_llama', 'step_ms']:.1f} ms"
+        if model in targets:
+            met = b["step_ms"] <= targets[model]
+            text += (f". Our target (the project's, not the handout's) <= {targets[model]:g} ms: "
+                     f"**{'met' if met else 'not met'}** ({b['step_ms'] / targets[model]:.2f}x the target)")
+        lines.append(text + ".")
+        if "ours_eager" in part.index and best.startswith("ours") and best != "ours_eager":
+            e = part.loc["ours_eager"]
+            deltas = ", ".join(f"{ph} {e[f'{ph}_ms']:.1f} -> {b[f'{ph}_ms']:.1f} ms" for ph in PHASES)
+            lines.append(f"  - from `ours_eager` to `{best}`: {deltas}; first step (compilation, autotuning) "
+                         f"{b['first_step_s']:.1f} s against {e['first_step_s']:.1f} s.")
+    return "**Step time.**\n\n" + "\n".join(lines)
+
+
+def lever_answer(levers) -> str:
+    """The largest single lever per model, from lever_table."""
+    if levers.empty:
+        return "No lever's two variants both ran."
+    by = levers.loc[levers.groupby("model")["saved_ms"].idxmax()]
+    return "**Largest single lever per model:** " + "; ".join(
+        f"{r.model}: {r.lever} (`{r['from']}` -> `{r.to}`), {r.saved_ms:.1f} ms saved "
+        f"({r.step_ms_from:.1f} -> {r.step_ms_to:.1f} ms)" for _, r in by.iterrows()) + "."
+
+
+def profile_answer(items, phases, cats, *, timed_ms: float) -> str:
+    """How busy the kernels kept the profiled step, and its largest category."""
+    top = cats.sort_values("ms_per_step", ascending=False).iloc[0]
+    busy = items["dur"].sum() / 1e3
+    step_wall = phases.set_index("range").loc["step", "wall_ms_per_step"]
+    return (f"In the profiled step (each phase closed by a synchronisation, so its range holds its kernels) kernels "
+            f"are busy {busy:.1f} ms of the step's {step_wall:.1f} ms ({busy / step_wall:.0%}); the timed steps of the "
+            f"same variant took {timed_ms:.1f} ms (median). The largest category is {top['category']} with "
+            f"{top['ms_per_step']:.1f} ms ({top['share']:.0%} of kernel time) in {top['kernels_per_step']:.0f} kernels.")
+
+
+def leaderboard_row(paths) -> tuple[dict | None, str | None, list[str]]:
+    """(row, its file, why earlier rows were passed over): the last row of the first file in
+    ``paths`` holding a measurement of the leaderboard's configuration (bench.leaderboard's
+    leaderboard_mismatch); rows of any other configuration (a debug CPU run) are never shown."""
+    from pathlib import Path
+
+    from systems.bench.leaderboard import leaderboard_mismatch
+    from systems.measure.env import REPO_ROOT
+    from systems.measure.results import read_records
+
+    passed_over = []
+    for path in map(Path, paths):
+        shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+        for row in reversed(read_records(path)):
+            why = leaderboard_mismatch(row)
+            if why is None:
+                return row, str(shown), passed_over
+            passed_over.append(f"`{shown}`: {why}")
+    return None, None, passed_over
+
+
+def leaderboard_table(row: dict):
+    import pandas as pd
+
+    keys = ("model", "world_size", "backend", "sdpa_backend", "checkpoint_group", "step_s", "tflops_per_gpu",
+            "tokens_per_s")
+    return pd.DataFrame([{k: row.get(k) for k in keys} | {"gpu": (row.get("env") or {}).get("gpu")}])
+
+
+def leaderboard_answer(row: dict, *, source: str) -> str:
+    """The 8B step: its time, rate and memory, where and when it was measured, against the
+    handout's baseline and our own target."""
+    from systems.bench.leaderboard import HANDOUT_BASELINE_S, TARGET_STEP_S
+
+    env = row.get("env") or {}
+    per_rank = ", ".join(f"{r['peak_memory_gib']:.1f}" for r in row.get("per_rank", []) if r.get("peak_memory_gib"))
+    return (f"**{row['step_s']:.2f} s per step** for the 8B model on {row['world_size']} x {env.get('gpu')} (the "
+            f"handout times two B200s), measured at commit {env.get('git_commit')} on host {env.get('hostname')} "
+            f"({env.get('date')}), {source}; {row['tflops_per_gpu']:.0f} TFLOP/s per GPU of model FLOPs (checkpointing's "
+            f"recomputation not counted), peak memory per rank {per_rank} GiB. Against the handout's naive baseline "
+            f"of {HANDOUT_BASELINE_S:g} s: {HANDOUT_BASELINE_S / row['step_s']:.2f}x faster; our own target (the "
+            f"project's) of <= {TARGET_STEP_S:g} s: **{'met' if row['step_s'] <= TARGET_STEP_S else 'not met'}**.")

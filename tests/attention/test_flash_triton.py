@@ -1,17 +1,16 @@
-"""FlashAttention-2: the PyTorch version and the Triton kernels against a direct float64 reference.
+"""FlashAttention-2 in Triton (systems/attention/flash_triton/) against a direct float64 reference.
 
-CPU: FlashAttentionPytorch; the Triton kernels (both backwards, split and atomic, and the
-TMA-descriptor forward and split pair) under TRITON_INTERPRET=1 in a subprocess (the variable must
-be set before triton is imported, and must not leak into other tests); the atomic and TMA kernels
-compiled for an H100; errors; the choice between the direct and the public launch, and persisted
-plans launched without autotuning.
-GPU (marked gpu, skipped without CUDA): bf16/fp16/fp32 at larger shapes, against SDPA too; the
-direct and the public launch against each other.
+CPU: the kernels (both backwards, split and atomic, and the TMA-descriptor forward and split pair)
+under TRITON_INTERPRET=1 in a subprocess (the variable must be set before triton is imported, and
+must not leak into other tests); the fp32 dot precision reaching the kernels; the atomic, TMA and
+tf32x3 kernels compiled for an H100; errors; the choice between the direct and the public launch,
+and persisted plans launched without autotuning.
+GPU (marked gpu, skipped without CUDA): bf16/fp16/fp32 at larger shapes, against SDPA too; fp32
+through tf32x3 dots; the direct and the public launch against each other.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import subprocess
@@ -22,22 +21,10 @@ import pytest
 import torch
 
 from systems.testing import REPO, have_triton, interpreting, run_interpreter_cases
-from systems.attention import BACKENDS, FlashAttentionPytorch, get_backend
-from systems.attention.flash_pytorch import flash_forward
+from tests.attention.reference import reference, run_and_compare
 
 INTERPRETING = interpreting()
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def reference(q, k, v, is_causal):
-    """Direct float64 attention: O and the natural-log logsumexp L of the scaled scores."""
-    q, k, v = (t.double() for t in (q, k, v))
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if is_causal:  # query i sees keys j <= i + (n_k - n_q), as naive_attention
-        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
-        s = s.masked_fill(~keep, float("-inf"))
-    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
 
 
 def pointer_and_tma(q, k, v, do, is_causal):
@@ -50,100 +37,6 @@ def pointer_and_tma(q, k, v, do, is_causal):
         out = flash_attention_triton(*leaves, is_causal, variant=variant)
         results.append((out, *torch.autograd.grad(out, leaves, do)))
     return results
-
-
-def run_and_compare(apply, shape_q, n_k, dtype, is_causal, device, tol):
-    """Forward + backward through `apply`; returns max abs errors of O, L, dQ, dK, dV against
-    float64 autograd of `reference`, each divided by max(1, max |reference|)."""
-    gen = torch.Generator(device=device).manual_seed(sum(shape_q) + n_k)
-    shape_k = (*shape_q[:-2], n_k, shape_q[-1])
-    q = torch.randn(shape_q, generator=gen, device=device).to(dtype).requires_grad_()
-    k = torch.randn(shape_k, generator=gen, device=device).to(dtype).requires_grad_()
-    v = torch.randn(shape_k, generator=gen, device=device).to(dtype).requires_grad_()
-    do = torch.randn(shape_q, generator=gen, device=device).to(dtype)
-    out = apply(q, k, v, is_causal)
-    saved = out.grad_fn.saved_tensors
-    # exactly one saved tensor has the logsumexp's shape (batch..., n_queries)
-    lse = [t for t in saved if t.shape == shape_q[:-1]]
-    assert len(saved) == 5 and len(lse) == 1, [tuple(t.shape) for t in saved]
-    out.backward(do)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref_o, ref_l = reference(q64, k64, v64, is_causal)
-    ref_grads = torch.autograd.grad(ref_o, (q64, k64, v64), do.double())
-    errors = {}
-    for name, got, want in [("O", out, ref_o), ("L", lse[0], ref_l), ("dQ", q.grad, ref_grads[0]),
-                            ("dK", k.grad, ref_grads[1]), ("dV", v.grad, ref_grads[2])]:
-        assert got.shape == want.shape and got.dtype in (dtype, torch.float32), (name, got.shape, got.dtype)
-        assert torch.isfinite(got).all(), name
-        errors[name] = ((got.double() - want).abs().max() / want.abs().max().clamp(min=1)).item()
-    bad = {n: e for n, e in errors.items() if e > tol}
-    assert not bad, f"errors above {tol}: {bad} (all: {errors})"
-    return errors
-
-
-# shapes: (q shape, n_keys, causal); non-powers of two, n_q != n_k, extra leading dims
-CPU_CASES = [
-    ((2, 64, 16), 64, False),
-    ((2, 37, 16), 37, True),
-    ((3, 45, 32), 77, True),  # fewer queries than keys: they are the last 45 positions
-    ((2, 70, 24), 33, False),  # more queries than keys (non-causal only)
-    ((2, 3, 50, 64), 50, True),  # (batch, heads, seq, d)
-]
-
-
-# ----------------------------------------------------------------------------- PyTorch, CPU
-
-
-@pytest.mark.parametrize("shape_q,n_k,causal", CPU_CASES)
-def test_pytorch_matches_reference(shape_q, n_k, causal):
-    # fp32 tiles vs float64: errors are a few ulp of fp32 times the number of tiles
-    run_and_compare(FlashAttentionPytorch.apply, shape_q, n_k, torch.float32, causal, "cpu", tol=1e-5)
-
-
-def test_pytorch_float64_is_exact():
-    # in float64 the only difference to the direct formula is summation order
-    run_and_compare(FlashAttentionPytorch.apply, (2, 40, 16), 40, torch.float64, True, "cpu", tol=1e-12)
-
-
-def test_pytorch_forward_tiles_do_not_matter():
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 50, 32, generator=gen) for _ in range(3))
-    o16, l16 = flash_forward(q, k, v, True, tile_q=16, tile_k=16)
-    o48, l48 = flash_forward(q, k, v, True, tile_q=48, tile_k=32)
-    torch.testing.assert_close(o16, o48, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(l16, l48, atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("bad,match", [
-    (dict(k=torch.zeros(2, 10, 8), v=torch.zeros(2, 10, 8)), "head dim"),
-    (dict(v=torch.zeros(2, 11, 16)), "same shape"),
-    (dict(q=torch.zeros(3, 10, 16)), "leading"),
-    (dict(k=torch.zeros(2, 10, 16, dtype=torch.float64)), "one dtype"),
-    (dict(q=torch.zeros(2, 12, 16), causal=True), "more queries"),
-    (dict(q=torch.zeros(2, 10, 16, dtype=torch.int32)), "dtype"),
-])
-def test_pytorch_rejects_bad_inputs(bad, match):
-    args = dict(q=torch.zeros(2, 10, 16), k=torch.zeros(2, 10, 16), v=torch.zeros(2, 10, 16), causal=False)
-    args.update(bad)
-    with pytest.raises(ValueError, match=match):
-        FlashAttentionPytorch.apply(args["q"], args["k"], args["v"], args["causal"])
-
-
-def test_backends_registered_and_model_uses_flash_pytorch():
-    from systems.config import get_config
-    from systems.model import TransformerLM
-
-    assert {"naive", "sdpa", "flash_pytorch", "flash_triton"} <= set(BACKENDS)
-    torch.manual_seed(0)
-    model = TransformerLM(get_config("debug", attn_impl="naive"))
-    tokens = torch.randint(0, model.cfg.vocab_size, (2, 40))
-    want = model(tokens)
-    for layer in model.layers:
-        layer.attn.attn_impl = "flash_pytorch"
-    got = model(tokens)
-    got.sum().backward()  # the flash backward runs through the model's (b, h, seq, d) layout
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert get_backend("flash_pytorch") is BACKENDS["flash_pytorch"]
 
 
 # ----------------------------------------------------------------------------- Triton, CPU
@@ -371,6 +264,71 @@ def test_interp_triton_rejects_bad_inputs():
         flash_backward_triton(x, x, x, x, lse, x, False, variant="triton")
 
 
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("backward,kernels", [("split", {"fwd", "dq", "dkdv"}), ("atomic", {"fwd", "atomic"})])
+@pytest.mark.parametrize("fp32_dot", ["tf32x3", "tf32", "ieee"])
+def test_interp_fp32_dot_reaches_the_kernels(fp32_dot, backward, kernels):
+    """FlashVariant.fp32_dot is the INPUT_PRECISION every kernel of an fp32 call is launched (and
+    autotuned) with; 16-bit inputs keep "ieee" whatever it says. The interpreter's dots are numpy
+    fp32 whatever the precision, so the values stay exact to rounding (the codegen is checked by
+    test_fp32_dot_precision_compiles_to_its_instructions)."""
+    from systems.attention import flash_triton as ft
+
+    ft.clear_tuned_plans()
+    variant = ft.FlashVariant(forward="pointer", backward=backward, fp32_dot=fp32_dot)
+    run_and_compare(lambda q, k, v, c: ft.flash_attention_triton(q, k, v, c, variant=variant),
+                    (2, 37, 16), 37, torch.float32, True, "cpu", tol=1e-5)
+    run_and_compare(lambda q, k, v, c: ft.flash_attention_triton(q, k, v, c, variant=variant),
+                    (2, 33, 16), 33, torch.float16, True, "cpu", tol=5e-3)
+    used = {(row["kernel"], row["dtype"], row["INPUT_PRECISION"]) for row in ft.tuned_plans()}
+    assert used == ({(k, str(torch.float32), fp32_dot) for k in kernels}
+                    | {(k, str(torch.float16), "ieee") for k in kernels}), used
+
+
+@pytest.mark.skipif(not have_triton(), reason="needs triton")
+def test_dot_precision_follows_the_variant_and_torchs_setting():
+    from systems.attention.flash_triton import FP32_DOTS, FlashVariant, dot_precision
+
+    assert FlashVariant().fp32_dot == "auto"  # the default is unchanged: torch's own fp32 matmul setting
+    for choice in ("ieee", "tf32x3", "tf32"):
+        assert dot_precision(torch.float32, choice) == choice
+        assert dot_precision(torch.bfloat16, choice) == dot_precision(torch.float16, choice) == "ieee"
+    before = torch.backends.cuda.matmul.allow_tf32  # a torch global (no monkeypatch: it has no __dict__ entry)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert dot_precision(torch.float32) == "ieee"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert dot_precision(torch.float32) == ("ieee" if INTERPRETING else "tf32")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    with pytest.raises(ValueError, match="fp32_dot must be one of auto, ieee, tf32x3, tf32"):
+        FlashVariant(fp32_dot="fp32")
+    assert set(FP32_DOTS) == {"auto", "ieee", "tf32x3", "tf32"}
+
+
+@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
+def test_fp32_dot_precision_compiles_to_its_instructions():
+    """The fp32 forward compiled for sm_90 under each precision: "ieee" multiplies on the CUDA
+    cores (scalar fp32 FMAs, no tensor-core instruction), "tf32" issues TF32 wgmma, and "tf32x3"
+    three times as many (the high x high, high x low and low x high products of the split operands)."""
+    import re
+
+    from systems.attention.flash_triton import kernels
+    from systems.testing import compile_ptx_for_h100
+
+    fn = kernels.flash_fwd_kernel
+    kinds = {"L": "*fp32", "n_q": "i32", "n_k": "i32", "SEQ_BUCKET": "i32", "qk_scale": "fp32"}
+    signature = {name: kinds.get(name, "*fp32" if name in "QKVO" else "constexpr") for name in fn.arg_names}
+    counts = {}
+    for precision in ("ieee", "tf32", "tf32x3"):
+        constexprs = dict(HEAD_DIM=64, BLOCK_D=64, IS_CAUSAL=True, INPUT_PRECISION=precision, BLOCK_M=64, BLOCK_N=64)
+        ptx = compile_ptx_for_h100(fn, signature=signature, constexprs=constexprs,
+                                   aligned_args=tuple(range(7)), num_warps=4)
+        counts[precision] = len(re.findall(r"wgmma\.mma_async\S*\.tf32", ptx)), ptx.count("fma.rn.f32")
+    assert counts["ieee"][0] == 0 and counts["ieee"][1] > 10 * counts["tf32"][1], counts
+    assert counts["tf32"][0] > 0 and counts["tf32x3"][0] == 3 * counts["tf32"][0], counts
+
+
 # ----------------------------------------------------------------------------- launch path, persisted plans
 
 
@@ -562,6 +520,27 @@ def test_gpu_triton_matches_reference(shape_q, n_k, causal, dtype):
                     shape_q, n_k, dtype, causal, "cuda", tol=GPU_TOL[dtype])
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backward", ["split", "atomic"])
+def test_gpu_fp32_tf32x3_is_near_fp32(backward):
+    """fp32 inputs through tf32x3 dots against float64. Each operand is split into a TF32 high part
+    (10 mantissa bits) and a TF32 low part; the three products kept drop only low x low (~2^-22
+    relative) and the low part's own rounding (~2^-22), so each product is within a few fp32 ulps
+    and the errors stay inside the IEEE fp32 bound (GPU_TOL, 1e-4 relative to max(1, |ref|)). One
+    TF32 product (2^-11 relative) is far coarser, which the last assertion checks the test can see."""
+    from systems.attention.flash_triton import FlashVariant, flash_attention_triton
+
+    errors = {}
+    for fp32_dot in ("tf32x3", "tf32"):
+        variant = FlashVariant(forward="pointer", backward=backward, fp32_dot=fp32_dot)
+        errors[fp32_dot] = max(run_and_compare(
+            lambda q, k, v, c: flash_attention_triton(q, k, v, c, variant=variant),
+            (2, 2, 1000, 64), 1000, torch.float32, True, "cuda", tol=GPU_TOL[torch.float32] if fp32_dot == "tf32x3"
+            else 1.0).values())
+    assert errors["tf32"] > 4 * errors["tf32x3"], errors
+
+
 # the atomic backward on the same shapes in bf16, and in fp32 on the one whose d is padded
 ATOMIC_GPU_PARAMS = [(*case, torch.bfloat16) for case in GPU_CASES] + [(*GPU_CASES[2], torch.float32)]
 
@@ -708,12 +687,6 @@ def test_gpu_triton_pytorch_backward_path_matches():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_pytorch_flash_matches_reference():
-    run_and_compare(FlashAttentionPytorch.apply, (2, 2, 300, 64), 300, torch.float32, True, "cuda", tol=1e-4)
-
-
-@pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_triton_close_to_sdpa_bf16(causal):
     import torch.nn.functional as F
@@ -764,15 +737,3 @@ def test_gpu_triton_rejects_mismatched_inputs():
         FlashAttentionTriton.apply(q, q, q.half(), True)
     with pytest.raises(ValueError, match="device"):
         FlashAttentionTriton.apply(q, q, q.cpu(), True)
-
-
-# ----------------------------------------------------------------------------- notebook
-
-
-@pytest.mark.slow
-def test_notebook_06_smoke(tmp_path):
-    from systems.workbook import run_notebooks
-
-    runs = run_notebooks(only=["06"], profile="smoke", out_dir=tmp_path, report=False, progress=False)
-    assert runs and all(r.ok for r in runs), [r.error for r in runs]
-    assert (tmp_path / "results" / "06_flash_attention_check.jsonl").exists()

@@ -1,11 +1,16 @@
-"""The sweep's ratio summaries (pure pandas) and the FLOP count behind its TFLOP/s columns."""
+"""The flash_benchmarking harness (systems/bench/flash.py) on the CPU: rows with medians, spreads and
+model-FLOP rates, the statuses a point can end in, the time budget, the one correctness checker,
+and the ratio summaries (pure pandas)."""
 
 import math
 
 import pandas as pd
 import pytest
+import torch
 
-from systems.bench.flash import attention_flops, geomean_ratios, speed_ratios
+from systems.bench import flash
+from systems.bench.flash import geomean_ratios, speed_ratios
+from systems.measure import flops
 
 
 def _row(impl, seq, d, fwd, bwd, dtype="bf16", status="ok"):
@@ -36,9 +41,96 @@ def test_speed_ratios_and_geomeans():
     assert not gm.loc[("bwd", "sdpa_flash"), "met"] and gm.loc[("bwd", "sdpa_flash"), "points"] == 3
 
 
-def test_attention_flops_causal_halves_and_backward_is_2_5x():
-    fwd = attention_flops(batch=2, n_q=128, n_k=128, d=64, is_causal=False, pass_="fwd")
-    assert fwd == 4 * 2 * 128 * 128 * 64
-    assert attention_flops(batch=2, n_q=128, n_k=128, d=64, is_causal=True, pass_="fwd") == fwd / 2
-    assert attention_flops(batch=2, n_q=128, n_k=128, d=64, is_causal=False, pass_="bwd") == 2.5 * fwd
-    assert attention_flops(batch=2, n_q=128, n_k=128, d=64, is_causal=False, pass_="e2e") == 3.5 * fwd
+def test_rows_carry_medians_spreads_and_model_flop_rates():
+    row = flash.time_attention("naive", batch=1, heads=2, seq=64, d=16, dtype="fp32", warmup_ms=1, rep_ms=5,
+                               device="cpu")
+    assert row["status"] == "ok" and row["dot"] == "ieee"
+    for p, flop_pass in (("fwd", "fwd"), ("bwd", "bwd"), ("e2e", "fwd_bwd")):
+        assert 0 < row[f"{p}_p10_ms"] <= row[f"{p}_ms"] <= row[f"{p}_p90_ms"]
+        # the one convention: causal keeps 64 * 65 / 2 pairs per head, the backward is 2x the forward
+        work = flops.attention_flops(batch=1, heads=2, n_q=64, n_k=64, d=16, causal=True, pass_=flop_pass)
+        assert work == 2 * 2 * 2 * (64 * 65 // 2) * 16 * {"fwd": 1, "bwd": 2, "fwd_bwd": 3}[flop_pass]
+        assert row[f"{p}_tflops"] == pytest.approx(work / (row[f"{p}_ms"] * 1e-3) / 1e12)
+
+
+def test_statuses_oom_unsupported_and_memory(monkeypatch):
+    unsupported = flash.time_attention("sdpa_cudnn", batch=1, heads=1, seq=32, d=16, dtype="fp32", warmup_ms=1,
+                                       rep_ms=2, device="cpu")
+    # this machine's SDPA has no cuDNN kernel for CPU tensors: a row that says so, not a crash
+    assert unsupported["status"] == "unsupported" and "fwd_ms" not in unsupported, unsupported
+    # the accounting: P, dP and dS of 1 x 2 x 1024 x 1024 fp32 plus the one-byte mask
+    need = flash.naive_min_bytes(batch=1, heads=2, n_q=1024, n_k=1024, dtype="fp32")
+    assert need == 3 * 2 * 1024 * 1024 * 4 + 1024 * 1024
+    skipped = flash.time_attention("naive", batch=1, heads=2, seq=1024, d=16, dtype="fp32", device="cpu",
+                                   free_bytes=need - 1)
+    assert skipped["status"] == flash.SKIPPED_MEMORY and "GiB" in skipped["error"]
+
+    def oom(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(flash, "get_impl", lambda name: oom)
+    row = flash.time_attention("naive", batch=1, heads=1, seq=32, d=16, dtype="fp32", device="cpu")
+    assert row["status"] == "oom" and "injected" in row["error"] and row["fwd_tflops"] is None
+
+
+def test_dot_precision_of_each_side():
+    assert flash.dot_of("naive", "bf16") == "bf16" and flash.dot_of("triton", "fp16") == "fp16"
+    assert flash.dot_of("naive", "fp32") == ("tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee")
+    pytest.importorskip("triton")
+    assert flash.dot_of("triton_tf32x3", "fp32") == "tf32x3" and flash.dot_of("triton_ieee", "fp32") == "ieee"
+
+
+def test_budget_skips_what_it_cannot_afford(monkeypatch):
+    # each pass takes seq / 32 * 10 ms (a fake timing) and each clock reading advances 1 s. Seq 64 is
+    # estimated from seq 32 at 10 ms x 2080 / 528 pairs per pass: (6 untimed + 1 warm-up + 3 timed
+    # calls) x 39.4 ms x 3 passes = 1.18 s, within the 2.5 s left; seq 128 from seq 64: 2.38 s, past
+    # the 1.5 s left
+    def fake(impl, *, seq, **kw):
+        return flash._add_rates(dict(impl=impl, seq=seq, batch=kw["batch"], heads=kw["heads"], d=kw["d"],
+                                     dtype=kw["dtype"], causal=kw["is_causal"], status="ok",
+                                     **{f"{p}_ms": seq / 32 * 10 for p in flash.PASSES}))
+
+    monkeypatch.setattr(flash, "time_attention", fake)
+    ticks = iter(range(1000))
+    cfg = flash.SweepConfig(seq_lens=(32, 64, 128), head_dims=(16,), dtypes=("fp32",), impls={"fp32": ("naive",)},
+                            warmup_ms=1, rep_ms=2, budget_s=4.5)
+    rows = flash.flash_benchmarking(cfg, device="cpu", progress=False, clock=lambda: float(next(ticks)))
+    assert list(rows["status"]) == ["ok", "ok", flash.SKIPPED_BUDGET]
+    assert "4.5 s budget" in rows["error"].iloc[-1] and pd.isna(rows["e2e_tflops"].iloc[-1])
+
+
+def test_estimate_counts_do_benchs_calls():
+    cfg = flash.SweepConfig(warmup_ms=10, rep_ms=50, min_reps=3)
+    # 100 ms per call: 6 untimed + 1 warm-up + 3 timed calls; 1 ms: 6 + 10 + 50
+    assert flash.estimate_point_s({"fwd": 100.0}, cfg) == pytest.approx(1.0)
+    assert flash.estimate_point_s({"fwd": 1.0}, cfg) == pytest.approx(0.066)
+
+
+def test_checker_finds_a_wrong_implementation(monkeypatch):
+    good = flash.check_errors("flash_pytorch", shape_q=(2, 40, 16), n_k=50, causal=True, dtype="fp32")
+    # fp32 tiles against float64: a few fp32 ulps
+    assert good["worst"] < 1e-5 and good["saves_lse"]
+    assert not flash.check_errors("naive", shape_q=(2, 40, 16), n_k=50, causal=True, dtype="fp32")["saves_lse"]
+    wrong = flash.get_impl("naive")
+    monkeypatch.setattr(flash, "get_impl", lambda name: lambda q, k, v, c: wrong(q, k, v, not c))
+    assert flash.check_errors("naive", shape_q=(2, 40, 16), n_k=50, causal=True, dtype="fp32")["worst"] > 1e-2
+
+
+def test_unknown_implementation_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown implementation 'cuda_magic'; choose one of triton"):
+        flash.get_impl("cuda_magic")
+    with pytest.raises(ValueError, match="unknown implementations \\['cuda_magic'\\] for fp32"):
+        flash.SweepConfig(impls={"fp32": ("naive", "cuda_magic")})
+    with pytest.raises(ValueError, match="unknown dtypes \\['float32'\\]"):
+        flash.SweepConfig(dtypes=("float32",))
+    with pytest.raises(ValueError, match="min_reps must be at least 1"):
+        flash.SweepConfig(min_reps=0)
+
+
+@pytest.mark.slow
+def test_interpreter_check_runs_the_triton_kernels(tmp_path):
+    pytest.importorskip("triton")
+    rows = flash.check_in_interpreter(out_path=tmp_path / "check.jsonl", dtypes=("fp32",))
+    assert [r["impl"] for r in rows] == ["triton"] * len(flash.CHECK_CASES)
+    # the interpreter's dots are numpy fp32: exact to rounding, and L is saved for the backward
+    assert all(r["worst"] < 1e-5 and r["saves_lse"] for r in rows), rows

@@ -79,3 +79,38 @@ def test_sdpa_backend_is_validated_and_restricts_sdpa():
     assert torch.backends.cuda.math_sdp_enabled()
     with lb.sdpa_backends("auto"):
         assert torch.backends.cuda.math_sdp_enabled()
+
+
+def _committed_rows():
+    from systems.measure.env import REPO_ROOT
+    from systems.measure.results import read_records
+
+    return read_records(REPO_ROOT / lb.COMMITTED_ROWS)
+
+
+def test_only_the_leaderboards_configuration_passes():
+    committed = _committed_rows()[-1]  # 8B, 2 x H200 (139.8 GiB), nccl: the leaderboard's configuration
+    assert lb.leaderboard_mismatch(committed) is None
+    # what `python -m systems.bench.leaderboard --model debug --context-length 64 --backend gloo` appends on a CPU
+    debug = dict(model="debug", batch_size=2, context_length=64, precision="bf16", world_size=2, backend="gloo",
+                 status="ok", step_s=0.02, env=dict(gpu=None, gpu_count=0))
+    why = lb.leaderboard_mismatch(debug)
+    assert "model 'debug'" in why and "context_length 64" in why and "no GPU" in why and "gloo" in why
+    small_gpus = {**committed, "env": {**committed["env"], "gpu": "NVIDIA H100 80GB HBM3", "gpu_memory_gib": 79.1}}
+    assert "it needs 125 GiB" in lb.leaderboard_mismatch(small_gpus)
+    assert "world_size 1" in lb.leaderboard_mismatch({**committed, "world_size": 1})
+
+
+@pytest.mark.slow
+def test_a_debug_row_from_the_cli_is_never_shown_as_the_8b_step(tmp_path):
+    # the command line on this CPU (2 gloo ranks, the debug model) appends a row; the notebook's
+    # reader passes over it and shows the committed 8B row instead
+    from systems.measure.env import REPO_ROOT
+    from systems.report.fast_train_step import leaderboard_row
+
+    out = tmp_path / "12_leaderboard_8b.jsonl"
+    assert lb.main(["--model", "debug", "--context-length", "32", "--backend", "gloo", "--warmup", "1", "--steps", "1",
+                    "--out", str(out)]) == 0
+    row, source, passed_over = leaderboard_row([out, REPO_ROOT / lb.COMMITTED_ROWS])
+    assert source == lb.COMMITTED_ROWS and row["model"] == "8B" and row["env"]["gpu"]
+    assert len(passed_over) == 1 and "model 'debug'" in passed_over[0] and "no GPU" in passed_over[0]

@@ -21,10 +21,12 @@ import torch
 from systems.attention.flash_triton.function import FlashAttentionTriton
 from systems.attention.flash_triton.launch import (
     DEFAULT_VARIANT,
+    FP32_DOTS,
     TMA_MIN_SEQ,
     FlashVariant,
     LaunchPath,
     clear_tuned_plans,
+    dot_precision,
     flash_backward_triton,
     flash_forward_triton,
     launch_atomic,
@@ -47,7 +49,7 @@ def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is
     return FlashAttentionTriton.apply(q, k, v, is_causal, variant)
 
 
-__all__ = ["FlashAttentionTriton", "FlashVariant", "LaunchPath", "TMA_MIN_SEQ", "clear_tuned_plans",
-           "flash_attention_triton", "flash_backward_triton", "flash_forward_triton", "launch_atomic",
+__all__ = ["FP32_DOTS", "FlashAttentionTriton", "FlashVariant", "LaunchPath", "TMA_MIN_SEQ", "clear_tuned_plans",
+           "dot_precision", "flash_attention_triton", "flash_backward_triton", "flash_forward_triton", "launch_atomic",
            "launch_backward_atomic", "launch_bwd_prep", "launch_dkdv", "launch_dq", "launch_forward", "launch_path",
            "tma_usable", "tuned_plans"]

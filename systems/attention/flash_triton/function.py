@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from systems.attention.flash_pytorch import check_inputs
+from systems.attention.inputs import check_inputs
 from systems.attention.flash_triton.launch import DEFAULT_VARIANT, FlashVariant, flash_backward_triton, flash_forward_triton
 from systems.attention.flash_triton.tuning import INTERPRETING
 

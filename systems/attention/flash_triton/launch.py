@@ -34,8 +34,10 @@ from systems.attention.flash_triton.tuning import INTERPRETING, TUNE_KEY, TUNED,
 
 Forward = Literal["auto", "pointer", "tma"]
 Backward = Literal["auto", "split", "tma", "atomic", "pytorch"]
+Fp32Dot = Literal["auto", "ieee", "tf32x3", "tf32"]
 FORWARDS: tuple[str, ...] = get_args(Forward)
 BACKWARDS: tuple[str, ...] = get_args(Backward)
+FP32_DOTS: tuple[str, ...] = get_args(Fp32Dot)
 # Longest sequence (max of queries, keys) the "auto" variants still run on the pointer kernels. On
 # the H100 the TMA kernels were faster at 16k and 64k (d 64 and 128) but slower at 4k, d 64 (bare
 # launches: fwd 0.048 against 0.037 ms, backward 0.127 against 0.094): building descriptors costs
@@ -45,9 +47,10 @@ TMA_MIN_SEQ = 4096
 
 @dataclass(frozen=True)
 class FlashVariant:
-    """Which kernels run. The default, "auto" for both, is what measured fastest on the H100
-    (docs/flash_attention_notes.md, entries 4 and 5); every other choice stays selectable so they
-    can be timed side by side.
+    """Which kernels run, and how they multiply fp32 inputs. The default, "auto" for all three, is
+    what measured fastest on the H100 for 16-bit inputs (docs/flash_attention_notes.md, entries 4
+    and 5) and torch's own fp32 matmul setting; every other choice stays selectable so they can be
+    timed side by side.
 
     forward: "pointer" (tiles loaded through pointers), "tma" (the streamed tiles read through TMA
     tensor descriptors; the pointer kernel where tma_usable says no), or "auto" (tma for 16-bit
@@ -56,15 +59,23 @@ class FlashVariant:
     through descriptors, as forward "tma"), "auto" (the pair, through descriptors where forward
     "auto" would be), "atomic" (one kernel over key tiles adding dQ with atomics), or "pytorch"
     (flash_pytorch's compiled reference backward on the same saved tensors).
+    fp32_dot: how the kernels' dots multiply fp32 inputs (16-bit inputs always run their own
+    tensor-core dots): "ieee" (fp32 products on the CUDA cores), "tf32x3" (each operand split into
+    a TF32 high and low part, three TF32 tensor-core products: near-fp32 accuracy), "tf32" (one
+    TF32 product: 10 mantissa bits), or "auto" (torch's setting for fp32 matmuls: "tf32" where
+    torch.backends.cuda.matmul.allow_tf32 is on, else "ieee"; "ieee" under the interpreter).
     """
     forward: Forward = "auto"
     backward: Backward = "auto"
+    fp32_dot: Fp32Dot = "auto"
 
     def __post_init__(self):
         if self.forward not in FORWARDS:
             raise ValueError(f"FlashVariant forward must be one of {', '.join(FORWARDS)}; got {self.forward!r}")
         if self.backward not in BACKWARDS:
             raise ValueError(f"FlashVariant backward must be one of {', '.join(BACKWARDS)}; got {self.backward!r}")
+        if self.fp32_dot not in FP32_DOTS:
+            raise ValueError(f"FlashVariant fp32_dot must be one of {', '.join(FP32_DOTS)}; got {self.fp32_dot!r}")
 
     def forward_tma(self, *tensors: torch.Tensor) -> bool:
         """Whether the forward reads these (..., seq, d) tensors through TMA descriptors."""
@@ -339,11 +350,18 @@ def _launch(kernel: TunedKernel, grid, args: tuple, meta: dict, config: dict | N
 # ----------------------------------------------------------------------------- launchers
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs follow torch's global matmul setting (TF32 only when the user allowed it)
-    if dtype == torch.float32 and not INTERPRETING and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
+def dot_precision(dtype: torch.dtype, fp32_dot: str = "auto") -> str:
+    """The input_precision the kernels' tl.dot calls get for inputs of ``dtype`` under
+    FlashVariant.fp32_dot: 16-bit inputs "ieee" (ignored by their tensor-core dots); fp32 inputs
+    ``fp32_dot``, where "auto" follows torch's global matmul setting (TF32 only when the user
+    allowed it; "ieee" under the interpreter)."""
+    if dtype != torch.float32:
+        return "ieee"
+    if fp32_dot == "auto":
+        return "tf32" if not INTERPRETING and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    if fp32_dot not in FP32_DOTS:
+        raise ValueError(f"fp32_dot must be one of {', '.join(FP32_DOTS)}; got {fp32_dot!r}")
+    return fp32_dot
 
 
 def _block_d(d: int) -> int:
@@ -352,11 +370,11 @@ def _block_d(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def _common(d: int, n: int, dtype: torch.dtype, is_causal: bool) -> dict:
-    """The constexprs every kernel of one call shares: head dim, causal, dot precision, and the
-    autotuning bucket of the longer sequence ``n``."""
-    return dict(HEAD_DIM=d, BLOCK_D=_block_d(d), IS_CAUSAL=bool(is_causal), INPUT_PRECISION=_dot_precision(dtype),
-                SEQ_BUCKET=seq_bucket(n))
+def _common(d: int, n: int, dtype: torch.dtype, is_causal: bool, fp32_dot: str = "auto") -> dict:
+    """The constexprs every kernel of one call shares: head dim, causal, dot precision
+    (``dot_precision``), and the autotuning bucket of the longer sequence ``n``."""
+    return dict(HEAD_DIM=d, BLOCK_D=_block_d(d), IS_CAUSAL=bool(is_causal),
+                INPUT_PRECISION=dot_precision(dtype, fp32_dot), SEQ_BUCKET=seq_bucket(n))
 
 
 def _dims(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
@@ -386,9 +404,11 @@ def _pick(twins: tuple[TunedKernel, TunedKernel], tma: bool) -> TunedKernel:
 
 
 # The launchers take contiguous tensors shaped (..., seq, d) (every leading dim is batch) and
-# L, D shaped (..., n_q) fp32.
+# L, D shaped (..., n_q) fp32. ``fp32_dot``: FlashVariant.fp32_dot; ``meta``: ``_common``'s dict
+# when the caller already has it (then it holds the dot precision).
 
-def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None = None, tma: bool = False) -> None:
+def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None = None, tma: bool = False,
+                   fp32_dot: str = "auto") -> None:
     """Fill O (like Q) and L (Q's leading dims and n_q, fp32) from Q (..., n_q, d) and K, V
     (..., n_k, d). tma: the TMA kernel (the tensors must pass tma_usable)."""
     batch, n_q, n_k, d = _dims(q3, k3)
@@ -396,26 +416,24 @@ def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None =
     def grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_M"]), batch)
 
-    _launch(_pick(_FWD, tma), grid,
-            (q3, k3, v3, o, lse, n_q, n_k, d ** -0.5 * kernels.LOG2E), _common(d, max(n_q, n_k), q3.dtype, is_causal),
-            config)
+    _launch(_pick(_FWD, tma), grid, (q3, k3, v3, o, lse, n_q, n_k, d ** -0.5 * kernels.LOG2E),
+            _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
 
 def launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal: bool, *, config: dict | None = None,
-              meta: dict | None = None, tma: bool = False) -> None:
-    """Fill dQ and D = rowsum(O * dO) (the dK/dV kernel's input), given L. ``meta``: ``_common``'s
-    dict when the caller already has it."""
+              meta: dict | None = None, tma: bool = False, fp32_dot: str = "auto") -> None:
+    """Fill dQ and D = rowsum(O * dO) (the dK/dV kernel's input), given L."""
     batch, n_q, n_k, d = _dims(q3, k3)
 
     def grid(meta):
         return (triton.cdiv(n_q, meta["BLOCK_M2"]), batch)
 
     args = (q3, k3, v3, o3, do3, lse, delta, dq, n_q, n_k, d ** -0.5 * kernels.LOG2E, d ** -0.5)
-    _launch(_pick(_DQ, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal), config)
+    _launch(_pick(_DQ, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
 
 def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config: dict | None = None,
-                meta: dict | None = None, tma: bool = False) -> None:
+                meta: dict | None = None, tma: bool = False, fp32_dot: str = "auto") -> None:
     """Fill dK and dV, given L and D (written by launch_dq)."""
     batch, n_q, n_k, d = _dims(q3, k3)
 
@@ -423,7 +441,7 @@ def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config:
         return (triton.cdiv(n_k, meta["BLOCK_N1"]), batch)
 
     args = (q3, k3, v3, do3, lse, delta, dk, dv, n_q, n_k, d ** -0.5 * kernels.LOG2E, d ** -0.5)
-    _launch(_pick(_DKDV, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal),
+    _launch(_pick(_DKDV, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot),
             config)
 
 
@@ -438,7 +456,7 @@ def launch_bwd_prep(o3, do3, delta, dq_acc) -> None:
 
 
 def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, *, config: dict | None = None,
-                  meta: dict | None = None) -> None:
+                  meta: dict | None = None, fp32_dot: str = "auto") -> None:
     """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D."""
     batch, n_q, n_k, d = _dims(q3, k3)
 
@@ -446,15 +464,15 @@ def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, 
         return (triton.cdiv(n_k, meta["BLOCK_N3"]), batch)
 
     args = (q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, n_q, n_k, d ** -0.5 * kernels.LOG2E, d ** -0.5)
-    _launch(TUNED["atomic"], grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal), config)
+    _launch(TUNED["atomic"], grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
 
 def launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal: bool, *,
-                           config: dict | None = None, meta: dict | None = None) -> None:
+                           config: dict | None = None, meta: dict | None = None, fp32_dot: str = "auto") -> None:
     """The whole atomic backward: the prep kernel, the atomic kernel, then dQ = sm_scale * dq_acc
     written in dq's dtype (``dq`` may be ``dq_acc`` itself, for fp32 inputs)."""
     launch_bwd_prep(o3, do3, delta, dq_acc)
-    launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal, config=config, meta=meta)
+    launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal, config=config, meta=meta, fp32_dot=fp32_dot)
     torch.mul(dq_acc, q3.shape[-1] ** -0.5, out=dq)  # one elementwise kernel: scale and cast together
 
 
@@ -469,7 +487,7 @@ def flash_forward_triton(q3, k3, v3, is_causal: bool, *, variant: FlashVariant =
     _contiguous(q3, k3, v3)
     o = torch.empty_like(q3)
     lse = torch.empty(q3.shape[:-1], device=q3.device, dtype=torch.float32)
-    launch_forward(q3, k3, v3, o, lse, is_causal, tma=variant.forward_tma(q3, k3, v3))
+    launch_forward(q3, k3, v3, o, lse, is_causal, tma=variant.forward_tma(q3, k3, v3), fp32_dot=variant.fp32_dot)
     return o, lse
 
 
@@ -483,7 +501,8 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
     _contiguous(q3, k3, v3, o3, do3)
     delta = torch.empty_like(lse)
     dk, dv = torch.empty_like(k3), torch.empty_like(v3)
-    meta = _common(q3.shape[-1], max(q3.shape[-2], k3.shape[-2]), q3.dtype, is_causal)  # one dict for every launch
+    # one dict for every launch
+    meta = _common(q3.shape[-1], max(q3.shape[-2], k3.shape[-2]), q3.dtype, is_causal, variant.fp32_dot)
     if variant.backward == "atomic":
         dq_acc = torch.empty(q3.shape, device=q3.device, dtype=torch.float32)
         dq = dq_acc if q3.dtype == torch.float32 else torch.empty_like(q3)

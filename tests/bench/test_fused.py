@@ -1,0 +1,46 @@
+"""The fused-kernel benchmark (systems/bench/fused.py) on the CPU: one row per variant with a median
+and its spread, the FLOP convention behind the loss rows' TFLOP/s, out-of-memory as a row, and the
+command line's refusal without a GPU."""
+
+import pytest
+import torch
+
+from systems.bench import fused
+from systems.measure import flops
+
+
+def test_optimizer_rows_time_every_variant():
+    rows = fused.optimizer_rows(model="debug", rep_ms=5, device="cpu")
+    assert [r["variant"] for r in rows] == ["ours_loop", "ours_foreach", "fused_triton", "fused_triton+bf16_copy",
+                                            "torch_fused"]
+    n = fused.get_config("debug").n_params  # the closed form: the shapes are the preset's
+    for r in rows:
+        assert r["status"] == "ok" and r["n_params"] == n, r
+        assert 0 < r["p10_ms"] <= r["ms"] <= r["p90_ms"], r
+        # the bytes each element must move at least over the median time
+        assert r["gbps"] == pytest.approx(r["min_bytes"] / (r["ms"] * 1e-3) / 1e9)
+
+
+def test_loss_rows_count_the_heads_model_flops():
+    rows = fused.loss_rows(tokens=64, d_model=32, vocab=96, rep_ms=5, device="cpu")
+    assert [r["variant"] for r in rows] == ["unfused", "fused"]
+    # the LM head's matmul (2 FLOPs per multiply-add) forward, and backward = 2x forward
+    work = flops.FLOPS_PER_MAC * 64 * 32 * 96 * 3
+    for r in rows:
+        assert r["status"] == "ok" and r["tflops"] == pytest.approx(work / (r["ms"] * 1e-3) / 1e12)
+
+
+def test_out_of_memory_becomes_a_row(monkeypatch):
+    def boom(*_, **__):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(fused, "_timed", boom)
+    rows = fused.optimizer_rows(model="debug", rep_ms=5, device="cpu")
+    assert {r["status"] for r in rows} == {"oom"} and all("injected" in r["error"] for r in rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cli_needs_a_gpu():
+    with pytest.raises(SystemExit) as exc:
+        fused.main([])
+    assert exc.value.code == 2

@@ -1,0 +1,65 @@
+"""Notebook 10's tables and answers (systems/report/fast_train_step.py) from synthetic rows: the
+handout's size names, our targets labelled as ours, every number from the rows."""
+
+import pandas as pd
+
+from systems.report import fast_train_step as report
+
+
+def _row(model, variant, step_ms, **kw):
+    return dict(model=model, variant=variant, status="ok", step_ms=step_ms, step_ms_p10=step_ms * 0.9,
+                step_ms_p90=step_ms * 1.1, forward_ms=step_ms * 0.3, backward_ms=step_ms * 0.6,
+                optimizer_ms=step_ms * 0.1, first_step_s=1.0, achieved_tflops=100.0, mfu=0.5, **kw)
+
+
+def test_sizes_are_named_by_the_handout():
+    assert report.size_name("2.7B", "2026") == "xl (2.7B)" and report.size_name("2.7B", "2025") == "2.7B"
+    assert report.size_name("xl-2025", "2025") == "xl (xl-2025)" and report.size_name("xl-2025", "2026") == "xl-2025"
+
+
+def test_step_answer_reads_the_rows_and_labels_our_target():
+    table = report.step_table([_row("2.7B", "hf_llama", 200.0), _row("2.7B", "ours_eager", 150.0),
+                               _row("2.7B", "ours_master", 100.0), dict(model="xl-2025", variant="ours_fast", status="oom")])
+    text = report.step_answer(table, targets={"2.7B": 105.0}, handout="2026")
+    assert "**xl (2.7B)**: the fastest variant is `ours_master` at 100.0 ms" in text
+    assert "2.00x Hugging Face Llama's 200.0 ms" in text and "MFU 50.0%" in text
+    assert "Our target (the project's, not the handout's) <= 105 ms: **met** (0.95x the target)" in text
+    assert "forward 45.0 -> 30.0 ms" in text and "**xl-2025**: no variant ran" in text
+    named = report.step_table([_row("2.7B", "ours_eager", 150.0)], handout="2026")
+    assert list(named.columns[:2]) == ["size", "model"] and named.loc[0, "size"] == "xl (2.7B)"
+
+
+def test_lever_answer_names_the_largest_lever():
+    table = report.step_table([_row("debug", "ours_eager", 10.0), _row("debug", "ours_fused", 7.0),
+                               _row("debug", "ours_fused_master", 6.5)])
+    levers = report.lever_table(table)
+    text = report.lever_answer(levers)
+    assert "debug: fused LM head + loss, fused AdamW (`ours_eager` -> `ours_fused`), 3.0 ms saved" in text
+    assert report.lever_answer(levers.iloc[:0]) == "No lever's two variants both ran."
+
+
+def test_leaderboard_answer_states_where_and_against_what():
+    row = dict(step_s=6.85, world_size=2, tflops_per_gpu=346.2, per_rank=[dict(peak_memory_gib=118.2)] * 2,
+               env=dict(gpu="NVIDIA H200", git_commit="abc123", hostname="vm", date="2026-11-22"))
+    text = report.leaderboard_answer(row, source="read from `results/12_leaderboard_8b.jsonl`")
+    assert "**6.85 s per step**" in text and "2 x NVIDIA H200 (the handout times two B200s)" in text
+    assert "commit abc123 on host vm" in text and "read from `results/12_leaderboard_8b.jsonl`" in text
+    assert "naive baseline of 10 s: 1.46x faster" in text and "our own target (the project's) of <= 8 s: **met**" in text
+    table = report.leaderboard_table({**row, "model": "8B"})
+    assert table.loc[0, "gpu"] == "NVIDIA H200" and table.loc[0, "model"] == "8B"
+
+
+def test_leaderboard_row_skips_other_configurations(tmp_path):
+    import json
+
+    good = dict(model="8B", world_size=2, batch_size=2, context_length=32768, precision="bf16", backend="nccl",
+                status="ok", env=dict(gpu="NVIDIA H200", gpu_memory_gib=139.8))
+    bad = {**good, "model": "debug"}
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(json.dumps(bad) + "\n")
+    second.write_text(json.dumps({**good, "step_s": 1.0}) + "\n" + json.dumps({**good, "step_s": 2.0}) + "\n")
+    row, source, passed_over = report.leaderboard_row([first, second])
+    assert row["step_s"] == 2.0 and source == str(second)  # the last good row of the first file holding one
+    assert passed_over == [f"`{first}`: model 'debug' (the leaderboard's: '8B')"]
+    assert report.leaderboard_row([first]) == (None, None, passed_over)
+    assert isinstance(report.leaderboard_table(row), pd.DataFrame)
