@@ -192,14 +192,14 @@ def _peak(row: dict | None, key: str = "peak_gib") -> float | None:
     return row[key] * GIB if row and row["status"] == "ok" and row.get(key) is not None else None
 
 
-def _table_unit(values: list[float | None]) -> tuple[float, str]:
+def table_unit(values: list[float | None]) -> tuple[float, str]:
     """One unit for a table's memory columns, from its largest value."""
-    return _unit(max([abs(v) for v in values if v is not None] or [1]))
+    return _unit(max([abs(v) for v in values if v is not None and v == v] or [1]))  # v == v: not NaN
 
 
 def peak_table(rows: list[dict], precision: str) -> pd.DataFrame:
     """Two numbers per context (forward and train-step peaks), with each point's status."""
-    scale, unit = _table_unit([_peak(r) for r in rows])
+    scale, unit = table_unit([_peak(r) for r in rows])
     table = {}
     for r in rows:
         if r["precision"] != precision:
@@ -243,7 +243,7 @@ def _pairs(rows: list[dict]) -> list[tuple[str, int, dict | None, dict | None]]:
 def precision_table(rows: list[dict]) -> pd.DataFrame:
     """Per mode and context: the fp32 and bf16-autocast peaks, their ratio, and (train step) the
     phase in which each peak was reached."""
-    scale, unit = _table_unit([_peak(r) for r in rows])
+    scale, unit = table_unit([_peak(r) for r in rows])
     out = []
     for mode, context, a, b in _pairs(rows):
         line = {"mode": mode, "context": context}
@@ -413,7 +413,7 @@ def chain_sketch() -> str:
 
 
 def strategies_table(rows: list[dict]) -> pd.DataFrame:
-    scale, unit = _table_unit([r["rise_bytes"] for r in rows])
+    scale, unit = table_unit([r["rise_bytes"] for r in rows])
     return pd.DataFrame([{"N": r["n_layers"], "strategy": r["label"], "block forwards": r["block_forwards"],
                           "forwards per block": r["forwards_per_block"],
                           f"activation peak {unit}": r["rise_bytes"] / scale, "step ms": r["step_ms"]} for r in rows])
@@ -422,7 +422,7 @@ def strategies_table(rows: list[dict]) -> pd.DataFrame:
 def strategies_figure(rows: list[dict], *, title: str):
     """Activation peak (above the step's start) and block forwards per block against N, per strategy."""
     df = pd.DataFrame(rows)
-    scale, unit = _table_unit(df["rise_bytes"].tolist())
+    scale, unit = table_unit(df["rise_bytes"].tolist())
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
     for _, g in df.groupby("strategy", sort=False):
         name = g["label"].iloc[-1].split(",")[0]
@@ -478,7 +478,7 @@ def groups_table(rows: list[dict], *, block: dict) -> pd.DataFrame:
     """Per group size k: forward + backward peak, AdamW step's peak, step time, and each k's
     difference from the lowest forward + backward peak, measured and by ``_model_bytes``."""
     ok = [r for r in rows if r["status"] == "ok"]
-    scale, unit = _table_unit([r["peak_bytes"] for r in ok])
+    scale, unit = table_unit([r["peak_bytes"] for r in ok])
     best = min(ok, key=lambda r: r["activation_peak_bytes"]) if ok else None
     out = []
     for r in rows:
@@ -496,7 +496,7 @@ def groups_table(rows: list[dict], *, block: dict) -> pd.DataFrame:
 
 def groups_figure(rows: list[dict], *, title: str):
     ok = [r for r in rows if r["status"] == "ok"]
-    scale, unit = _table_unit([r["peak_bytes"] for r in ok])
+    scale, unit = table_unit([r["peak_bytes"] for r in ok])
     ks = [r["group_size"] for r in ok]
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     ax.plot(ks, [r["activation_peak_bytes"] / scale for r in ok], "o-", label="forward + backward peak")
