@@ -100,7 +100,7 @@ if forward is None:
     nb.not_run(ctx, "memory_profiling", "e", "no forward pass ran with a snapshot")
 else:
     largest = report.largest_table(forward, cfg=cfg)
-    nb.show(largest.drop(columns=["size_bytes"]), caption=f"forward, context {forward['context_length']}: largest allocations")
+    nb.show(largest.drop(columns=["size_bytes"]), caption=f"forward, context {forward['context_length']}: largest")
     nb.answer(ctx, "memory_profiling", "e", report.largest_answer(largest, forward))
 
 # %% [markdown]
@@ -110,8 +110,9 @@ else:
 
 # %%
 if report.asked(ctx.handout, "memory_profiling", "f"):
-    block = bench.measure_block(model=MODEL, batch_size=BATCH, context_length=max(CONTEXTS), device=DEVICE)
-    nb.show(report.block_ops_table(block), caption=f"one block, batch {BATCH} × context {max(CONTEXTS)}: top five saving ops")
+    block = bench.measure_block(model=MODEL, batch_size=BATCH, context_length=max(CONTEXTS), device=DEVICE,
+                                out_path=ctx.result_path("block"))
+    nb.show(report.block_ops_table(block), caption=f"one block, batch {BATCH} × context {max(CONTEXTS)}: top five ops")
     nb.answer(ctx, "memory_profiling", "f", report.block_answer(block, label=label))
 
 # %% [markdown]
@@ -137,7 +138,7 @@ if report.asked(ctx.handout, "gradient_checkpointing"):
 
 # %%
 if report.asked(ctx.handout, "gradient_checkpointing"):
-    ck_block = bench.measure_block(device=DEVICE, **CKPT)
+    ck_block = bench.measure_block(device=DEVICE, out_path=ctx.result_path("checkpoint_block"), **CKPT)
     groups = bench.run_checkpoint_groups(device=DEVICE, out_path=ctx.result_path("checkpoint_groups"), **CKPT)
     nb.show(report.groups_table(groups, block=ck_block), caption=f"{label}, batch {CKPT['batch_size']} × context "
             f"{CKPT['context_length']}: one level of checkpointing")

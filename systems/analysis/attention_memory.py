@@ -106,10 +106,12 @@ def peak_decomposition(row: dict, *, device: str) -> pd.DataFrame:
     acct = attention_memory_accounting(batch=row["batch_size"], seq=row["seq"], d=row["d"], dtype=row["dtype"],
                                        device=device)
     a = acct.attrs
+    temporary = "dP*P, " if a["backward_score_tensors"] == 4 else ""
+    n_mat, n_vec = a["backward_score_tensors"], a["backward_vectors"]
     parts = [("allocated before the point (cuBLAS workspaces, earlier points' leftovers)", 1, row["start_bytes"]),
-             (f"score-sized tensors at the backward's peak (P, dP, {'dP*P, ' if a['backward_score_tensors'] == 4 else ''}dS)",
-              a["backward_score_tensors"], a["backward_score_tensors"] * a["score_matrix_bytes"]),
-             ("(batch, seq, d) tensors: q, k, v, dO, O, dV", a["backward_vectors"], a["backward_vectors"] * a["vector_bytes"])]
+             (f"score-sized tensors at the backward's peak (P, dP, {temporary}dS)", n_mat,
+              n_mat * a["score_matrix_bytes"]),
+             ("(batch, seq, d) tensors: q, k, v, dO, O, dV", n_vec, n_vec * a["vector_bytes"])]
     explained = sum(b for _, _, b in parts)
     parts.append(("measured peak − the above (allocator rounding, kernels' scratch)", None, row["peak_bytes"] - explained))
     df = pd.DataFrame(parts, columns=["term", "count", "bytes"])

@@ -135,7 +135,8 @@ def _timeline_columns(path: Path) -> dict:
 
 
 def measure_block(*, model: str, batch_size: int, context_length: int, device: str = "auto",
-                  model_overrides: dict | None = None, top: int = 5, seed: int = 0) -> dict:
+                  model_overrides: dict | None = None, top: int = 5, seed: int = 0,
+                  out_path: str | Path | None = None) -> dict:
     """One TransformerBlock of ``model`` on a (batch, context, d_model) input: the bytes its forward
     saves for backward (input included, parameters not), its top ``top`` saving ops, and the
     allocator changes around a forward and backward whose leftover is the gradients."""
@@ -159,7 +160,7 @@ def measure_block(*, model: str, batch_size: int, context_length: int, device: s
            "top_ops": rep.by_op.to_dict(orient="records")}
     del block, x, rep
     release_memory(dev)
-    return row
+    return ResultWriter(out_path).write(row) if out_path else row
 
 
 # ----------------------------------------------------------------------------- train steps

@@ -640,10 +640,16 @@ def backward_memory(module: nn.Module, x: torch.Tensor, *args, autocast_dtype: t
     """Measure ``BackwardMemory`` for ``module(x, *args)`` with a ``MemoryProbe``: gradients are
     what remains of the backward's allocations, not a count of ``p.grad`` sizes."""
     params = [p for p in module.parameters() if p.requires_grad]
-    module.zero_grad(set_to_none=True)
     x = x.detach()
     autocast = (torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype
                 else contextlib.nullcontext())
+    # one unmeasured pass first: the backward's first matmul on the autograd engine's thread gives
+    # that thread its cuBLAS handle and workspace, which would otherwise count as gradients
+    with autocast:
+        out = module(x, *args)
+    out.backward(torch.ones_like(out))
+    del out
+    module.zero_grad(set_to_none=True)
     with MemoryProbe(x.device) as probe:
         start = probe.allocated()
         with autocast:

@@ -99,12 +99,14 @@ def decomposition_text(rows: Sequence[dict], *, device: str) -> tuple[pd.DataFra
     mats = (big["peak_rise_bytes"] - acct["backward_vectors"] * acct["vector_bytes"]) / acct["score_matrix_bytes"]
     residual = df["bytes"].iloc[-1]
     before = big["mem_before_backward_bytes"] - big["start_bytes"]
+    names = ("P, dP, the dP·P temporary that CUDA softmax backward allocates, and dS"
+             if acct["backward_score_tensors"] == 4 else "P, dP and dS")
     return df, (
         f"Check on the largest point that ran (d = {big['d']}, seq = {big['seq']:,}): the measured peak, "
         f"{fmt_bytes(big['peak_bytes'])}, is {fmt_bytes(big['start_bytes'])} that were allocated before the "
         f"point plus a rise of {fmt_bytes(big['peak_rise_bytes'])}; less the six (batch, seq, d) tensors, the "
         f"rise holds **{mats:.3f}** score-sized tensors, the accounting's {acct['backward_score_tensors']} "
-        f"({'P, dP, the dP·P temporary that CUDA softmax backward allocates, and dS' if acct['backward_score_tensors'] == 4 else 'P, dP and dS'}), "
+        f"({names}), "
         f"and {fmt_bytes(residual)} ({residual / big['peak_bytes']:.2%} of the peak) are left unexplained. "
         f"Before the backward, {fmt_bytes(before)} were in use above the start, against "
         f"{fmt_bytes(acct['before_backward_bytes'])} accounted (inputs, dO, O and P).")

@@ -52,10 +52,6 @@ def fmt_bytes(nbytes: float | None, *, unit_of: float | None = None) -> str:
     return f"{value:,.2f} {unit}" if abs(value) < 100 else f"{value:,.0f} {unit}"
 
 
-def _gib(nbytes: float | None) -> str:
-    return fmt_bytes(nbytes)
-
-
 # ----------------------------------------------------------------------------- the timeline drawing
 
 
@@ -145,12 +141,34 @@ def timeline_links(timelines: dict[str, tuple[dict, Timeline]], *, figures: Path
     lines = []
     for mode, (row, _) in timelines.items():
         png = (figures / f"{stem}_timeline_{mode}.png").relative_to(out_dir)
-        lines.append(f"**{mode}**, context {row['context_length']}: ![]({png}) ([memory_viz page]({png.with_suffix('.html')}))")
+        html = png.with_suffix(".html")
+        lines.append(f"**{mode}**, context {row['context_length']}: ![]({png}) ([memory_viz page]({html}))")
     return "\n\n".join(lines) or "No timeline: no mode ran in fp32 with a snapshot."
 
 
 def _level(tl: Timeline, x: int) -> int:
     return int(tl.total[min(max(x, 0), len(tl.total) - 1)])
+
+
+def _stage_verdict(tl: Timeline) -> str:
+    """Whether each phase of a training step has the shape that gives it away, checked on the curve."""
+    first: dict[str, tuple[int, int, int]] = {}  # name -> (level before, level after, peak) of its first span
+    for p in tl.phases:
+        first.setdefault(p.name, (_level(tl, p.start - 1), _level(tl, p.end), p.peak_bytes))
+    checks = {"forward": ("a ramp: it ends higher than it starts, as saved activations pile up",
+                          lambda b, a, pk: a > b),
+              "backward": ("a descent from its peak: saved activations are freed faster than gradients appear",
+                           lambda b, a, pk: a < pk),
+              "optimizer": ("a short spike: it rises above both where it starts and where it ends",
+                            lambda b, a, pk: pk > max(b, a))}
+    seen = [name for name in checks if name in first]
+    holds = [name for name in seen if checks[name][1](*first[name])]
+    text = "; ".join(f"the {name} is {checks[name][0]}" for name in holds)
+    if len(holds) == len(seen) == len(checks):
+        return f"So yes, each stage can be told by its shape: {text}."
+    missing = [name for name in checks if name not in holds]
+    return (f"The shapes tell the stages apart only in part: {text or 'none has its usual shape'}; not so for the "
+            f"{', '.join(missing)} here (phases were found from the allocations' stack frames instead).")
 
 
 def timeline_answer(timelines: dict[str, tuple[dict, Timeline]]) -> str:
@@ -160,9 +178,9 @@ def timeline_answer(timelines: dict[str, tuple[dict, Timeline]]) -> str:
     parts = []
     if "forward" in timelines:
         row, tl = timelines["forward"]
-        parts.append(f"The forward pass (context {row['context_length']}) starts from {_gib(tl.baseline_bytes)} "
-                     f"(the parameters, allocated before recording), climbs {_gib(tl.peak_bytes - tl.baseline_bytes)} "
-                     f"to its peak of {_gib(tl.peak_bytes)} and ends at {_gib(int(tl.total[-1]))}: under "
+        parts.append(f"The forward pass (context {row['context_length']}) starts from {fmt_bytes(tl.baseline_bytes)} "
+                     f"(the parameters, allocated before recording), climbs {fmt_bytes(tl.peak_bytes - tl.baseline_bytes)} "
+                     f"to its peak of {fmt_bytes(tl.peak_bytes)} and ends at {fmt_bytes(int(tl.total[-1]))}: under "
                      f"`no_grad` nothing is kept for a backward, so each block's activations are freed once the "
                      f"next block has read them and the climb is the few tensors alive at once.")
     if "train_step" in timelines:
@@ -170,17 +188,15 @@ def timeline_answer(timelines: dict[str, tuple[dict, Timeline]]) -> str:
         spans = []
         for p in tl.phases:
             before, after = _level(tl, p.start - 1), _level(tl, p.end)
-            spans.append(f"the {p.name} ({'rises' if after >= before else 'falls'} from {_gib(before)} to "
-                         f"{_gib(after)}, peak {_gib(p.peak_bytes)})")
+            move = (f"stays at {fmt_bytes(after)}" if fmt_bytes(after) == fmt_bytes(before) else
+                    f"{'rises' if after > before else 'falls'} from {fmt_bytes(before)} to {fmt_bytes(after)}")
+            spans.append(f"the {p.name} ({move}, peak {fmt_bytes(p.peak_bytes)})")
         peak_phase = next((p.name for p in tl.phases if p.start <= tl.peak_index <= p.end), "unlabelled")
-        parts.append(f"The training step (context {row['context_length']}) starts from {_gib(tl.baseline_bytes)} "
+        parts.append(f"The training step (context {row['context_length']}) starts from {fmt_bytes(tl.baseline_bytes)} "
                      f"(parameters, gradients and AdamW state) and shows " + ", then ".join(spans)
-                     + f". Its peak, {_gib(tl.peak_bytes)}, falls in the **{peak_phase}** phase.")
-    phases = sorted({p.name for _, tl in timelines.values() for p in tl.phases})
-    parts.append("Each stage has its own shape, so the stages can be told apart from the curve: the forward is a "
-                 "ramp while saved activations pile up, the backward gives them back while gradients appear, and "
-                 "the optimizer step is a short rise and fall at the end (here the phases were found from each "
-                 f"allocation's stack frames: {', '.join(phases) or 'none'}).")
+                     + f". Its peak, {fmt_bytes(tl.peak_bytes)}, falls in the **{peak_phase}** phase.")
+    if "train_step" in timelines:
+        parts.append(_stage_verdict(timelines["train_step"][1]))
     return " ".join(parts)
 
 
@@ -233,6 +249,12 @@ def peak_phase(row: dict) -> str | None:
     return next(p for p, v in marks if v >= top)
 
 
+def _span(values: list[float], fmt: str) -> str:
+    """'0.99–1.04', or one value when they agree at that precision."""
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
 def _pairs(rows: list[dict]) -> list[tuple[str, int, dict | None, dict | None]]:
     """(mode, context, fp32 row, bf16 row) for every mode and context swept."""
     by = {(r["mode"], r["context_length"], r["precision"]): r for r in rows}
@@ -269,17 +291,18 @@ def precision_answer(rows: list[dict], *, cfg: ModelConfig, label: str) -> str:
     if fwd:
         ratios = [pb / pa for _, pa, pb in fwd]
         c, pa, pb = max(fwd, key=lambda t: abs(t[2] / t[1] - 1))
-        parts.append(f"Forward pass: the bf16-autocast peak is {min(ratios):.2f}–{max(ratios):.2f}× the fp32 peak "
-                     f"(largest change at context {c}: {fmt_bytes(pa)} → {fmt_bytes(pb)}). Both hold the same "
-                     f"{fmt_bytes(param_bytes)} of fp32 weights (autocast keeps them and casts a bf16 copy per "
-                     f"use); only the activations above them differ: matmul outputs become bf16, while softmax and "
-                     f"the norms' reductions still run in fp32.")
+        parts.append(f"Forward pass: the bf16-autocast peak is {_span(ratios, '{:.2f}')}× the fp32 peak (largest "
+                     f"change at context {c}: {fmt_bytes(pa)} → {fmt_bytes(pb)}). Both hold the same "
+                     f"{fmt_bytes(param_bytes)} of fp32 weights (autocast keeps them and casts a bf16 copy per use); "
+                     f"only what sits above them differs, {fmt_bytes(pa - param_bytes)} → {fmt_bytes(pb - param_bytes)} "
+                     f"there: matmul outputs become bf16, while softmax and the norms' reductions still run in fp32 "
+                     f"and the casts of weights and activations are extra tensors.")
     steps = [(c, a, b) for m, c, a, b in _pairs(rows) if m == "train_step" and (_peak(a) or _peak(b))]
     if steps:
         ratios = [_peak(b) / _peak(a) for _, a, b in steps if _peak(a) and _peak(b)]
         phases = {peak_phase(r) for _, a, b in steps for r in (a, b) if _peak(r)}
         peaks = [_peak(r) for _, a, b in steps for r in (a, b) if _peak(r)]
-        text = (f"Training step: bf16 / fp32 = {min(ratios):.3f}–{max(ratios):.3f}. " if ratios else "Training step: ")
+        text = (f"Training step: bf16 / fp32 = {_span(ratios, '{:.3f}')}. " if ratios else "Training step: ")
         text += (f"Every step that ran reached its peak ({fmt_bytes(min(peaks))}–{fmt_bytes(max(peaks))}) in the "
                  f"**{' / '.join(sorted(phases))}** phase")
         if phases == {"optimizer"}:
@@ -527,6 +550,7 @@ def groups_answer(rows: list[dict], *, block: dict, label: str) -> str:
                 + (f" ({', '.join(map(str, oom))})" if oom else " (the model and its AdamW state alone do not fit)") + ".")
     n, r, a = block["n_layers"], block["residual_bytes"], block["saved_bytes"]
     k_star = math.sqrt(n * r / a)
+    hypothesis = max(1, round(k_star))
     i = min(range(len(ok)), key=lambda j: ok[j]["activation_peak_bytes"])
     best = ok[i]
     neighbours = [ok[j] for j in (i - 1, i + 1) if 0 <= j < len(ok)]
@@ -538,15 +562,18 @@ def groups_answer(rows: list[dict], *, block: dict, label: str) -> str:
         f"A = {fmt_bytes(a)} per block (measured for one {label} block at batch {block['batch_size']} × context "
         f"{block['context_length']}); the compute is the same for every k, since each block is recomputed once. "
         f"ceil(N/k) r + k A is smallest near k* = √(N r / A) = √({n} × {fmt_bytes(r)} / {fmt_bytes(a)}) = "
-        f"{k_star:.2f}, so the hypothesis is the smallest group size near it, k = {max(1, round(k_star))}. The "
-        f"measured forward + backward peaks agree: lowest at **k = {best['group_size']}, "
+        f"{k_star:.2f}, so the hypothesis is the group size nearest it, k = {hypothesis}. The measured forward + "
+        f"backward peaks {'agree' if best['group_size'] == hypothesis else 'disagree'}: lowest at "
+        f"**k = {best['group_size']}, "
         f"{fmt_bytes(best['activation_peak_bytes'])}**, against "
         + ", ".join(f"{fmt_bytes(x['activation_peak_bytes'])} at k = {x['group_size']} "
                     f"({fmt_bytes(x['activation_peak_bytes'] - best['activation_peak_bytes'], unit_of=a)} more)"
                     for x in neighbours)
         + (f"; out of memory at k = {', '.join(map(str, oom))}" if oom else "") + ".")
     if opt:
-        text += (f" The AdamW step peaks at {fmt_bytes(min(opt))}–{fmt_bytes(max(opt))} whatever k is, "
+        lo, hi = fmt_bytes(min(opt)), fmt_bytes(max(opt))
+        span = lo if lo == hi else f"{lo}–{hi}"
+        text += (f" The AdamW step peaks at {span} whatever k is, "
                  + (f"above the forward + backward peak for k = {', '.join(map(str, above))}: there the step's "
                     f"overall peak is the optimizer's, which checkpointing cannot lower, so comparing k by the "
                     f"step's overall peak would show a tie" if above else "below every forward + backward peak")

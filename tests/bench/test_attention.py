@@ -121,7 +121,8 @@ def test_simulated_memory_limit():
 
 
 def test_saved_memory_fits_from_sweep_rows():
-    rows = [{"status": "ok", "d": d, "seq": s, "saved_tensor_bytes": 8 * s * s * 4} for d in (16, 32) for s in (64, 128, 256)]
+    rows = [{"status": "ok", "d": d, "seq": s, "saved_tensor_bytes": 8 * s * s * 4}
+            for d in (16, 32) for s in (64, 128, 256)]
     rows.append({"status": "oom", "d": 16, "seq": 512, "saved_tensor_bytes": None})
     fits = saved_memory_fits(rows)
     assert list(fits["d"]) == [16, 32]

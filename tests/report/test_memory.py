@@ -19,6 +19,18 @@ def test_render_timeline_writes_png_and_html(tmp_path):
     assert tl.peak_bytes == int(9.25 * MIB)
 
 
+def test_timeline_answer_checks_each_stage_on_the_curve():
+    from systems.measure.memory import build_timeline
+
+    tl = build_timeline(_synthetic_snapshot())
+    text = report.timeline_answer({"train_step": ({"context_length": 128}, tl)})
+    # forward 3 -> 7 MiB (a ramp), backward peaks at 9.25 and ends at 5 (a descent); the optimizer
+    # only allocates (5 -> 5.5 MiB, never above where it ends): not a spike
+    assert "the forward (rises from 3.00 MiB to 7.00 MiB, peak 8.00 MiB)" in text
+    assert "falls in the **backward** phase" in text
+    assert "only in part" in text and "not so for the optimizer" in text
+
+
 def test_fmt_bytes_picks_a_unit():
     assert report.fmt_bytes(3 * GIB) == "3.00 GiB"
     assert report.fmt_bytes(80 * MIB) == "80.00 MiB" and report.fmt_bytes(512 * MIB) == "512 MiB"
