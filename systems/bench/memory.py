@@ -36,7 +36,6 @@ from systems.parallel import checkpoint as checkpointing
 from systems.train import OptimizerSpec, StepSpec, TrainStep, build_optimizer, phase_ms
 
 GIB = 2**30
-MIB = 2**20
 
 
 @dataclass(frozen=True)

@@ -130,9 +130,11 @@ def saved_memory_fits(rows: Sequence[dict]) -> pd.DataFrame:
 
 
 def saved_memory_figure(rows: Sequence[dict], *, capacity_bytes: int | None, title: str):
-    df = pd.DataFrame(_ok(rows))
+    df = pd.DataFrame(_ok(rows), columns=["d", "seq", "saved_bytes"])
     scale, unit = table_unit([*df["saved_bytes"], capacity_bytes])
     fig, ax = plt.subplots(figsize=(6.5, 4))
+    if df.empty:
+        ax.text(0.5, 0.5, "no point ran", ha="center", va="center", transform=ax.transAxes)
     for (d, g), marker in zip(df.groupby("d"), "osD^v"):
         g = g.sort_values("seq")
         line, = ax.loglog(g["seq"], g["saved_bytes"] / scale, marker, mfc="none", label=f"d = {d}")
@@ -145,7 +147,8 @@ def saved_memory_figure(rows: Sequence[dict], *, capacity_bytes: int | None, tit
     ax.set_xlabel("sequence length")
     ax.set_ylabel(f"saved for backward ({unit})")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    if not df.empty:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 

@@ -357,7 +357,9 @@ def known_tensors(cfg: ModelConfig, *, batch_size: int, context: int) -> dict[in
     out: dict[int, list[str]] = {}
     for name, n in shapes.items():
         for size, dtype in ((n * 4, "fp32"), (n * 2, "bf16")):
-            out.setdefault(size, []).append(f"{name}, {dtype}")
+            # a CUDA snapshot records the allocator's block, the request rounded up to 512 bytes
+            for key in dict.fromkeys((size, -(-size // 512) * 512 if size >= 512 else size)):
+                out.setdefault(key, []).append(f"{name}, {dtype}")
     return {size: " or ".join(names) for size, names in out.items()}
 
 
@@ -366,7 +368,7 @@ def largest_table(row: dict, *, cfg: ModelConfig, k: int = 8) -> pd.DataFrame:
     matches (``size_bytes`` is for ``largest_answer``; show the table without it)."""
     df = largest_allocations(row["snapshot"], k=k)
     names = known_tensors(cfg, batch_size=row["batch_size"], context=row["context_length"])
-    df.insert(2, "tensor (by size)", [names.get(int(s), names.get(int(s) - int(s) % 512, "—")) for s in df["size_bytes"]])
+    df.insert(2, "tensor (by size)", [names.get(int(s), "—") for s in df["size_bytes"]])
     return df
 
 
