@@ -1,39 +1,38 @@
-"""Memory tooling: snapshots, an offline "Active memory timeline", saved-tensor accounting, and
-live-tensor tracking on a CPU.
+"""Memory tooling: snapshots, timelines built from them, saved-tensor accounting, and allocated
+bytes read the same way on a GPU and a CPU.
 
 Recording:   ``record_snapshot(path)`` (CUDA allocator history -> pickle) wraps any harness mode via
              ``run_benchmark(cfg, around_measure=lambda: record_snapshot(path), on_step=step_marker(dev))``;
              ``record_cpu_snapshot(path)`` derives the same format from ``torch.profiler`` on a CPU.
-Reading:     ``build_timeline(snapshot)`` walks ``device_traces`` and ``segments``;
-             ``render_timeline(snapshot, out_png)`` draws it with matplotlib (no browser) and writes
-             the pytorch.org/memory_viz HTML beside it; ``largest_allocations(snapshot, k)``.
-Activations: ``saved_tensor_report(block, x, positions)``; ``residual_stream_bytes``;
-             ``match_allocation_size``.
-CPU peaks:   ``LiveTensorTracker`` follows the storages operators create (a stand-in for
-             ``max_memory_allocated`` on a machine without CUDA).
+Reading:     ``build_timeline(snapshot)`` walks ``device_traces`` and ``segments`` (phases from the
+             frames, step markers); ``largest_allocations(snapshot, k)``; ``match_allocation_size``.
+             Drawing a timeline is report code (``systems.report.memory.render_timeline``).
+Saved:       ``saved_tensors(fn, *args)``: every tensor one call keeps for its backward, the op that
+             keeps it, bytes per storage (the one counter of saved tensors); ``saved_tensor_report``
+             (one block) and ``backward_memory`` (gradients measured from allocator changes).
+Allocated:   ``MemoryProbe(device)``: the CUDA allocator's counters, or on a CPU a
+             ``LiveTensorTracker`` (storages operators create); ``ProbeMarks``: ``Marks`` with
+             per-phase peaks on both devices.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 import pickle
 import re
-import timeit
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+
+from systems.measure.timer import Marks
 
 STEP_MARKER = "_workbook_step_marker"  # the function name the step-boundary allocation carries in its frames
-PHASE_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868", "other": "#8c8c8c"}
 _FREE_ACTIONS = ("free_completed", "free")  # "free" is the pre-2.1 name of a completed free
 
 
@@ -308,78 +307,6 @@ def build_timeline(snapshot: dict | str | Path, *, device: int | None = None) ->
     return Timeline(x=x, total=total, allocations=allocs, phases=phases, steps=steps, device=dev)
 
 
-def _unit(nbytes: float) -> tuple[float, str]:
-    return (2**30, "GiB") if nbytes >= 2**30 else (2**20, "MiB") if nbytes >= 2**20 else (2**10, "KiB")
-
-
-def render_timeline(snapshot: dict | str | Path, out_png: str | Path, *, title: str = "Active memory timeline",
-                    device: int | None = None, top_k: int = 40, html: bool = True, show_phases: bool = True,
-                    figsize: tuple[float, float] = (11, 4.5)) -> Timeline:
-    """Draw the live allocations over time as stacked bands, the ``top_k`` largest coloured and
-    the rest summed into one grey band, with the phases shaded and step boundaries dashed. Writes
-    ``out_png`` and (``html=True``) the memory_viz page beside it (same stem, .html)."""
-    import matplotlib
-
-    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    snapshot = load_snapshot(snapshot)
-    tl = build_timeline(snapshot, device=device)
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    scale, unit = _unit(max(tl.peak_bytes, 1))
-    n = len(tl.x)
-    big = sorted(tl.allocations, key=lambda a: -a.size)[:top_k]
-    big.sort(key=lambda a: (a.start, a.addr))  # older allocations sit lower, as in memory_viz
-    sizes = np.zeros((len(big), n), dtype=np.float64)
-    for i, a in enumerate(big):
-        sizes[i, a.start:(a.end if a.end is not None else n)] = a.size
-    other = tl.total - sizes.sum(axis=0)
-    fig, ax = plt.subplots(figsize=figsize)
-    ax.fill_between(tl.x, 0, other / scale, step="post", color="#d0d0d0", lw=0, label="other allocations")
-    bottom = other.copy()
-    cmap = plt.get_cmap("tab20")
-    for i, a in enumerate(big):
-        top = bottom + sizes[i]
-        ax.fill_between(tl.x, bottom / scale, top / scale, where=sizes[i] > 0, step="post",
-                        color=cmap(i % 20), lw=0)
-        bottom = top
-    ax.plot(tl.x, tl.total / scale, drawstyle="steps-post", color="black", lw=0.6)
-    if show_phases:
-        seen = set()
-        for p in tl.phases:
-            color = PHASE_COLORS.get(p.name, PHASE_COLORS["other"])
-            ax.axvspan(p.start - 0.5, p.end + 0.5, color=color, alpha=0.12, lw=0,
-                       label=None if p.name in seen else f"{p.name} (from frames)")
-            seen.add(p.name)
-        for j, s in enumerate(tl.steps):
-            ax.axvline(s, color="black", ls="--", lw=0.8, label=None if j else "step boundary (marker)")
-    ax.annotate(f"peak {tl.peak_bytes / scale:,.2f} {unit}", xy=(tl.peak_index, tl.peak_bytes / scale),
-                xytext=(0, 6), textcoords="offset points", ha="center", fontsize=8)
-    ax.set_xlim(0, max(n - 1, 1))
-    ax.set_ylim(0, tl.peak_bytes / scale * 1.12 if tl.peak_bytes else 1)
-    ax.set_xlabel("allocator event (alloc / free)")
-    ax.set_ylabel(f"live memory ({unit})")
-    ax.set_title(f"{title}: {len(big)} largest of {len(tl.allocations)} allocations coloured")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
-    fig.savefig(out_png, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    if html:
-        write_memory_viz_html(snapshot, out_png.with_suffix(".html"))
-    return tl
-
-
-def write_memory_viz_html(snapshot: dict | str | Path, out_html: str | Path) -> Path:
-    """pytorch.org/memory_viz's Active Memory Timeline as one HTML file (its JavaScript comes
-    from a CDN, so it needs internet to view)."""
-    from torch.cuda._memory_viz import trace_plot
-
-    out_html = Path(out_html)
-    out_html.write_text(trace_plot(load_snapshot(snapshot)))
-    return out_html
-
-
 def largest_allocations(snapshot: dict | str | Path, k: int = 10, *, device: int | None = None):
     """The ``k`` largest allocations, grouped by (size, allocating user-code line), as a DataFrame:
     size, how many times it was allocated, phase, the innermost user frame and the user stack."""
@@ -424,19 +351,204 @@ def match_allocation_size(snapshot: dict | str | Path, nbytes: int, *, device: i
             "top_sources": sources.most_common(3)}
 
 
-@dataclass
-class SavedTensorReport:
-    total_bytes: int  # unique storages saved for backward, parameters excluded
-    n_saved: int  # pack calls
-    n_storages: int
-    by_op: "object"  # DataFrame: op, bytes, mib, share, n_tensors
-    param_bytes_excluded: int
-    grad_bytes: int  # measured: parameter gradients after one backward
-    expected_grad_bytes: int  # closed form: parameters x element size
+
+# ----------------------------------------------------------------------------- allocated bytes
+
+
+class LiveTensorTracker:
+    """CPU stand-in for ``memory_allocated`` / ``max_memory_allocated``: inside ``with tracker:``
+    every tensor storage that an operator creates is followed (through a weak reference to the C++
+    storage) until it dies, and the highest total is kept. Counts only storages created inside the
+    block: an operator's output that shares an input's storage (a view, an in-place op) is not new.
+    A TorchDispatchMode is far cheaper than the profiler's memory analysis."""
+
+    def __init__(self):
+        self.peak_bytes = 0
+        self.current_bytes = 0
+        self._live: dict[int, tuple] = {}
+        self._mode = None
+
+    def _prune(self) -> None:
+        for k in [k for k, (ref, _) in self._live.items() if ref.expired()]:
+            self.current_bytes -= self._live.pop(k)[1]
+
+    def _observe(self, out, args=()) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._pytree import tree_leaves
+
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves(args)
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        new = []
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                if st._cdata not in self._live and st._cdata not in inputs:
+                    new.append(st)
+        if not new:  # the total only rises when a storage appears
+            return
+        self._prune()  # before adding: a new storage may reuse a dead one's address
+        for st in new:
+            if st._cdata not in self._live:
+                self._live[st._cdata] = (StorageWeakRef(st), st.nbytes())
+                self.current_bytes += st.nbytes()
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
+    def live_bytes(self) -> int:
+        """Bytes of the storages created inside the block that are still alive."""
+        self._prune()
+        return self.current_bytes
+
+    def take_peak(self) -> int:
+        """The high-water mark since the last call (or the start), then start a new one from now."""
+        peak = self.peak_bytes
+        self.peak_bytes = self.live_bytes()
+        return peak
+
+    def __enter__(self) -> "LiveTensorTracker":
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._observe(out, (args, kwargs))
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self._mode = None
+
+
+class MemoryProbe:
+    """Bytes allocated now and the high-water mark, the same way on both devices: on CUDA the
+    caching allocator's counters (absolute: everything the process holds), on a CPU a
+    ``LiveTensorTracker`` entered with the probe (relative: only storages created inside the
+    ``with`` block). Read differences between two points, which mean the same on both.
+
+        with MemoryProbe(device) as probe:
+            before = probe.allocated(); out = f(x); grown = probe.allocated() - before
+    """
+
+    def __init__(self, device: str | torch.device):
+        self.device = torch.device(device)
+        self._tracker: LiveTensorTracker | None = None
 
     @property
-    def total_mib(self) -> float:
-        return self.total_bytes / 2**20
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def __enter__(self) -> "MemoryProbe":
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._tracker = LiveTensorTracker().__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(*exc)
+            self._tracker = None
+
+    def allocated(self) -> int:
+        # the allocator counts on the host as work is queued: no synchronisation needed
+        return torch.cuda.memory_allocated(self.device) if self.cuda else self._tracker.live_bytes()
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else self._tracker.peak_bytes
+
+    def take_peak(self) -> int:
+        """The high-water mark since the last reset, then a new one starts from what is allocated now."""
+        if not self.cuda:
+            return self._tracker.take_peak()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+
+class ProbeMarks(Marks):
+    """``Marks`` whose memory readings work on both devices: on CUDA ``Marks``' own allocator
+    tracking, on a CPU the probe's tracker. ``peak_bytes(name)`` is the high-water mark between
+    the previous mark and ``name``, ``allocated_bytes(name)`` what was allocated at ``name``."""
+
+    def __init__(self, probe: MemoryProbe, *, clock: str = "auto"):
+        super().__init__(probe.device, clock=clock, track_memory=True)
+        self.probe = probe
+
+    def mark(self, name: str) -> None:
+        super().mark(name)
+        if not self.track_memory:  # a CPU: Marks tracks CUDA memory only
+            self.allocated[name] = self.probe.allocated()
+            self.peaks[name] = self.probe.take_peak()
+
+
+def allocator_bytes(nbytes: int, device: str | torch.device) -> int:
+    """What an allocation of ``nbytes`` adds to ``memory_allocated``: the CUDA caching allocator
+    hands out blocks in multiples of 512 bytes; a CPU tracker counts the storage itself."""
+    return -(-nbytes // 512) * 512 if torch.device(device).type == "cuda" else nbytes
+
+
+# ----------------------------------------------------------------------------- saved tensors
+
+SAVED_KINDS = ("activation", "parameter", "excluded")
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor autograd packed for backward."""
+
+    op: str  # the backward node that keeps it (read back through its ``_saved_*`` attributes)
+    storage: int  # the storage's address: several views of one storage are one allocation
+    nbytes: int  # the storage's bytes
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str  # activation | parameter (the module's own weights) | excluded (inputs the caller named)
+
+
+@dataclass
+class SavedTensors:
+    """Every pack call of one forward, in order. Bytes count each storage once, charged to the
+    first op that saved it (q, k and v projections save the same input; softmax and P @ V the
+    same probabilities)."""
+
+    tensors: list[SavedTensor]
+
+    def unique(self, kind: str | None = "activation") -> dict[int, SavedTensor]:
+        """The first pack of each storage (of one kind; ``None``: every kind)."""
+        if kind is not None and kind not in SAVED_KINDS:
+            raise ValueError(f"kind must be one of {SAVED_KINDS} or None, got {kind!r}")
+        first: dict[int, SavedTensor] = {}
+        for t in self.tensors:
+            first.setdefault(t.storage, t)
+        return {s: t for s, t in first.items() if kind is None or t.kind == kind}
+
+    def total_bytes(self, kind: str = "activation") -> int:
+        return sum(t.nbytes for t in self.unique(kind).values())
+
+    @property
+    def n_saved(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def n_storages(self) -> int:
+        return len(self.unique(None))
+
+    def by_op(self, top: int | None = None):
+        """Activation bytes per saving op, largest first: op, bytes, mib, share, n_tensors (pack calls)."""
+        import pandas as pd
+
+        charged: Counter = Counter()
+        for t in self.unique("activation").values():
+            charged[t.op] += t.nbytes
+        calls = Counter(t.op for t in self.tensors)
+        total = sum(charged.values())
+        rows = [{"op": op, "bytes": b, "mib": b / 2**20, "share": b / total if total else 0.0, "n_tensors": calls[op]}
+                for op, b in charged.most_common(top)]
+        return pd.DataFrame(rows, columns=["op", "bytes", "mib", "share", "n_tensors"])
 
 
 class _Packed:
@@ -446,8 +558,8 @@ class _Packed:
         self.tensor, self.owner = tensor, None
 
 
-def _graph_nodes(root) -> list:
-    seen, order, stack = set(), [], [root]
+def _graph_nodes(roots: list) -> list:
+    seen, order, stack = set(), [], list(roots)
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -458,22 +570,25 @@ def _graph_nodes(root) -> list:
     return order
 
 
-def saved_tensor_report(block: nn.Module, x: torch.Tensor, *args, autocast_dtype: torch.dtype | None = None,
-                        top: int = 5) -> SavedTensorReport:
-    """What one forward of ``block`` keeps for its backward, via ``saved_tensors_hooks``.
+def saved_tensors(fn: Callable, *args, exclude: Iterable[torch.Tensor] = (), autocast_dtype: torch.dtype | None = None,
+                  **kwargs) -> SavedTensors:
+    """What one call ``fn(*args, **kwargs)`` keeps for its backward, via ``saved_tensors_hooks``.
 
     Every pack call is recorded; walking the autograd graph afterwards and reading each node's
-    ``_saved_*`` attributes calls the unpack hook, which tells which node (grad_fn) owns each
-    saved tensor. Storages are counted once (q, k and v projections save the same input) and
-    parameters are left out (they are not activation memory).
-    """
-    import pandas as pd
+    ``_saved_*`` attributes calls the unpack hook, which tells which node owns each saved tensor.
+    A module's parameters and buffers are kind "parameter" (not activation memory); the tensors
+    in ``exclude`` (e.g. inputs that exist anyway) are kind "excluded". The output is dropped.
 
+    The hook packs a detached alias (same storage, no ``grad_fn``): packing the tensor itself
+    would make an op's saved output (softmax saves its result) refer to the node that saves it,
+    a cycle through C++ that Python's garbage collector cannot see, and every call would leak
+    that output and the inputs its views keep alive.
+    """
     packed: list[_Packed] = []
     owner: list[str | None] = [None]
 
     def pack(t: torch.Tensor) -> _Packed:
-        p = _Packed(t)
+        p = _Packed(t.detach())
         packed.append(p)
         return p
 
@@ -482,104 +597,110 @@ def saved_tensor_report(block: nn.Module, x: torch.Tensor, *args, autocast_dtype
             p.owner = owner[0]
         return p.tensor
 
-    x = x.detach().requires_grad_(x.is_floating_point())
-    block.zero_grad(set_to_none=True)
-    autocast = (torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype
-                else contextlib.nullcontext())
+    params = [*fn.parameters(), *fn.buffers()] if isinstance(fn, nn.Module) else []
+    param_ptrs = {t.untyped_storage().data_ptr() for t in params}
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack), autocast:
-        out = block(x, *args)
-    for node in _graph_nodes(out.grad_fn):
+        out = fn(*args, **kwargs)
+    from torch.utils._pytree import tree_leaves
+
+    roots = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    for node in _graph_nodes(roots):
         owner[0] = node.name()
         for attr in dir(node):
             if attr.startswith("_saved_"):
                 with contextlib.suppress(Exception):  # some saved values cannot be read back; they are not tensors we need
                     getattr(node, attr)
     owner[0] = None
-
-    param_ptrs = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *block.buffers()]}
-    storages: dict[int, tuple[int, str]] = {}
-    param_bytes = 0
-    counts: Counter = Counter()
+    del out, roots
+    tensors = []
     for p in packed:
-        st = p.tensor.untyped_storage()
-        ptr = st.data_ptr()
-        op = p.owner or "unattributed"
-        counts[op] += 1
-        if ptr in param_ptrs:
-            param_bytes += st.nbytes() if ptr not in storages else 0
-            storages.setdefault(ptr, (0, "parameter"))
-            continue
-        storages.setdefault(ptr, (st.nbytes(), op))  # the first op to save a storage is charged for it
-    by_op: Counter = Counter()
-    for nbytes, op in storages.values():
-        if op != "parameter":
-            by_op[op] += nbytes
-    total = sum(by_op.values())
-    rows = [{"op": op, "bytes": b, "mib": b / 2**20, "share": b / total if total else 0.0, "n_tensors": counts[op]}
-            for op, b in by_op.most_common(top)]
-    df = pd.DataFrame(rows, columns=["op", "bytes", "mib", "share", "n_tensors"])
+        t, ptr = p.tensor, p.tensor.untyped_storage().data_ptr()
+        kind = "parameter" if ptr in param_ptrs else "excluded" if ptr in excluded else "activation"
+        tensors.append(SavedTensor(op=p.owner or "unattributed", storage=ptr, nbytes=t.untyped_storage().nbytes(),
+                                   shape=tuple(t.shape), dtype=t.dtype, kind=kind))
+    return SavedTensors(tensors)
 
+
+@dataclass(frozen=True)
+class BackwardMemory:
+    """Allocator readings around one forward and backward of a module whose input needs no
+    gradient, so what the backward leaves behind is the parameters' gradients alone."""
+
+    forward_bytes: int  # allocated by the forward, alive when the backward starts (saved tensors + output)
+    output_bytes: int  # the forward's output (alive until dropped after the backward)
+    backward_change_bytes: int  # across the backward: gradients made minus saved tensors freed
+    grad_bytes: int  # left allocated once the output is dropped: the gradients, measured
+    expected_grad_bytes: int  # the parameters' bytes (one gradient per parameter), as the allocator counts them
+
+
+def backward_memory(module: nn.Module, x: torch.Tensor, *args, autocast_dtype: torch.dtype | None = None) -> BackwardMemory:
+    """Measure ``BackwardMemory`` for ``module(x, *args)`` with a ``MemoryProbe``: gradients are
+    what remains of the backward's allocations, not a count of ``p.grad`` sizes."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    x = x.detach()
+    autocast = (torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype
+                else contextlib.nullcontext())
+    # one unmeasured pass first: the backward's first matmul on the autograd engine's thread gives
+    # that thread its cuBLAS handle and workspace, which would otherwise count as gradients
+    with autocast:
+        out = module(x, *args)
     out.backward(torch.ones_like(out))
-    grad_bytes = sum(p.grad.nbytes for p in block.parameters() if p.grad is not None)
-    expected = sum(p.numel() * p.element_size() for p in block.parameters() if p.requires_grad)
+    del out
+    module.zero_grad(set_to_none=True)
+    with MemoryProbe(x.device) as probe:
+        start = probe.allocated()
+        with autocast:
+            out = module(x, *args)
+        after_forward = probe.allocated()
+        grad_out = torch.ones_like(out)
+        before_backward = probe.allocated()
+        out.backward(grad_out)
+        after_backward = probe.allocated()
+        output_bytes = allocator_bytes(out.untyped_storage().nbytes(), x.device)
+        del out, grad_out
+        grads = probe.allocated() - start
+    module.zero_grad(set_to_none=True)
+    return BackwardMemory(forward_bytes=after_forward - start, output_bytes=output_bytes,
+                          backward_change_bytes=after_backward - before_backward, grad_bytes=grads,
+                          expected_grad_bytes=sum(allocator_bytes(p.numel() * p.element_size(), x.device)
+                                                  for p in params))
+
+
+@dataclass
+class SavedTensorReport:
+    """What one block keeps for its backward, and the memory its backward leaves: the gradients."""
+
+    total_bytes: int  # unique storages saved for backward, parameters excluded
+    n_saved: int  # pack calls
+    n_storages: int
+    by_op: "object"  # DataFrame: op, bytes, mib, share, n_tensors
+    param_bytes_excluded: int
+    grad_bytes: int  # measured: allocated by the backward and left once the output is dropped
+    expected_grad_bytes: int  # closed form: parameters x element size
+    backward: BackwardMemory
+
+    @property
+    def total_mib(self) -> float:
+        return self.total_bytes / 2**20
+
+
+def saved_tensor_report(block: nn.Module, x: torch.Tensor, *args, autocast_dtype: torch.dtype | None = None,
+                        top: int = 5) -> SavedTensorReport:
+    """``saved_tensors`` of one forward of ``block`` (input included, as the handout's hook
+    counts it; parameters left out), its top ``top`` ops, and ``backward_memory``."""
+    x = x.detach().requires_grad_(x.is_floating_point())
     block.zero_grad(set_to_none=True)
-    return SavedTensorReport(total_bytes=total, n_saved=len(packed), n_storages=len(storages), by_op=df,
-                             param_bytes_excluded=param_bytes, grad_bytes=grad_bytes, expected_grad_bytes=expected)
+    saved = saved_tensors(block, x, *args, autocast_dtype=autocast_dtype)
+    back = backward_memory(block, x, *args, autocast_dtype=autocast_dtype)
+    return SavedTensorReport(total_bytes=saved.total_bytes(), n_saved=saved.n_saved, n_storages=saved.n_storages,
+                             by_op=saved.by_op(top), param_bytes_excluded=saved.total_bytes("parameter"),
+                             grad_bytes=back.grad_bytes, expected_grad_bytes=back.expected_grad_bytes,
+                             backward=back)
 
 
 def block_grad_bytes_expected(d_model: int, d_ff: int, *, dtype: torch.dtype = torch.float32) -> int:
     """Gradient bytes of one TransformerBlock: one per parameter (4 d^2 attention + 3 d d_ff SwiGLU + 2 d norms)."""
     return (4 * d_model * d_model + 3 * d_model * d_ff + 2 * d_model) * torch.empty((), dtype=dtype).element_size()
-
-
-class LiveTensorTracker:
-    """CPU stand-in for ``max_memory_allocated``: inside ``with tracker:`` every tensor storage that
-    an operator creates is followed (through a weak reference to the C++ storage) until it dies,
-    and the highest total is kept. Counts only storages created inside the block, between
-    operators; a TorchDispatchMode is far cheaper than the profiler's memory analysis."""
-
-    def __init__(self):
-        self.peak_bytes = 0
-        self.current_bytes = 0
-        self._live: dict[int, tuple] = {}
-        self._mode = None
-
-    def _observe(self, out) -> None:
-        from torch.multiprocessing.reductions import StorageWeakRef
-        from torch.utils._pytree import tree_leaves
-
-        new = []
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage()
-                if st._cdata not in self._live:
-                    new.append(st)
-        if not new:  # the total only rises when a storage appears (in-place ops, views: nothing to do)
-            return
-        for k in [k for k, (ref, _) in self._live.items() if ref.expired()]:
-            # before adding: a new storage may reuse a dead one's address
-            self.current_bytes -= self._live.pop(k)[1]
-        for st in new:
-            if st._cdata not in self._live:
-                self._live[st._cdata] = (StorageWeakRef(st), st.nbytes())
-                self.current_bytes += st.nbytes()
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-
-    def __enter__(self) -> "LiveTensorTracker":
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        tracker = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                tracker._observe(out)
-                return out
-
-        self._mode = _Mode()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._mode.__exit__(*exc)
-        self._mode = None

@@ -10,7 +10,12 @@ group's forward again in the backward.
 - ``apply_activation_checkpointing(model, group_size)``: one level, ``group_size`` consecutive
   blocks per checkpointed group.
 - ``apply_nested_checkpointing(model, branching=2, leaf_size=1)``: recursive: the blocks split
-  into ``branching`` checkpointed chunks, each split again, down to ``leaf_size`` blocks.
+  into ``branching`` checkpointed chunks, each split again, down to ``leaf_size`` blocks:
+  O(log N) stored boundaries for O(N log N) block forwards (branching 2).
+- ``apply_chain_checkpointing(model)``: the least memory, whatever the compute: only the first
+  block's input is kept, and the backward of each block recomputes every block before it from
+  that input. One block's residuals and O(1) boundaries at any time, N (N + 1) / 2 extra block
+  forwards.
 """
 
 from __future__ import annotations
@@ -65,6 +70,26 @@ class NestedCheckpointing:
         return x
 
 
+def _run_chain(blocks: list[nn.Module], x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    if len(blocks) > 1:
+        # every block before the last, checkpointed again: only x is kept, and this inner region is
+        # recomputed from x when the backward reaches it, after the last block's backward is done
+        x = checkpoint(_run_chain, blocks[:-1], x, positions, use_reentrant=False)
+    return blocks[-1](x, positions)
+
+
+@dataclass(frozen=True)
+class ChainCheckpointing:
+    """Keeps only the input of the first block. The backward of the outer region recomputes
+    blocks 1..N (blocks 1..N-1 inside an inner region that stores only x again), runs the backward
+    of block N, then the inner region does the same for N-1 blocks, and so on: at any time one
+    block's residuals, its input gradient and x are alive (O(1) in N), for
+    N + N (N + 1) / 2 block forwards in all (O(N^2))."""
+
+    def __call__(self, layers: nn.ModuleList, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return checkpoint(_run_chain, list(layers), x, positions, use_reentrant=False)
+
+
 def _n_blocks(model: nn.Module) -> int:
     if not isinstance(getattr(model, "layers", None), nn.ModuleList) or not hasattr(model, "layer_runner"):
         raise ValueError(f"expected a TransformerLM (a .layers ModuleList and a .layer_runner), "
@@ -89,6 +114,13 @@ def apply_nested_checkpointing(model: nn.Module, *, branching: int = 2, leaf_siz
     if not isinstance(leaf_size, int) or not 1 <= leaf_size <= n:
         raise ValueError(f"leaf_size must be an integer in 1..{n}, got {leaf_size!r}")
     model.layer_runner = NestedCheckpointing(branching, leaf_size)
+    return model
+
+
+def apply_chain_checkpointing(model: nn.Module) -> nn.Module:
+    """Constant-memory checkpointing at quadratic recompute, in place (see ``ChainCheckpointing``)."""
+    _n_blocks(model)
+    model.layer_runner = ChainCheckpointing()
     return model
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from systems.bench import benchmark
-from systems.bench.benchmark import BenchmarkConfig, main, run_benchmark, run_sweep
+from systems.bench.benchmark import (BenchmarkConfig, build_parser, configs_from_args, main, run_benchmark,
+                                     run_sweep)
 from systems.config import get_config
 from systems.measure.hardware import lookup_peak
 from systems.measure.results import read_records
@@ -159,3 +160,18 @@ def test_compile_scope_blocks_compiles_each_block_lazily():
     assert all(block._compiled_call_impl is not None for block in runner.model.layers)
     with pytest.raises(ValueError, match="compile"):
         BenchmarkConfig(model="debug", compile="everything")
+
+
+def test_seed_tool_cli_options_parse():
+    args = build_parser().parse_args(["--model-size", "2.7B", "--context-length", "128", "256", "--batch-size", "4",
+                                      "--warmup-steps", "1", "--measure-steps", "2", "--profile-type", "forward",
+                                      "--use-mixed-precision", "--dtype", "bf16", "--output", "snap.pickle",
+                                      "--device", "cpu"])
+    cfgs = configs_from_args(args)
+    assert [c.context_length for c in cfgs] == [128, 256]
+    c = cfgs[0]
+    assert (c.model, c.batch_size, c.warmup, c.steps, c.mode, c.precision, c.device) == \
+        ("2.7B", 4, 1, 2, "forward", "bf16", "cpu")
+    assert args.output == "snap.pickle"
+    train = configs_from_args(build_parser().parse_args(["--model-size", "debug", "--context-length", "64", "--profile-type", "training"]))
+    assert train[0].mode == "train_step" and train[0].precision == "fp32"

@@ -1,0 +1,345 @@
+"""Tables, figures and answer text of notebook 05 (pytorch_attention, torch_compile), rendered from
+the rows ``systems.bench.attention`` writes and the accounting of ``systems.analysis.attention_memory``."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from systems.analysis.attention_memory import (attention_memory_accounting, flash_attention_accounting,
+                                               peak_decomposition)
+from systems.analysis.fits import fit_power_law
+from systems.bench.attention import SKIPPED_BUDGET, smallest_oom
+from systems.config import size_label
+from systems.report.memory import fmt_bytes, table_unit
+
+MODEL_MEASUREMENTS = ("forward (inference)", "forward (in train step)", "forward+backward", "train step")
+
+
+def _ok(rows: Sequence[dict]) -> list[dict]:
+    return [r for r in rows if r.get("status") == "ok"]
+
+
+def _largest(rows: Sequence[dict]) -> dict | None:
+    ok = _ok(rows)
+    return max(ok, key=lambda r: (r["seq"], r["d"])) if ok else None
+
+
+# ----------------------------------------------------------------------------- (a) the sweep
+
+
+def sweep_table(rows: Sequence[dict]) -> pd.DataFrame:
+    """One row per point: status, forward / backward medians with p10–p90, TFLOP/s, memory."""
+    df = pd.DataFrame(rows)
+    cols = {"d": "d", "seq": "seq", "status": "status", "oom_phase": "OOM in",
+            "forward_ms_median": "fwd ms", "forward_ms_p10": "fwd p10", "forward_ms_p90": "fwd p90",
+            "forward_tflops": "fwd TFLOP/s", "backward_ms_median": "bwd ms", "backward_ms_p10": "bwd p10",
+            "backward_ms_p90": "bwd p90", "backward_tflops": "bwd TFLOP/s",
+            "mem_before_backward_bytes": "mem before bwd", "peak_rise_bytes": "peak rise", "saved_bytes": "saved"}
+    out = df.reindex(columns=list(cols)).rename(columns=cols)
+    memory = ("mem before bwd", "peak rise", "saved")
+    scale, unit = table_unit([v for c in memory for v in pd.to_numeric(out[c], errors="coerce").dropna()])
+    for c in memory:
+        out[c] = pd.to_numeric(out[c], errors="coerce") / scale
+    return out.rename(columns={c: f"{c} {unit}" for c in memory}).reset_index(drop=True)
+
+
+def timing_text(rows: Sequence[dict], *, max_seq_len: int) -> str:
+    big, oom = _largest(rows), smallest_oom(rows)
+    parts = []
+    if big:
+        parts.append(f"The largest point that ran, d = {big['d']}, seq = {big['seq']:,}, takes "
+                     f"{big['forward_ms_median']:.3g} ms forward and {big['backward_ms_median']:.3g} ms backward "
+                     f"(medians of {big['n_forward']}; {big['forward_tflops']:.3g} / {big['backward_tflops']:.3g} "
+                     f"TFLOP/s).")
+    parts.append(f"The first configuration to run out of memory is **d = {oom['d']}, seq = {oom['seq']:,}** (in the "
+                 f"`{oom['oom_phase']}` phase)." if oom else f"No point ran out of memory up to seq {max_seq_len:,}.")
+    skipped = [r for r in rows if r.get("status") == SKIPPED_BUDGET]
+    if skipped:
+        parts.append(f"{len(skipped)} points were skipped for the time budget.")
+    return " ".join(parts)
+
+
+def oom_accounting(rows: Sequence[dict], *, device: str, free_bytes: int | None) -> pd.DataFrame | None:
+    """The accounting (``attention_memory_accounting``) of the smallest configuration that ran out of memory."""
+    oom = smallest_oom(rows)
+    if oom is None:
+        return None
+    return attention_memory_accounting(batch=oom["batch_size"], seq=oom["seq"], d=oom["d"], dtype=oom["dtype"],
+                                       device=device, free_bytes=oom.get("cuda_free_bytes") or free_bytes)
+
+
+def accounting_text(acct: pd.DataFrame, *, oom_phase: str, free_note: str) -> str:
+    a = acct.attrs
+    fits = lambda ok: "(no free-memory figure)" if ok is None else ("fits" if ok else "does **not** fit")  # noqa: E731
+    free = "unknown free memory" if a.get("free_bytes") is None else f"{fmt_bytes(a['free_bytes'])} free ({free_note})"
+    return (f"At d = {a['d']}, seq = {a['seq']:,} one score-sized (batch × seq × seq) tensor is "
+            f"{fmt_bytes(a['score_matrix_bytes'])}, against {free}. The forward peaks at "
+            f"{fmt_bytes(a['forward_peak_bytes'])} (two score-sized tensors: the scaled scores, still referenced, "
+            f"and the softmax output P) and {fits(a.get('forward_fits'))}; autograd then keeps P "
+            f"({fmt_bytes(a['saved_bytes'])}; {fmt_bytes(a['before_backward_bytes'])} in use before the "
+            f"backward). The backward needs {a['backward_score_tensors']} score-sized tensors at once (P, dP, "
+            + ("the CUDA softmax kernel's dP·P temporary, " if a["backward_score_tensors"] == 4 else "")
+            + f"dS): {fmt_bytes(a['backward_peak_bytes'])}, which {fits(a.get('backward_fits'))}. The "
+            f"measured failure was in the `{oom_phase}` phase.")
+
+
+def decomposition_text(rows: Sequence[dict], *, device: str) -> tuple[pd.DataFrame | None, str]:
+    """The largest point that ran, its measured peak taken apart term by term, and the check of
+    the accounting against it (how many score-sized tensors the measured peak holds)."""
+    big = _largest(r for r in rows if r.get("peak_bytes") is not None)
+    if big is None:
+        return None, ""
+    df = peak_decomposition(big, device=device)
+    acct = attention_memory_accounting(batch=big["batch_size"], seq=big["seq"], d=big["d"], dtype=big["dtype"],
+                                       device=device).attrs
+    mats = (big["peak_rise_bytes"] - acct["backward_vectors"] * acct["vector_bytes"]) / acct["score_matrix_bytes"]
+    residual = df["bytes"].iloc[-1]
+    before = big["mem_before_backward_bytes"] - big["start_bytes"]
+    names = ("P, dP, the dP·P temporary that CUDA softmax backward allocates, and dS"
+             if acct["backward_score_tensors"] == 4 else "P, dP and dS")
+    return df, (
+        f"Check on the largest point that ran (d = {big['d']}, seq = {big['seq']:,}): the measured peak, "
+        f"{fmt_bytes(big['peak_bytes'])}, is {fmt_bytes(big['start_bytes'])} that were allocated before the "
+        f"point plus a rise of {fmt_bytes(big['peak_rise_bytes'])}; less the six (batch, seq, d) tensors, the "
+        f"rise holds **{mats:.3f}** score-sized tensors, the accounting's {acct['backward_score_tensors']} "
+        f"({names}), "
+        f"and {fmt_bytes(residual)} ({residual / big['peak_bytes']:.2%} of the peak) are left unexplained. "
+        f"Before the backward, {fmt_bytes(before)} were in use above the start, against "
+        f"{fmt_bytes(acct['before_backward_bytes'])} accounted (inputs, dO, O and P).")
+
+
+def saved_memory_fits(rows: Sequence[dict]) -> pd.DataFrame:
+    """Per head dim and measure: the exponent of memory against sequence length over the points that ran."""
+    out = []
+    df = pd.DataFrame(_ok(rows))
+    for column, what in (("saved_tensor_bytes", "saved for backward (hooks)"),
+                         ("activation_bytes", "allocated by the forward (allocator)")):
+        if column not in df:
+            continue
+        for d, g in df.dropna(subset=[column]).groupby("d"):
+            if g["seq"].nunique() < 2:
+                continue
+            fit = fit_power_law(g["seq"], g[column])
+            out.append({"measure": what, "d": d, "exponent": fit.exponent, "r2": fit.r2, "points": fit.n,
+                        "seq range": f"{g['seq'].min():,}–{g['seq'].max():,}"})
+    return pd.DataFrame(out)
+
+
+def saved_memory_figure(rows: Sequence[dict], *, capacity_bytes: int | None, title: str):
+    df = pd.DataFrame(_ok(rows), columns=["d", "seq", "saved_bytes"])
+    scale, unit = table_unit([*df["saved_bytes"], capacity_bytes])
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    if df.empty:
+        ax.text(0.5, 0.5, "no point ran", ha="center", va="center", transform=ax.transAxes)
+    for (d, g), marker in zip(df.groupby("d"), "osD^v"):
+        g = g.sort_values("seq")
+        line, = ax.loglog(g["seq"], g["saved_bytes"] / scale, marker, mfc="none", label=f"d = {d}")
+        if g["seq"].nunique() > 1:
+            f = fit_power_law(g["seq"], g["saved_bytes"])
+            xs = np.geomspace(g["seq"].min(), g["seq"].max(), 50)
+            ax.loglog(xs, f.predict(xs) / scale, "-", color=line.get_color(), alpha=0.6)
+    if capacity_bytes:
+        ax.axhline(capacity_bytes / scale, color="k", ls=":", label="free memory")
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel(f"saved for backward ({unit})")
+    ax.set_title(title)
+    if not df.empty:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def scaling_text(rows: Sequence[dict], fits: pd.DataFrame) -> str:
+    if fits.empty:
+        return "Too few points ran to fit how saved memory grows."
+    hooks = fits[fits["measure"].str.startswith("saved")]
+    alloc = fits[fits["measure"].str.startswith("allocated")]
+    pooled = fit_power_law(*zip(*[(r["seq"], r["saved_bytes"]) for r in _ok(rows) if r.get("saved_bytes")]))
+    text = (f"The memory saved for backward grows as seq^{pooled.exponent:.3f} (log-log least squares over "
+            f"{pooled.n} points, R² {pooled.r2:.5f}; per head dim "
+            + ", ".join(f"d = {int(r.d)}: {r.exponent:.3f}" for r in hooks.itertuples())
+            + "): quadratic, because it is the softmax output P, batch × seq × seq, whatever d is.")
+    if not alloc.empty:
+        low = alloc.loc[alloc["exponent"].idxmin()]
+        text += (" What the forward leaves allocated also counts the (batch, seq, d) output, a term linear in seq "
+                 f"and growing with d: its exponents are {alloc['exponent'].min():.3f}–{alloc['exponent'].max():.3f}, "
+                 f"the lowest at d = {int(low['d'])}.")
+    return text
+
+
+def fix_text(oom: dict, sdpa: dict | None) -> str:
+    fa = flash_attention_accounting(batch=oom["batch_size"], seq=oom["seq"], d=oom["d"], dtype=oom["dtype"])
+    if sdpa is None:
+        measured = "not measured in this run"
+    elif sdpa["status"] == "ok":
+        measured = (f"torch's fused SDPA at the same configuration **runs**: {sdpa['forward_ms_median']:.3g} ms "
+                    f"forward, {sdpa['backward_ms_median']:.3g} ms backward (medians of {sdpa['n_forward']}), saving "
+                    f"{fmt_bytes(sdpa['saved_tensor_bytes'])} (hooks), peak {fmt_bytes(sdpa['peak_rise_bytes'])} "
+                    f"above its start")
+    else:
+        measured = f"torch SDPA at the same configuration also failed ({sdpa['status']}: {sdpa['error']})"
+    return (f"To remove the cost, never materialise P: FlashAttention tiles Q and K/V into blocks held in on-chip "
+            f"memory, keeps a running row max and sum (online softmax), and saves only O and the row logsumexp L. "
+            f"At d = {oom['d']}, seq = {oom['seq']:,} that is {fmt_bytes(fa['flash_saved_bytes'])} saved instead "
+            f"of {fmt_bytes(fa['naive_saved_bytes'])}, {fa['saving_factor']:,.0f}× less, linear in seq; with "
+            f"{fa['block_q']}×{fa['block_k']} tiles the scores exist only as {fa['score_tile_bytes'] / 1024:.0f} KiB "
+            f"blocks on chip, {fa['n_tiles']:,} per pass. The price is recomputing Q K^T in the backward: "
+            f"{fa['recompute_flops'] / 1e12:.3g} TFLOP, {fa['recompute_fraction_of_backward']:.0%} on top of the "
+            f"backward's matmuls. Measured: {measured}.")
+
+
+def attention_answer(rows: Sequence[dict], *, acct: pd.DataFrame | None, check: str, fits: pd.DataFrame,
+                     sdpa: dict | None, max_seq_len: int, free_note: str) -> str:
+    """pytorch_attention (a): timings, the out-of-memory point and its accounting, the check of the
+    accounting against the measured peak, how saved memory scales, and the fix."""
+    parts = [timing_text(rows, max_seq_len=max_seq_len)]
+    oom = smallest_oom(rows)
+    if acct is not None:
+        parts.append(accounting_text(acct, oom_phase=oom["oom_phase"], free_note=free_note) + " " + check)
+    parts.append(scaling_text(rows, fits))
+    if oom:
+        parts.append(fix_text(oom, sdpa))
+    return "\n\n".join(parts)
+
+
+# ----------------------------------------------------------------------------- torch_compile (a)
+
+
+def ratio_table(eager: Sequence[dict], compiled: Sequence[dict]) -> pd.DataFrame:
+    """Eager vs compiled attention per (d, seq): medians and eager/compiled ratios (> 1: compiled faster)."""
+    keys = ["d", "seq"]
+    pick = keys + ["status", "forward_ms_median", "backward_ms_median", "mem_before_backward_bytes", "first_call_s"]
+    e = pd.DataFrame(eager).reindex(columns=pick)
+    c = pd.DataFrame(compiled).reindex(columns=pick)
+    m = e.merge(c, on=keys, how="outer", suffixes=(" eager", " compiled")).sort_values(keys)
+    out = pd.DataFrame({"d": m["d"], "seq": m["seq"], "eager": m["status eager"], "compiled": m["status compiled"],
+                        "fwd ms eager": m["forward_ms_median eager"], "fwd ms compiled": m["forward_ms_median compiled"],
+                        "fwd speedup": m["forward_ms_median eager"] / m["forward_ms_median compiled"],
+                        "bwd ms eager": m["backward_ms_median eager"],
+                        "bwd ms compiled": m["backward_ms_median compiled"],
+                        "bwd speedup": m["backward_ms_median eager"] / m["backward_ms_median compiled"],
+                        "mem before bwd ratio": (pd.to_numeric(m["mem_before_backward_bytes eager"])
+                                                 / pd.to_numeric(m["mem_before_backward_bytes compiled"])),
+                        "first call s compiled": m["first_call_s compiled"]})
+    return out.reset_index(drop=True)
+
+
+def compile_attention_text(ratios: pd.DataFrame, eager: Sequence[dict], compiled: Sequence[dict], *, smoke: bool) -> str:
+    both = ratios.dropna(subset=["fwd speedup", "bwd speedup"])
+    if both.empty:
+        return "No configuration ran both eager and compiled."
+    top = both.sort_values(["seq", "d"]).iloc[-1]
+    first_oom = lambda rows: {r["d"]: r["seq"] for r in sorted(rows, key=lambda r: -r["seq"])  # noqa: E731
+                              if r.get("status") == "oom"}
+    e_first, c_first = first_oom(eager), first_oom(compiled)
+    c_oom = smallest_oom(compiled)
+    same = [d for d in c_first if e_first.get(d) == c_first[d]]
+    mem = ratios["mem before bwd ratio"].dropna()
+    text = (f"Over {len(both)} points that ran both ways, eager / compiled time has median "
+            f"{both['fwd speedup'].median():.2f}× forward (range {both['fwd speedup'].min():.2f}–"
+            f"{both['fwd speedup'].max():.2f}) and {both['bwd speedup'].median():.2f}× backward (range "
+            f"{both['bwd speedup'].min():.2f}–{both['bwd speedup'].max():.2f}); at the longest common point "
+            f"(d = {int(top['d'])}, seq = {int(top['seq']):,}) {top['fwd speedup']:.2f}× / {top['bwd speedup']:.2f}×. "
+            + (f"Compiled first runs out of memory at d = {c_oom['d']}, seq = {c_oom['seq']:,}, the same length as "
+               f"eager for {len(same)} of {len(c_first)} head dims. " if c_oom else "Compiled never ran out of memory. ")
+            + (f"Memory before the backward, eager / compiled: median {mem.median():.2f}×. " if not mem.empty else "")
+            + "Compiling fuses the scaling and softmax into fewer passes over the seq × seq matrix, but the matrix "
+            "is still materialised and saved, so memory stays quadratic in seq.")
+    if smoke:
+        text += (" (Smoke profile: the aot_eager backend generates no kernels, so these ratios only show that the "
+                 "path works.)")
+    return text
+
+
+# ----------------------------------------------------------------------------- torch_compile (b)
+
+
+def _model_time(rec: dict | None, measurement: str) -> float | None:
+    if rec is None or rec.get("status") != "ok":
+        return None
+    if measurement == "forward (inference)":
+        return rec["step_median_s"] if rec["mode"] == "forward" else None
+    if rec["mode"] != "train_step":
+        return None
+    if measurement == "forward (in train step)":
+        return rec["forward_median_s"]
+    if measurement == "forward+backward":
+        return rec["forward_median_s"] + rec["backward_median_s"]
+    return rec["step_median_s"]
+
+
+def model_compile_table(records: Sequence[dict], *, handout: str) -> pd.DataFrame:
+    """Per size (the handout's name) and measurement: eager and compiled ms, speedup, compile time."""
+    by = {(r["model"], r["mode"], r["compile"] != "none"): r for r in records}
+    rows = []
+    for size in dict.fromkeys(r["model"] for r in records):
+        for meas in MODEL_MEASUREMENTS:
+            mode = "forward" if meas == "forward (inference)" else "train_step"
+            e, c = by.get((size, mode, False)), by.get((size, mode, True))
+            if e is None and c is None:
+                continue
+            te, tc = _model_time(e, meas), _model_time(c, meas)
+            tokens = (e or c)["batch_size"] * (e or c)["context_length"]
+            rows.append({"size": size_label(size, handout), "measurement": meas,
+                         "eager ms": te * 1e3 if te else None, "compiled ms": tc * 1e3 if tc else None,
+                         "speedup": te / tc if te and tc else None, "compiled tok/s": tokens / tc if tc else None,
+                         "compile s": c.get("first_step_overhead_s") if c and c["status"] == "ok" else None,
+                         "status eager/compiled": "/".join(x["status"] if x else "—" for x in (e, c)),
+                         "note": (c or {}).get("error") if (c or {}).get("status") != "ok" else None})
+    return pd.DataFrame(rows)
+
+
+def model_compile_figure(table: pd.DataFrame, *, title: str):
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    order = list(dict.fromkeys(table["size"]))
+    piv = table.pivot(index="size", columns="measurement", values="speedup").reindex(index=order)
+    if piv.notna().any().any():
+        piv.plot.bar(ax=ax1)
+        ax1.axhline(1.0, color="k", lw=0.8)
+        ax1.set_ylabel("eager / compiled time")
+        ax1.set_title("Speedup from torch.compile")
+    else:  # nothing compiled (smoke): the eager times that were measured
+        table.pivot(index="size", columns="measurement", values="eager ms").reindex(index=order).plot.bar(ax=ax1)
+        ax1.set_ylabel("ms")
+        ax1.set_title("Eager time (no compiled runs in this profile)")
+    compile_s = table.dropna(subset=["compile s"])
+    if not compile_s.empty:
+        compile_s.pivot_table(index="size", columns="measurement", values="compile s").reindex(
+            index=[s for s in order if s in set(compile_s["size"])]).plot.bar(ax=ax2)
+        ax2.set_title("Compile time (first step − steady state)")
+    else:
+        ax2.bar(order, [0] * len(order))
+        ax2.set_title("Compile time: no compiled runs in this profile")
+    ax2.set_ylabel("seconds")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def model_compile_text(table: pd.DataFrame, records: Sequence[dict], *, smoke: bool) -> str:
+    done = table.dropna(subset=["speedup"])
+    parts = []
+    for meas, g in done.groupby("measurement", sort=False):
+        parts.append(f"{meas}: " + ", ".join(f"{s} {x:.2f}×" for s, x in zip(g["size"], g["speedup"])))
+    if not done.empty:
+        fwd = done[done["measurement"] == "forward (inference)"]["speedup"]
+        step = done[done["measurement"] == "train step"]["speedup"]
+        if not fwd.empty and not step.empty:
+            more = "more" if fwd.median() > step.median() else "no more"
+            parts.append(f"so compiling helps the inference forward {more} (median {fwd.median():.2f}×) than the "
+                         f"whole training step (median {step.median():.2f}×), whose matmuls and AdamW update it "
+                         f"leaves as they are")
+    skipped = [r for r in records if r["status"] == "skipped"]
+    if skipped:
+        parts.append("not compiled: " + ", ".join(f"{r['model']} {r['mode']} ({r['error']})" for r in skipped))
+    oom = sorted({r["model"] for r in records if r["compile"] == "none" and r["status"] == "oom"})
+    if oom:
+        parts.append(f"out of memory in eager: {', '.join(oom)}")
+    if smoke:
+        parts.append("smoke profile: eager timings of the debug model only (Inductor on a CPU takes tens of seconds "
+                     "per graph)")
+    return "Eager / compiled time per size — " + "; ".join(parts) + "."
