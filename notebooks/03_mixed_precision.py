@@ -101,9 +101,10 @@ bench_path = ctx.result_path("bf16_vs_fp32")
 run_sweep(sweep, out_path=bench_path, budget=Budget(budget_s if ctx.full else None))
 records = read_results(bench_path)
 speed = report.speedup_table(records, handout=ctx.handout)
-nb.show(speed[["size", "mode", "n_params", "fp32_status", "bf16_status", "fp32_ms", "fp32_std_ms", "bf16_ms",
-               "bf16_std_ms", "speedup", "fp32_tok_s", "bf16_tok_s", "fp32_peak_gib", "bf16_peak_gib"]],
-        caption=f"bf16 autocast vs fp32 on {ctx.gpu}: mean ± std per step, tokens/s, peak memory")
+nb.show(speed[["size", "mode", "n_params", "fp32_status", "bf16_status", "fp32_ms", "fp32_p10_ms", "fp32_p90_ms",
+               "bf16_ms", "bf16_p10_ms", "bf16_p90_ms", "speedup", "fp32_tok_s", "bf16_tok_s", "fp32_peak_gib",
+               "bf16_peak_gib"]],
+        caption=f"bf16 autocast vs fp32 on {ctx.gpu}: median step (p10, p90), tokens/s, peak memory")
 nb.save_figure(report.plot_speedup(speed, title=f"bf16 autocast vs fp32 on {ctx.gpu} (context "
                                                 f"{sweep[0].context_length}, batch {sweep[0].batch_size})"),
                ctx, "bf16_speedup")

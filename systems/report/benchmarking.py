@@ -5,6 +5,7 @@ is the preset 2.7B)."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter
 import numpy as np
 import pandas as pd
 
@@ -124,6 +125,15 @@ def answer_b(forward: list[dict], train: list[dict], *, handout: str) -> str:
         ratios = {_label(r, handout): r["backward_mean_s"] / r["forward_mean_s"] for r in ok}
         text += (f"The backward pass takes {_span(ratios, '{:.2f}×')} the forward's time; by FLOPs it should be 2× "
                  f"(each forward matmul has two backward ones, for the activations' and the weights' gradients). ")
+        mfu = {_label(r, handout): r.get("mfu") for r in ok}
+        low = {s: x for s, x in ratios.items() if x < 1.8}
+        if low and len(low) < len(ratios) and all(v is not None for v in mfu.values()):
+            high = {s: mfu[s] for s in ratios if s not in low}
+            text += (f"Where it is lower, the train step's MFU is {_span({s: mfu[s] for s in low}, '{:.0%}')} against "
+                     f"{_span(high, '{:.0%}')} for the rest: its kernels are too small to keep the GPU "
+                     f"busy, so fixed per-kernel costs, which FLOPs do not count, weigh more, and more so in the "
+                     f"forward, whose operators Python dispatches one by one, than in the backward, which the C++ "
+                     f"autograd engine runs. ")
         opt = {_label(r, handout): r["optimizer_mean_s"] / r["step_mean_s"] for r in ok if r.get("optimizer_mean_s")}
         if opt:
             text += f"The optimizer step is {_span(opt, '{:.1%}')} of a step. "
@@ -161,6 +171,8 @@ def plot_warmup(records: list[dict], *, title: str, handout: str):
             ax.plot(np.arange(1, len(r["step_times_s"]) + 1), np.array(r["step_times_s"]) * MS, marker="o",
                     ms=3, label=f"{r['warmup']} warm-up")
         ax.set_yscale("log")
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(FuncFormatter(lambda v, _: f"{v:g}"))  # 700, not 7 × 10²
         ax.set_title(size)
         ax.set_xlabel("measured step")
         ax.legend(fontsize=8)

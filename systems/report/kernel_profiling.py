@@ -257,7 +257,7 @@ def plot_category_shares(shares: pd.DataFrame, *, title: str):
     colors = dict(zip(CATEGORIES, plt.get_cmap("tab10").colors))
     for ax, mode in zip(axes[0], modes):
         sub = shares[shares["mode"] == mode]
-        ticks = [f"{r.label}\n{r.context_length}" for r in sub.itertuples()]
+        ticks = [f"{r.label} {r.context_length}" for r in sub.itertuples()]
         bottom = pd.Series(0.0, index=sub.index)
         for cat in cats:
             ax.bar(ticks, sub[cat], bottom=bottom, color=colors[cat], label=cat)
@@ -266,9 +266,10 @@ def plot_category_shares(shares: pd.DataFrame, *, title: str):
         ax.set_xlabel("size, context")
         ax.tick_params(axis="x", labelsize=7, rotation=90)
     axes[0][0].set_ylabel("share of kernel time")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
+    handles, labels = axes[0][-1].get_legend_handles_labels()
     fig.suptitle(title)
     fig.tight_layout()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)  # beside, not over, the bars
     return fig
 
 

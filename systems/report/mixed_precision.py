@@ -18,6 +18,7 @@ import torch
 from systems.bench.precision import FP16_MAX, LN_METHODS
 from systems.config import size_label
 from systems.measure.devices import dtype_of
+from systems.measure.timer import median_p10_p90
 
 
 # ----------------------------------------------------------------------------- accumulation
@@ -228,13 +229,14 @@ def layernorm_answer(s: dict) -> str:
 
 def speedup_table(records: pd.DataFrame | list[dict], *, baseline: str = "fp32", candidate: str = "bf16",
                   handout: str | None = None) -> pd.DataFrame:
-    """One row per (size, mode): both step times (mean and std), tokens/s, and the speedup
-    baseline_time / candidate_time; NaN where either side did not run (its status is kept).
+    """One row per (size, mode): both step times (median, 10th and 90th percentile), tokens/s, and
+    the speedup baseline_time / candidate_time of the medians; NaN where either side did not run
+    (its status is kept).
     ``size`` is the handout's name for the preset in ``model`` (2026's "xl" for 2.7B)."""
     df = pd.DataFrame(records)
     if df.empty:
         return df
-    for col in ("step_mean_s", "step_std_s", "tokens_per_s", "n_params", "peak_memory_gib", "mfu"):
+    for col in ("step_mean_s", "step_times_s", "tokens_per_s", "n_params", "peak_memory_gib", "mfu"):
         if col not in df.columns:
             df[col] = np.nan
     keys = ["model", "mode"]
@@ -247,9 +249,14 @@ def speedup_table(records: pd.DataFrame | list[dict], *, baseline: str = "fp32",
             r = r.iloc[-1] if len(r) else None
             row[f"{prec}_status"] = r["status"] if r is not None else "missing"
             ok = r is not None and r["status"] == "ok"
-            row[f"{prec}_ms"] = r["step_mean_s"] * 1e3 if ok else np.nan
-            row[f"{prec}_std_ms"] = r["step_std_s"] * 1e3 if ok else np.nan
-            row[f"{prec}_tok_s"] = r["tokens_per_s"] if ok else np.nan
+            # the median resists the odd slow step (a GC pause, a clock change); the mean where a
+            # record has no per-step times
+            steps = r["step_times_s"] if ok and isinstance(r["step_times_s"], list) else None
+            median, p10, p90 = median_p10_p90(steps) if steps else ((r["step_mean_s"],) * 3 if ok else (np.nan,) * 3)
+            row[f"{prec}_ms"], row[f"{prec}_p10_ms"], row[f"{prec}_p90_ms"] = median * 1e3, p10 * 1e3, p90 * 1e3
+            tokens = r.get("batch_size", np.nan) * r.get("context_length", np.nan) if ok else np.nan
+            row[f"{prec}_tok_s"] = (tokens / median if steps and np.isfinite(tokens) else
+                                    r["tokens_per_s"] if ok else np.nan)
             row[f"{prec}_peak_gib"] = r["peak_memory_gib"] if ok else np.nan
             row[f"{prec}_mfu"] = r["mfu"] if ok else np.nan
         row["speedup"] = row[f"{baseline}_ms"] / row[f"{candidate}_ms"]
@@ -312,6 +319,6 @@ def speedup_answer(speed: pd.DataFrame, records: pd.DataFrame, *, device: str, g
            "This is a CPU smoke run of the tiny `debug` size for a few steps: the times are dominated by "
            "framework overhead and noise, and CPU bf16 kernels are not tensor cores, so these numbers say nothing "
            "about a GPU; the full profile answers the question.")
-    return (f"Speedup of bf16 autocast over fp32 (fp32 time / bf16 time, mean per step) on {gpu}: {direction} "
+    return (f"Speedup of bf16 autocast over fp32 (fp32 time / bf16 time, median step) on {gpu}: {direction} "
             f"(range {overall.min():.2f}×–{overall.max():.2f}× over {len(ran)} size × mode points):\n\n"
             + "\n".join(parts) + f"\n\n{fit} {why}")

@@ -42,6 +42,17 @@ def test_sizes_carry_the_handouts_names():
     assert "300.0 ms ± 1.0 ms (xl)" in text and "Did not run: 10B train_step (oom)" in text
 
 
+def test_answer_b_explains_a_low_backward_ratio_only_where_there_is_one():
+    def train(preset, fwd, bwd, mfu):
+        return _record(preset, "train_step", forward_mean_s=fwd, backward_mean_s=bwd, optimizer_mean_s=0.01,
+                       step_mean_s=fwd + bwd + 0.01, step_std_s=0.001, mfu=mfu)
+
+    text = report.answer_b([], [train("small", 0.03, 0.04, 0.3), train("2.7B", 0.33, 0.68, 0.56)], handout="2026")
+    assert "Where it is lower, the train step's MFU is 30% (small) against 56% (xl) for the rest" in text
+    text = report.answer_b([], [train("small", 0.03, 0.06, 0.3), train("2.7B", 0.33, 0.68, 0.56)], handout="2026")
+    assert "Where it is lower" not in text
+
+
 def test_answer_b_reads_ratios_and_spread(records):
     forward = [r for r in records if r["mode"] == "forward"]
     train = [r for r in records if r["mode"] == "train_step"]

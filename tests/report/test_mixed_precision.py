@@ -65,6 +65,12 @@ def test_speedup_table_and_answer():
                                  handout="2026")
     assert "bf16 autocast is faster everywhere" in text and "a 200.0 → 100.0 ms (2.00×)" in text
     assert "b forward fp32: oom" in text
+    # with per-step times the medians decide, so one slow step does not move the speedup
+    timed = [{**records[0], "step_times_s": [0.2, 0.2, 0.2, 0.2, 2.0], "batch_size": 4, "context_length": 8},
+             {**records[1], "step_times_s": [0.1, 0.1, 0.1, 0.1, 0.1], "batch_size": 4, "context_length": 8}]
+    row = report.speedup_table(timed).iloc[0]
+    assert row["speedup"] == pytest.approx(2.0) and row["fp32_p90_ms"] > row["fp32_ms"] == pytest.approx(200.0)
+    assert row["bf16_tok_s"] == pytest.approx(32 / 0.1)
     # the handout's names label the presets: 2026's xl is the 2.7B preset
     named = report.speedup_table([{**r, "model": "2.7B"} for r in records[:2]], handout="2026")
     assert list(named["size"]) == ["xl"]
