@@ -48,15 +48,8 @@ summary, results = bench_profile.profile_sweep(
 nb.md(kp.tool_note(nsys=profiling.nsys_available(), device=ctx.device))
 nb.md(kp.coverage_text(summary, longest=plan.longest))
 nb.show(kp.coverage_table(summary), caption="status of every point (ok, oom, or why it was skipped)")
-
-# %%
-def largest(mode):
-    """The biggest (size, context) profiled in `mode`: the one the detailed tables show."""
-    keys = [k for k in results if k[2] == mode]
-    return max(keys, key=lambda k: (list(plan.sizes).index(k[0]), k[1])) if keys else None
-
-
-big, big_train = largest("forward"), largest("train_step")
+# the detailed tables show the biggest size and context that ran
+big, big_train = plan.largest(results, "forward"), plan.largest(results, "train_step")
 
 # %% [markdown]
 # ## (a) Forward time under the profiler against the harness
@@ -128,8 +121,8 @@ nb.answer(ctx, "nsys_profile", "e", kp.answer_e(soft))
 # From the exported Chrome trace of the first train step profiled (open it in Perfetto for detail).
 
 # %%
-label, context, mode = next(((k, c, m) for k, c, m in plan.points() if m == "train_step"))
-trace = ctx.out_dir / "traces" / f"{label}_{context}_{mode}.json.gz"
+label, context, _ = plan.trace_point()
+trace = bench_profile.trace_file(ctx.out_dir / "traces", plan.trace_point())
 if trace.exists():
     fig = kp.plot_step_timeline(trace, title=f"one train step, {label} @ {context} tokens: kernels by category")
     nb.save_figure(fig, ctx, "train_step_timeline")

@@ -276,6 +276,21 @@ class ProfilePlan:
     def points(self) -> list[tuple[str, int, str]]:
         return [(label, c, mode) for label in self.sizes for c in self.contexts for mode in self.modes]
 
+    def trace_point(self) -> tuple[str, int, str]:
+        """The point whose trace a sweep keeps by default: the first train step."""
+        return next((p for p in self.points() if p[2] == "train_step"), self.points()[0])
+
+    def largest(self, results: dict, mode: str) -> tuple[str, int, str] | None:
+        """The biggest (size, then context) point profiled in ``mode`` among ``results``' keys."""
+        keys = [k for k in results if k[2] == mode]
+        return max(keys, key=lambda k: (list(self.sizes).index(k[0]), k[1])) if keys else None
+
+
+def trace_file(trace_dir: str | Path, point: tuple[str, int, str]) -> Path:
+    """Where a sweep keeps the trace of ``point`` = (label, context_length, mode)."""
+    label, context, mode = point
+    return Path(trace_dir) / f"{label}_{context}_{mode}.json.gz"
+
 
 # notebook 02's sizes for the 2026 handout, which asks for two of its choice: the smallest, and one
 # large enough that matmuls dominate, with three power-of-two contexts above 128 that fit
@@ -314,8 +329,7 @@ def profile_sweep(plan: ProfilePlan, *, writer=None, budget: Budget | None = Non
     """
     from tqdm import tqdm
 
-    if keep_trace is None:
-        keep_trace = next((p for p in plan.points() if p[2] == "train_step"), plan.points()[0])
+    keep_trace = keep_trace or plan.trace_point()
     rows, results = [], {}
     oom_at: dict[tuple[str, str], int] = {}  # (label, mode) -> the context that ran out of memory
     stopped: set[str] = set()  # sizes whose climb is over (longest)
@@ -332,7 +346,7 @@ def profile_sweep(plan: ProfilePlan, *, writer=None, budget: Budget | None = Non
         else:
             trace_path = None
             if trace_dir is not None and (label, c, mode) == tuple(keep_trace):
-                trace_path = Path(trace_dir) / f"{label}_{c}_{mode}.json.gz"
+                trace_path = trace_file(trace_dir, keep_trace)
             with catch_oom() as oom:
                 res = profile_config(cfg, profile_steps=plan.profile_steps, trace_path=trace_path)
                 row = summarize(res, label=label)

@@ -205,6 +205,10 @@ def test_longest_context_climb_stops_at_the_first_train_step_oom(monkeypatch):
     assert list(oom["label"]) == list(BP.SMOKE_SIZES) and set(oom["context_length"]) == {64}
     assert "out of memory" in oom["error"].iloc[0]
     assert len(results) == 8
+    # the detailed tables' point: the biggest size, then the longest context, that ran
+    assert plan.largest(results, "forward") == ("debug-wide", 32, "forward")
+    assert plan.largest({}, "forward") is None
+    assert plan.trace_point() == ("debug", 16, "train_step")
 
 
 def test_fixed_contexts_skip_longer_ones_after_an_oom_and_keep_going(monkeypatch, tmp_path):

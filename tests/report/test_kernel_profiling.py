@@ -100,8 +100,7 @@ def test_tool_note_says_which_profiler():
 
 def test_timeline_from_cpu_and_cuda_traces(sweep, tmp_path):
     plan, _, _, trace_dir = sweep
-    label, context, mode = next(p for p in plan.points() if p[2] == "train_step")
-    fig = KP.plot_step_timeline(trace_dir / f"{label}_{context}_{mode}.json.gz")
+    fig = KP.plot_step_timeline(BP.trace_file(trace_dir, plan.trace_point()))
     assert fig.axes[0].get_xlabel().startswith("time since step start")
     assert "CPU operators" in fig.axes[0].get_title()
     path = tmp_path / "cuda.json.gz"
