@@ -30,9 +30,23 @@ def test_forward_table_and_answer_a(sweep):
         (table["profiled span ms"] / table["harness ms"] - 1).to_numpy())
     text = KP.answer_a(table, device="cpu")
     fa = table[table["mode"] == "forward"]
-    assert f"in {int(fa['agrees'].sum())} of {len(fa)}" in text
+    assert f"{int(fa['agrees'].sum())} of {len(fa)} profiled forward times agree" in text
     assert f"{fa.iloc[-1]['harness ms']:.2f}" in text  # the largest configuration's number, quoted
-    assert "operator running" in text
+    assert "last operator's end" in text
+
+
+def test_answer_a_splits_busy_from_launch_bound_forwards():
+    def row(label, harness, span, kernel, overhead):
+        return {"label": label, "context": 512, "mode": "forward", "harness ms": harness, "harness std ms": 0.1,
+                "profiled ms": span, "profiler overhead": overhead, "profiled span ms": span,
+                "span vs harness": span / harness - 1, "kernel ms": kernel, "agrees": True}
+
+    table = pd.DataFrame([row("small", 20.0, 30.0, 5.0, 0.45), row("xl", 300.0, 301.5, 290.0, 0.004)])
+    text = KP.answer_a(table, device="cuda")
+    assert "(kernel time at least 90% of the span, our cut: 1 of 2 forward-only configurations) the two agree " \
+           "within 0.5%" in text
+    assert "Where they do not (small 512)" in text and "adds 45%" in text and "up to +50% off" in text
+    assert "run for only 5.0 of its 20.0 ms" in text
 
 
 def test_top_kernel_and_answers_b_c(sweep):
