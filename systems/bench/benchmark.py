@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -22,10 +23,11 @@ import sys
 import timeit
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, ContextManager, Iterable
+from typing import Callable, ContextManager, Iterable, Sequence
 
 import torch
 
+from systems.bench.budget import Budget
 from systems.bench.config import RunConfig
 from systems.config import PRESETS
 from systems.measure.devices import catch_oom, release_memory, sync
@@ -181,13 +183,15 @@ def _run_isolated(cfg: BenchmarkConfig, timeout_s: float) -> dict:
 
 
 def run_sweep(configs: Iterable[BenchmarkConfig], *, out_path: str | Path | None = None, progress: bool = True,
-              isolate: bool = False, timeout_s: float = 600, append: bool = False) -> list[dict]:
+              isolate: bool = False, timeout_s: float = 600, append: bool = False,
+              budget: Budget | None = None) -> list[dict]:
     """Run configurations in order, writing each record to ``out_path`` (.jsonl) as it completes.
 
     ``isolate=True`` runs every point in its own process: each then pays CUDA start-up, which is
     what a cold-start (no warm-up) measurement needs. Use it too for sweeps that expect to run
     out of memory inside ``backward()``: on an H100 such an OOM left its graph's buffers
     allocated for the rest of the process (notebook 05), which shrinks every later point.
+    ``budget``: points that would start after it is spent become rows with status "skipped (budget)".
     """
     from tqdm import tqdm
 
@@ -197,9 +201,45 @@ def run_sweep(configs: Iterable[BenchmarkConfig], *, out_path: str | Path | None
     bar = tqdm(configs, disable=not progress, desc="benchmark")
     for cfg in bar:
         bar.set_postfix_str(f"{cfg.model} ctx={cfg.context_length} {cfg.mode} {cfg.precision}")
-        record = _run_isolated(cfg, timeout_s) if isolate else run_benchmark(cfg)
+        if budget is not None and not budget.allows():
+            record = {**asdict(cfg), **budget.skipped_row()}
+        else:
+            record = _run_isolated(cfg, timeout_s) if isolate else run_benchmark(cfg)
         records.append(writer.write(record) if writer else record)
     return records
+
+
+def warmup_sweep(records: Iterable[dict], *, warmups: Sequence[int] = (0, 1, 2), out_path: str | Path | None = None,
+                 budget: Budget | None = None, progress: bool = True) -> list[dict]:
+    """The warm-up question: each train-step configuration of ``records`` again with each number of
+    warm-up steps, every point in a fresh process (a real cold start: CUDA context, cuBLAS handles,
+    allocator). A configuration whose train step did not run in ``records`` (out of memory, say)
+    gets rows that say so instead of being tried again."""
+    todo, rows = [], []
+    for r in records:
+        if r["mode"] != "train_step":
+            continue
+        cfg = config_of(r)
+        for w in warmups:
+            point = dataclasses.replace(cfg, warmup=w)
+            if r["status"] == "ok":
+                todo.append(point)
+            else:
+                rows.append({**asdict(point), "status": f"skipped (train step {r['status']} in the timing sweep)",
+                             "error": r.get("error")})
+    measured = run_sweep(todo, out_path=out_path, isolate=True, budget=budget, progress=progress)
+    if out_path and rows:
+        ResultWriter(out_path, overwrite=False).write_many(rows)
+    return measured + rows
+
+
+def config_of(record: dict) -> BenchmarkConfig:
+    """The configuration a record was measured with (records keep model_overrides as a JSON string)."""
+    fields = {f.name for f in dataclasses.fields(BenchmarkConfig)}
+    values = {k: v for k, v in record.items() if k in fields}
+    overrides = values.get("model_overrides")
+    values["model_overrides"] = json.loads(overrides) if isinstance(overrides, str) else dict(overrides or {})
+    return BenchmarkConfig(**values)
 
 
 def load_sweep(path: str | Path) -> list[dict]:

@@ -10,8 +10,10 @@ Four experiments for the handout's ``mixed_precision_accumulation`` and
 - ``layernorm_sensitivity()``: LayerNorm statistics computed in fp16 / bf16 / fp32 against an
   fp64 reference, across activation magnitudes (fp16 overflows and underflows; bf16 does not,
   but keeps 8 mantissa bits).
-- ``precision_sweep_configs()`` / ``speedup_table()``: the harness sweep of bf16 autocast against
-  fp32 for forward, forward+backward and the train step, and its summary.
+- ``precision_sweep_configs()``: the harness sweep of bf16 autocast against fp32 for forward,
+  forward+backward and the train step.
+
+Their tables, figures and answer text are ``systems.report.mixed_precision``'s.
 """
 
 from __future__ import annotations
@@ -27,21 +29,7 @@ import torch.nn.functional as F
 
 from systems.bench.benchmark import MODES, BenchmarkConfig
 from systems.config import get_config
-from systems.measure.devices import DTYPES
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype | None) -> str | None:
-    """'fp32' for torch.float32 and so on; other dtypes keep torch's name without the prefix."""
-    if dtype is None:
-        return None
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+from systems.measure.devices import dtype_name, dtype_of
 
 
 # ----------------------------------------------------------------------------- 1. accumulation
@@ -71,11 +59,11 @@ ACCUMULATION_CASES: tuple[AccumulationCase, ...] = (
 
 def accumulate(case: AccumulationCase, *, n: int = 1000, value: float = 0.01) -> float:
     """Run one loop exactly as the handout writes it (a fresh scalar tensor every iteration)."""
-    s = torch.tensor(0, dtype=_dtype(case.accumulator))
+    s = torch.tensor(0, dtype=dtype_of(case.accumulator))
     for _ in range(n):
-        x = torch.tensor(value, dtype=_dtype(case.increment))
+        x = torch.tensor(value, dtype=dtype_of(case.increment))
         if case.cast_to is not None:
-            x = x.type(_dtype(case.cast_to))
+            x = x.type(dtype_of(case.cast_to))
         s += x  # in-place: the sum stays in the accumulator's dtype whatever x is
     return float(s)
 
@@ -90,7 +78,7 @@ def accumulation_experiment(cases: Sequence[AccumulationCase] = ACCUMULATION_CAS
     rows = []
     for case in cases:
         result = accumulate(case, n=n, value=value)
-        stored = float(torch.tensor(value, dtype=_dtype(case.increment)))
+        stored = float(torch.tensor(value, dtype=dtype_of(case.increment)))
         rows.append({
             "loop": case.label,
             "accumulator": case.accumulator,
@@ -208,7 +196,7 @@ def probe_autocast_dtypes(autocast_dtype: str = "bf16", *, device: str | None = 
                      "probe": probe})
 
     try:
-        with torch.autocast(device_type=device, dtype=DTYPES[autocast_dtype]):
+        with torch.autocast(device_type=device, dtype=dtype_of(autocast_dtype)):
             for pname, p in model.named_parameters():
                 row(f"parameter {pname}", p.dtype, "param.dtype read inside autocast")
             with recorder.mode:
@@ -254,15 +242,6 @@ def probe_all(dtypes: Iterable[str] = ("fp16", "bf16"), *, device: str | None = 
             frames.append(pd.DataFrame([{"device": device, "autocast": dt, "quantity": "(whole probe)",
                                          "dtype": None, "probe": f"failed: {str(exc).splitlines()[0][:200]}"}]))
     return pd.concat(frames, ignore_index=True)
-
-
-def dtype_matrix(probe: pd.DataFrame) -> pd.DataFrame:
-    """Quantities as rows, one column per autocast dtype (the order of first appearance kept)."""
-    order = list(dict.fromkeys(probe["quantity"]))
-    wide = probe.pivot_table(index="quantity", columns="autocast", values="dtype", aggfunc="first")
-    wide = wide.reindex(order)
-    wide.columns.name = None
-    return wide
 
 
 # ----------------------------------------------------------------------------- 3. LayerNorm
@@ -314,7 +293,7 @@ def layernorm_sensitivity(*, scales: Sequence[float] | None = None, d: int = 102
         if m not in LN_METHODS:
             raise ValueError(f"method must be one of {LN_METHODS}, got {m!r}")
     for dt in dtypes:
-        _dtype(dt)
+        dtype_of(dt)
     gen = torch.Generator().manual_seed(seed)
     z = torch.randn(rows, d, generator=gen, dtype=torch.float64)
     out = []
@@ -324,7 +303,7 @@ def layernorm_sensitivity(*, scales: Sequence[float] | None = None, d: int = 102
             var_ref = x64.var(dim=-1, unbiased=False)
             y_ref = F.layer_norm(x64, (d,), eps=eps)
             for dt in dtypes:
-                xl = x64.to(_dtype(dt))
+                xl = x64.to(dtype_of(dt))
                 input_err = ((xl.double() - x64).abs() / x64.abs().clamp_min(1e-300)).median().item()
                 for method in methods:
                     y, var = _layernorm_lowp(xl, method, eps)
@@ -343,83 +322,6 @@ def layernorm_sensitivity(*, scales: Sequence[float] | None = None, d: int = 102
                         "input_rel_err": input_err,
                     })
     return pd.DataFrame(out)
-
-
-def layernorm_summary(df: pd.DataFrame) -> dict:
-    """The numbers the notebook's answer quotes, computed from a layernorm_sensitivity table."""
-
-    def sub(dtype, method, offset):
-        return df[(df.dtype == dtype) & (df.method == method) & (df.mean_to_std == offset)].sort_values("scale")
-
-    def first_scale(frame, mask):
-        hit = frame[mask]
-        return float(hit.scale.iloc[0]) if len(hit) else None
-
-    centred = df.mean_to_std.min()
-    offset = df.mean_to_std.max()
-    fp16_sq = sub("fp16", "sum_sq", centred)
-    fp16_tp = sub("fp16", "two_pass", centred)
-    bf16_sq = sub("bf16", "sum_sq", centred)
-    fp16_kernel = sub("fp16", "torch_kernel", centred)
-    ok = fp16_sq[fp16_sq.nonfinite_frac == 0]
-    return {
-        "d": int(df.d.iloc[0]),
-        "fp16_max": FP16_MAX,
-        "fp16_sum_sq_overflow_scale": first_scale(fp16_sq, fp16_sq.nonfinite_frac > 0),
-        "fp16_two_pass_overflow_scale": first_scale(fp16_tp, fp16_tp.nonfinite_frac > 0),
-        "fp16_kernel_overflow_scale": first_scale(fp16_kernel, fp16_kernel.nonfinite_frac > 0),
-        # underflow end: the smallest scale at which fp16's variance error exceeds 10 %
-        "fp16_sum_sq_underflow_scale": (float(ok[ok.var_rel_err > 0.1].scale.max())
-                                        if (ok.var_rel_err > 0.1).any() else None),
-        "bf16_any_nonfinite": bool((df[df.dtype == "bf16"].nonfinite_frac > 0).any()),
-        "bf16_var_rel_err_median": float(bf16_sq.var_rel_err.median()),
-        "fp16_var_rel_err_median_finite": float(ok.var_rel_err.median()) if len(ok) else None,
-        "fp32_var_rel_err_median": float(sub("fp32", "sum_sq", centred).var_rel_err.median()),
-        "offset": float(offset),
-        "bf16_offset_sum_sq_out_err": float(sub("bf16", "sum_sq", offset).out_max_err.median()),
-        "bf16_offset_two_pass_out_err": float(sub("bf16", "two_pass", offset).out_max_err.median()),
-        "bf16_offset_kernel_out_err": float(sub("bf16", "torch_kernel", offset).out_max_err.median()),
-        "fp32_offset_sum_sq_out_err": float(sub("fp32", "sum_sq", offset).out_max_err.median()),
-        "bf16_input_rel_err": float(df[df.dtype == "bf16"].input_rel_err.median()),
-        "fp16_input_rel_err": float(df[(df.dtype == "fp16") & (df.nonfinite_frac == 0)].input_rel_err.median()),
-    }
-
-
-def plot_layernorm(df: pd.DataFrame):
-    """Left: variance error of centred activations against scale (x where a row overflowed) for
-    the hand-written statistics; the torch kernel is left out there because its statistics are
-    fp32 and, below sqrt(eps), its variance is swamped by eps. Right: normalised-output error of
-    every method for activations whose mean is large against their spread."""
-    import matplotlib.pyplot as plt
-
-    centred, offset = df.mean_to_std.min(), df.mean_to_std.max()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.0))
-    colours = {"fp16": "tab:red", "bf16": "tab:blue", "fp32": "tab:green"}
-    styles = {"sum_sq": "-", "two_pass": "--", "torch_kernel": ":"}
-    panels = [(axes[0], centred, "var_rel_err", "relative error of the variance", ("sum_sq", "two_pass")),
-              (axes[1], offset, "out_max_err", "max |LayerNorm output error|", LN_METHODS)]
-    for ax, off, col, ylabel, methods in panels:
-        sub = df[df.mean_to_std == off]
-        finite_vals = sub[col].replace([np.inf], np.nan)
-        ceiling = float(finite_vals.max()) * 10 if finite_vals.notna().any() else 1.0
-        for (dt, method), grp in sub.groupby(["dtype", "method"], sort=False):
-            if method not in methods:
-                continue
-            grp = grp.sort_values("scale")
-            ok = np.isfinite(grp[col]) & (grp.nonfinite_frac == 0)
-            ax.plot(grp.scale[ok], grp[col][ok], styles.get(method, "-"), color=colours.get(dt),
-                    marker=".", label=f"{dt} {method}")
-            if (~ok).any():
-                ax.scatter(grp.scale[~ok], np.full((~ok).sum(), ceiling), marker="x", color=colours.get(dt))
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("activation scale (std of x)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"mean / std = {off:g}" + ("  (x: inf/nan)" if ax is axes[0] else ""))
-    fig.tight_layout()
-    handles, labels = axes[1].get_legend_handles_labels()  # the right panel has every method
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=5, fontsize=8)
-    return fig
 
 
 # ----------------------------------------------------------------------------- 4. bf16 vs fp32 sweep
@@ -455,57 +357,4 @@ def precision_sweep_configs(sizes: Sequence[str], *, modes: Sequence[str] = MODE
                                                precision=precision, device=device, attn_impl=attn_impl))
     return configs
 
-
-def speedup_table(records: pd.DataFrame | list[dict], *, baseline: str = "fp32",
-                  candidate: str = "bf16") -> pd.DataFrame:
-    """One row per (size, mode): both step times (mean and std), tokens/s, and the speedup
-    baseline_time / candidate_time; NaN where either side did not run (its status is kept)."""
-    df = pd.DataFrame(records)
-    if df.empty:
-        return df
-    for col in ("step_mean_s", "step_std_s", "tokens_per_s", "n_params", "peak_memory_gib", "mfu"):
-        if col not in df.columns:
-            df[col] = np.nan
-    keys = ["model", "mode"]
-    out = []
-    for (model, mode), grp in df.groupby(keys, sort=False):
-        row = {"model": model, "mode": mode, "n_params": grp["n_params"].dropna().max()}
-        for prec in (baseline, candidate):
-            r = grp[grp.precision == prec]
-            r = r.iloc[-1] if len(r) else None
-            row[f"{prec}_status"] = r["status"] if r is not None else "missing"
-            ok = r is not None and r["status"] == "ok"
-            row[f"{prec}_ms"] = r["step_mean_s"] * 1e3 if ok else np.nan
-            row[f"{prec}_std_ms"] = r["step_std_s"] * 1e3 if ok else np.nan
-            row[f"{prec}_tok_s"] = r["tokens_per_s"] if ok else np.nan
-            row[f"{prec}_peak_gib"] = r["peak_memory_gib"] if ok else np.nan
-            row[f"{prec}_mfu"] = r["mfu"] if ok else np.nan
-        row["speedup"] = row[f"{baseline}_ms"] / row[f"{candidate}_ms"]
-        out.append(row)
-    table = pd.DataFrame(out)
-    table["n_params"] = table["n_params"].astype(float)
-    return table
-
-
-def plot_speedup(table: pd.DataFrame, *, title: str | None = None):
-    """Speedup (fp32 time / bf16 time) against parameter count, one line per mode."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for mode, grp in table.groupby("mode", sort=False):
-        grp = grp.dropna(subset=["speedup"]).sort_values("n_params")
-        if grp.empty:
-            continue
-        ax.plot(grp["n_params"], grp["speedup"], marker="o", label=mode)
-        for _, r in grp.iterrows():
-            ax.annotate(r["model"], (r["n_params"], r["speedup"]), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8)
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xscale("log")
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("speedup of bf16 autocast over fp32 (×)")
-    ax.set_title(title or "bf16 autocast vs fp32")
-    ax.legend()
-    fig.tight_layout()
-    return fig
 

@@ -3,7 +3,8 @@
     profile_config(cfg, ...) -> ProfileResult   one configuration, warm-up left out
     result.kernels(ranges=["forward"])            a cuda_gpu_kern_sum-like table for some ranges
     result.categories(...), result.range_totals()
-    profile_sweep(...)                            several configurations, one summary row each
+    handout_plan(handout, full=...) -> ProfilePlan   what the handout's nsys_profile question profiles
+    profile_sweep(plan, ...)                      every point of a plan, one summary row each
     run_nsys(cfg, out_dir)                        the same kernel table from ``nsys stats`` when nsys exists
 CLI (the process nsys launches): ``python -m systems.bench.profile nsys-target --config-json '{...}'``.
 
@@ -15,8 +16,9 @@ profiler warm-up step, then the recorded steps) after the harness's warm-up step
 Chrome trace, and everything is computed from that file (``systems.measure.profiler``).
 
 The profiler's own cost is measured on the same model and loop: ``cfg.steps`` steps timed
-without the profiler, then the profiled ones, same timer. The harness's number to compare with
-comes from ``run_benchmark(cfg)`` itself.
+without the profiler, then the profiled ones, same timer. Those unprofiled steps are the
+harness's measurement (its loop, its synchronise-then-perf_counter timer) of the same model, so
+they are also the number a profile's forward time is compared with.
 """
 
 from __future__ import annotations
@@ -31,18 +33,21 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
 import torch
 
-from systems.bench.benchmark import BenchmarkConfig, StepRunner, run_benchmark
+from systems.bench.benchmark import BenchmarkConfig, StepRunner
+from systems.bench.budget import Budget
+from systems.config import get_config, handout_sizes
 from systems.measure import flops
 from systems.measure.devices import catch_oom, release_memory
-from systems.measure.profiler import (ATTENTION_RANGES, NSYS_CAPTURE_RANGE, attribute, categorize, category_table,
+from systems.measure.profiler import (ATTENTION_RANGES, NSYS_CAPTURE_RANGE, PHASE_RANGES, attribute, category_table,
                                       containing_instance, export_trace, kernel_table, nsys_available,
                                       parse_nsys_kern_sum, parse_trace, profiler_activities, range_table)
+from systems.measure.timer import mean_std
 from systems.measure.trace import STEP_RANGE
 
 
@@ -130,22 +135,10 @@ def profile_config(cfg: BenchmarkConfig, *, profile_steps: int = 3, trace_path: 
     for ph in ("forward", "backward", "optimizer", "step"):
         if ph in plain[0]:
             for label, steps in (("plain", plain), ("profiled", profiled)):
-                xs = [t[ph] for t in steps]
-                timings[f"{label}_{ph}_s"] = statistics.fmean(xs)
-                timings[f"{label}_{ph}_std_s"] = statistics.stdev(xs) if len(xs) > 1 else 0.0
+                timings[f"{label}_{ph}_s"], timings[f"{label}_{ph}_std_s"] = mean_std([t[ph] for t in steps])
     n_steps = int((ranges["name"] == STEP_RANGE).sum())
     items = attribute(items, ranges)
     return ProfileResult(cfg, str(device), n_steps, items, ranges, timings, None if tmp else path)
-
-
-def harness_timings(cfg: BenchmarkConfig) -> dict:
-    """The harness's own phase means and spreads (run_benchmark, no profiler)."""
-    rec = run_benchmark(cfg)
-    out = {"harness_status": rec["status"], "harness_error": rec.get("error")}
-    for ph in ("forward", "backward", "optimizer", "step"):
-        out[f"harness_{ph}_s"] = rec.get(f"{ph}_mean_s")
-        out[f"harness_{ph}_std_s"] = rec.get(f"{ph}_std_s")
-    return out
 
 
 def attention_flops(cfg: BenchmarkConfig) -> dict:
@@ -159,11 +152,20 @@ def attention_flops(cfg: BenchmarkConfig) -> dict:
 
 
 def summarize(res: ProfileResult, harness: dict | None = None, *, label: str | None = None) -> dict:
-    """One flat row of the numbers the kernel-profiling questions use."""
+    """One flat row of the numbers the kernel-profiling questions use.
+
+    ``harness``: the forward time to compare the profile with (``harness_forward_s`` and its
+    ``harness_forward_std_s``); by default the profile's own unprofiled steps, which are the
+    harness's loop and timer (``StepRunner``: a synchronise after each phase, perf_counter) on the
+    same model in the same process.
+    """
     cfg = res.config
+    if harness is None:
+        harness = {"harness_forward_s": res.timings.get("plain_forward_s"),
+                   "harness_forward_std_s": res.timings.get("plain_forward_std_s")}
     row = {"label": label or cfg.model, "model": cfg.model, "context_length": cfg.context_length,
            "batch_size": cfg.batch_size, "mode": cfg.mode, "precision": cfg.precision, "device": res.device,
-           "status": "ok", "n_steps": res.n_steps, **(harness or {})}
+           "status": "ok", "n_steps": res.n_steps, **harness}
     row.update(res.timings)
     spans = res.phase_spans_ms("forward")
     row["profiled_forward_span_s"] = statistics.fmean(spans) / 1e3 if spans else None
@@ -171,7 +173,7 @@ def summarize(res: ProfileResult, harness: dict | None = None, *, label: str | N
     row["step_kernel_s"] = res.items["dur"].sum() / 1e6 / max(res.n_steps, 1)
     plain, prof = res.timings.get("plain_forward_s"), res.timings.get("profiled_forward_s")
     row["profiler_overhead"] = prof / plain - 1 if plain else None
-    if harness and harness.get("harness_forward_s") and spans:
+    if harness.get("harness_forward_s") and spans:
         h = harness["harness_forward_s"]
         row["span_vs_harness"] = row["profiled_forward_span_s"] / h - 1
         # agreement: the profiled span lies within the profiler's measured slow-down of the same
@@ -195,11 +197,18 @@ def summarize(res: ProfileResult, harness: dict | None = None, *, label: str | N
             row.update(top_fwd_bwd_kernel=top["kernel"], top_fwd_bwd_name=top["name"],
                        top_fwd_bwd_category=top["category"], top_fwd_bwd_share=top["share"])
     if cfg.mode == "train_step" and "optimizer step" in res.items.columns:
-        # what the optimizer's kernels are by name alone (the range rule calls them all "optimizer")
+        # what the optimizer's kernels compute (their category by name); the range says they are its
         opt = res.items[res.items["optimizer step"]]
-        by_name = opt.groupby(opt["name"].map(categorize))["dur"].sum()
-        row["optimizer_elementwise_share"] = by_name.get("elementwise", 0.0) / by_name.sum() if len(opt) else None
+        by_category = opt.groupby("category")["dur"].sum()
+        row["optimizer_elementwise_share"] = (by_category.get("elementwise", 0.0) / by_category.sum()
+                                              if len(opt) else None)
         row["optimizer_kernels_per_step"] = len(opt) / max(res.n_steps, 1)
+    step_kernel = res.items["dur"].sum()
+    for phase in PHASE_RANGES:
+        if phase in res.items.columns:
+            # the phase's share of the step's kernel time (the ranges partition a synchronised step)
+            row[f"phase_share_{phase.replace(' ', '_')}"] = (res.items.loc[res.items[phase], "dur"].sum() / step_kernel
+                                                            if step_kernel > 0 else None)
     for c in res.categories().itertuples():
         row[f"share_{c.category}"] = c.share
     for c in res.categories(ranges="forward").itertuples():
@@ -218,39 +227,136 @@ def summarize(res: ProfileResult, harness: dict | None = None, *, label: str | N
     return row
 
 
-def profile_sweep(configs: Iterable[tuple[str, BenchmarkConfig]], *, profile_steps: int = 3, writer=None,
+@dataclass(frozen=True)
+class ProfilePlan:
+    """What a kernel-profiling sweep runs: sizes x contexts x modes, smallest first.
+
+    ``longest``: the contexts are a ladder to climb; each size stops at the first context where its
+    train step runs out of memory (that point is kept as an "oom" row), so the last context that
+    ran is the longest that fits. Otherwise every context is tried, and a (size, mode) that ran out
+    of memory skips the longer contexts.
+    """
+
+    sizes: dict[str, tuple[str, dict]]  # label -> (preset, model overrides)
+    contexts: tuple[int, ...]
+    longest: bool = False
+    modes: tuple[str, ...] = ("train_step", "forward")  # the train step first: it needs the most memory
+    batch_size: int = 4
+    # harness steps before anything is timed: on an H100 two left the small sizes' first timed steps
+    # tens of percent slow, three did not
+    warmup: int = 3
+    steps: int = 5  # timed steps without the profiler (the harness's number, and the overhead's baseline)
+    profile_steps: int = 2  # recorded steps (after one discarded profiler warm-up step)
+    precision: str = "fp32"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.sizes:
+            raise ValueError("sizes must name at least one model size")
+        if not self.contexts or list(self.contexts) != sorted(set(self.contexts)):
+            raise ValueError(f"contexts must be distinct and ascending, got {self.contexts}")
+        for mode in self.modes:
+            if mode not in ("forward", "forward_backward", "train_step"):
+                raise ValueError(f"modes must be forward, forward_backward or train_step, got {mode!r}")
+        if self.profile_steps < 1:
+            raise ValueError(f"profile_steps must be >= 1, got {self.profile_steps}")
+        for label, c in ((label, c) for label in self.sizes for c in self.contexts):
+            self.config(label, c, self.modes[0])  # a bad size or context fails here, before any work
+
+    def config(self, label: str, context_length: int, mode: str) -> BenchmarkConfig:
+        preset, overrides = self.sizes[label]
+        overrides = dict(overrides)
+        # the model's RoPE table must cover the context: raise its maximum where the ladder goes past it
+        if context_length > get_config(preset, **overrides).context_length:
+            overrides["context_length"] = context_length
+        return BenchmarkConfig(model=preset, model_overrides=overrides, context_length=context_length,
+                               batch_size=self.batch_size, warmup=self.warmup, steps=self.steps, mode=mode,
+                               precision=self.precision, device=self.device)
+
+    def points(self) -> list[tuple[str, int, str]]:
+        return [(label, c, mode) for label in self.sizes for c in self.contexts for mode in self.modes]
+
+    def trace_point(self) -> tuple[str, int, str]:
+        """The point whose trace a sweep keeps by default: the first train step."""
+        return next((p for p in self.points() if p[2] == "train_step"), self.points()[0])
+
+    def largest(self, results: dict, mode: str) -> tuple[str, int, str] | None:
+        """The biggest (size, then context) point profiled in ``mode`` among ``results``' keys."""
+        keys = [k for k in results if k[2] == mode]
+        return max(keys, key=lambda k: (list(self.sizes).index(k[0]), k[1])) if keys else None
+
+
+def trace_file(trace_dir: str | Path, point: tuple[str, int, str]) -> Path:
+    """Where a sweep keeps the trace of ``point`` = (label, context_length, mode)."""
+    label, context, mode = point
+    return Path(trace_dir) / f"{label}_{context}_{mode}.json.gz"
+
+
+# notebook 02's sizes for the 2026 handout, which asks for two of its choice: the smallest, and one
+# large enough that matmuls dominate, with three power-of-two contexts above 128 that fit
+DEFAULT_2026_SIZES = ("small", "large")
+SMOKE_SIZES = {"debug": ("debug", {}), "debug-wide": ("debug", {"d_model": 128, "d_ff": 384})}
+
+
+def handout_plan(handout: str, *, full: bool, sizes: Sequence[str] | None = None, device: str = "auto") -> ProfilePlan:
+    """What the handout's nsys_profile question asks for. 2025: every size of its Table 1 at contexts
+    128, 256, 512 and 1024. 2026: two sizes, each climbing power-of-two contexts from 256 until its
+    train step no longer fits. Smoke (CPU): two debug-sized models, contexts 32-128, fewer steps."""
+    table = handout_sizes(handout)
+    if not full:
+        return ProfilePlan(sizes=SMOKE_SIZES, contexts=(32, 64, 128), longest=handout == "2026", batch_size=2,
+                           warmup=1, steps=2, profile_steps=1, device=device)
+    names = list(sizes) if sizes else (list(table) if handout == "2025" else list(DEFAULT_2026_SIZES))
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"unknown size(s) {unknown} for the {handout} handout; choose from {', '.join(table)}")
+    chosen = {n: (table[n], {}) for n in names}
+    if handout == "2025":
+        return ProfilePlan(sizes=chosen, contexts=(128, 256, 512, 1024), device=device)
+    return ProfilePlan(sizes=chosen, contexts=tuple(2 ** k for k in range(8, 15)), longest=True, device=device)
+
+
+def profile_sweep(plan: ProfilePlan, *, writer=None, budget: Budget | None = None,
                   keep_trace: tuple[str, int, str] | None = None, trace_dir: str | Path | None = None,
                   progress: bool = True) -> tuple[pd.DataFrame, dict]:
-    """Profile (label, config) pairs in order; returns (summary rows, {(label, ctx, mode): ProfileResult}).
+    """Profile the plan's points in order; returns (summary rows, {(label, ctx, mode): ProfileResult}).
 
-    Each row is written to `writer` (a ResultWriter) as it is produced; an out-of-memory point
-    becomes a row with status "oom" and the sweep goes on. The trace of the point `keep_trace`
-    = (label, context_length, mode) is kept as trace_dir/<label>_<ctx>_<mode>.json.gz.
+    Each row is written to `writer` (a ResultWriter) as it is produced. An out-of-memory point
+    becomes a row with status "oom" and the sweep goes on (see ProfilePlan for what it skips after
+    one); a point the budget leaves out is a row with status "skipped (budget)". The trace of
+    `keep_trace` = (label, context_length, mode), by default the first train step, is kept as
+    trace_dir/<label>_<ctx>_<mode>.json.gz.
     """
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
-    configs = list(configs)
+    keep_trace = keep_trace or plan.trace_point()
     rows, results = [], {}
-    for label, cfg in tqdm(configs, disable=not progress, desc="profile"):
-        key = (label, cfg.context_length, cfg.mode)
-        device = cfg.resolved_device()
-        trace_path = None
-        if keep_trace is not None and key == tuple(keep_trace) and trace_dir is not None:
-            trace_path = Path(trace_dir) / f"{label}_{cfg.context_length}_{cfg.mode}.json.gz"
-        row = None
-        harness = harness_timings(cfg)
-        release_memory(device)
-        oom_message = harness.get("harness_error") if harness["harness_status"] == "oom" else None
-        if oom_message is None:
+    oom_at: dict[tuple[str, str], int] = {}  # (label, mode) -> the context that ran out of memory
+    stopped: set[str] = set()  # sizes whose climb is over (longest)
+    for label, c, mode in tqdm(plan.points(), disable=not progress, desc="profile"):
+        if label in stopped:
+            continue
+        cfg = plan.config(label, c, mode)
+        row = {"label": label, "model": cfg.model, "context_length": c, "mode": mode, "precision": cfg.precision,
+               "batch_size": cfg.batch_size}
+        if (label, mode) in oom_at:
+            row.update(status=f"skipped (out of memory at context {oom_at[label, mode]})", error=None)
+        elif budget is not None and not budget.allows():
+            row.update(budget.skipped_row())
+        else:
+            trace_path = None
+            if trace_dir is not None and (label, c, mode) == tuple(keep_trace):
+                trace_path = trace_file(trace_dir, keep_trace)
             with catch_oom() as oom:
-                res = profile_config(cfg, profile_steps=profile_steps, trace_path=trace_path)
-                row = summarize(res, harness, label=label)
-                results[key] = res
-            oom_message = oom.message
-        if oom_message is not None:
-            row = {"label": label, "model": cfg.model, "context_length": cfg.context_length, "mode": cfg.mode,
-                   "status": "oom", "error": oom_message}
-        release_memory(device)
+                res = profile_config(cfg, profile_steps=plan.profile_steps, trace_path=trace_path)
+                row = summarize(res, label=label)
+                results[(label, c, mode)] = res
+            release_memory(cfg.resolved_device())  # after the with block: the exception's frames are gone
+            if oom:
+                row.update(status="oom", error=oom.message)
+                oom_at[label, mode] = c
+                if plan.longest:
+                    stopped.add(label)
         rows.append(writer.write(row) if writer is not None else row)
     df = pd.DataFrame(rows)
     if "env" in df.columns:

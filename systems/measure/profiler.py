@@ -36,58 +36,99 @@ PHASE_RANGES = tuple(_PHASE_RANGES.values())  # ("forward", "backward", "optimiz
 ATTENTION_RANGES = ("attention scores", "softmax", "final matmul")  # named in systems.attention.naive
 NSYS_CAPTURE_RANGE = "profiled steps"  # the NVTX range nsys --capture-range=nvtx waits for
 
-# Kernel categories: the first rule whose regular expression matches the kernel (or CPU operator)
-# name wins, case-insensitively; unmatched names are "other". CUDA names are what cuBLAS/ATen/
-# Triton call their kernels; the aten:: patterns cover the CPU-only profile.
+# Kernel categories: what a kernel computes, read from its name; the first rule whose regular
+# expression matches the kernel (or CPU operator) name wins, case-insensitively; unmatched names are
+# "other". CUDA names are what cuBLAS/ATen/Triton call their kernels; the aten:: patterns cover the
+# CPU-only profile. Where a kernel ran (forward, backward, optimizer step) is the ranges' business,
+# not the category's: the optimizer's multi-tensor (_foreach) kernels are elementwise work.
 CATEGORY_RULES: tuple[tuple[str, str], ...] = (
-    ("optimizer", r"adam|_foreach_|multi_tensor_apply"),
     ("matmul", r"gemm|gemv|splitKreduce|cutlass|cublas|xmma|nvjet|triton_tem|"
                r"aten::(mm|bmm|addmm|baddbmm|matmul|linear)\b|mkldnn_matmul"),
+    # embedding lookups and their backward, the loss's gather and its scatter-add, the sort behind
+    # index backward: data movement by index, kept out of "reduction" (a scatter-add's functor is
+    # ReduceAdd) and "elementwise" (gather kernels are TensorIterator elementwise loops)
+    ("other", r"gather|scatter|indexing|radix_?sort"),
     ("reduction/softmax", r"softmax|reduce_kernel|reduce|logsumexp|layer_norm|rms_norm|triton_red|triton_per|"
                           r"aten::(sum|mean|amax|max|min|norm|var|std|logsumexp|_softmax|_log_softmax|"
                           r"_softmax_backward_data)\b"),
     ("copy/memset", r"memcpy|memset|copy|CatArray|FillFunctor|"
                     r"aten::(to|_to_copy|copy_|cat|stack|clone|contiguous|fill_|zero_|zeros|zeros_like|ones|"
                     r"ones_like|empty|empty_like|empty_strided)\b"),
-    ("elementwise", r"elementwise|pointwise|triton_poi|tril|"
+    ("elementwise", r"elementwise|pointwise|triton_poi|tril|multi_tensor_apply|_foreach_|adam|"
                     r"aten::(add|sub|rsub|mul|div|neg|exp|sigmoid|silu|sqrt|rsqrt|pow|masked_fill|tril|triu|where|"
                     r"lerp|addcmul|addcdiv|sin|cos|abs|clamp|reciprocal)"),
 )
-# Ranges whose every kernel takes one category whatever its name: our AdamW is a loop of
-# elementwise torch ops, so only its range tells its kernels from the model's.
-RANGE_CATEGORIES: dict[str, str] = {"optimizer step": "optimizer"}
-CATEGORIES = ("matmul", "elementwise", "reduction/softmax", "copy/memset", "optimizer", "other")
+CATEGORIES = ("matmul", "elementwise", "reduction/softmax", "copy/memset", "other")
 
 _COMPILED_RULES = [(cat, re.compile(pat, re.IGNORECASE)) for cat, pat in CATEGORY_RULES]
 
 
 def categorize(name: str) -> str:
-    """The category of one kernel / operator name by CATEGORY_RULES (no range rule)."""
+    """The category of one kernel / operator name by CATEGORY_RULES."""
     for cat, rx in _COMPILED_RULES:
         if rx.search(name):
             return cat
     return "other"
 
 
-_HINT = re.compile(r"([A-Za-z_]\w*(?:_kernel\w*|Functor|Ops|_functor))\b")
+# an identifier in a kernel's template arguments that says what it computes: a functor
+# (MulFunctor, CUDAFunctor_add), a kernel lambda's host (exp_kernel_cuda), reduction ops (MeanOps,
+# sum_functor), a standard operator (std::multiplies, the op of a _foreach kernel)
+_HINT = re.compile(r"\b([A-Za-z_]\w*?(?:_kernel\w*|Functor\w*|Ops|_functor))\b|\bstd::(plus|minus|multiplies|divides)\b")
 # wrappers that say nothing about the operation: skip them to reach the functor inside
 _GENERIC_HINT = re.compile(r"^(Binary|AUnary|BUnary|Unary)Functor$|^gpu_kernel|elementwise_kernel$|^launch_")
+# a _foreach kernel's op is its third template argument (std::multiplies<float>, at::native::Sqrt<float>)
+_ARG_NAME = re.compile(r"([A-Za-z_]\w*)\s*(?:<[^<>]*>)?\s*$")
+_ANONYMOUS = "(anonymous namespace)::"
+
+
+def _top_level_args(text: str) -> list[str]:
+    """The comma-separated arguments of the template list that opens ``text`` ("<a, b<c, d>>...")."""
+    args, depth, current = [], 0, []
+    for ch in text:
+        if ch == "<":
+            depth += 1
+            if depth == 1:
+                continue
+        elif ch == ">":
+            depth -= 1
+            if depth == 0:
+                args.append("".join(current).strip())
+                return args
+        elif ch == "," and depth == 1:
+            args.append("".join(current).strip())
+            current = []
+            continue
+        if depth >= 1:
+            current.append(ch)
+    return args
 
 
 def short_kernel_name(name: str) -> str:
     """A readable label: the kernel's base name plus the functor it instantiates, if any.
 
     'void at::native::vectorized_elementwise_kernel<4, ...MulFunctor<float>...>(...)' ->
-    'vectorized_elementwise_kernel [MulFunctor]'. CPU operator names are returned unchanged.
+    'vectorized_elementwise_kernel [MulFunctor]'; a _foreach kernel
+    'void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...TensorListMetadata<2>,
+    ...UnaryOpFunctor<float, 2, 1, 1>, at::native::Sqrt<float> >(...)' ->
+    'multi_tensor_apply_kernel [UnaryOp Sqrt]'. Anonymous namespaces are dropped before parsing
+    (they would otherwise end the name at their parenthesis). CPU operator names are returned unchanged.
     """
     text = name.strip()
     if text.startswith("aten::") or not (text.startswith("void ") or "::" in text):
         return text  # CPU operators, cuBLAS-style plain names, "Memcpy DtoD (Device -> Device)"
-    if text.startswith("void "):
-        text = text[5:]
+    text = text.removeprefix("void ").replace(_ANONYMOUS, "")
     cut = min(i for i in (text.find("<"), text.find("("), len(text)) if i >= 0)
-    base = text[:cut].split("::")[-1].strip() or text[:cut]
-    hints = [h for h in _HINT.findall(text[cut:]) if h != base and not _GENERIC_HINT.search(h)]
+    base = text[:cut].split("::")[-1].strip() or text[:cut].strip() or text
+    args = _top_level_args(text[cut:]) if text[cut:cut + 1] == "<" else []
+    if base in ("Kernel", "Kernel2") and args and re.fullmatch(r"\w+", args[0]):
+        return args[0]  # cutlass::Kernel2<cutlass_80_simt_sgemm_...>: the instantiated kernel names it
+    if base == "multi_tensor_apply_kernel" and len(args) >= 3:
+        functor = args[1].split("<")[0].split("::")[-1].removesuffix("Functor")
+        op = _ARG_NAME.search(args[2])
+        return f"{base} [{functor} {op.group(1) if op else args[2]}]"
+    hints = [a or b for a, b in _HINT.findall(text[cut:])]
+    hints = [h for h in hints if h != base and not _GENERIC_HINT.search(h)]
     return f"{base} [{hints[0]}]" if hints else base
 
 
@@ -176,7 +217,9 @@ def attribute(items: pd.DataFrame, ranges: pd.DataFrame, *,
               range_names: Sequence[str] = (STEP_RANGE, *PHASE_RANGES, *ATTENTION_RANGES),
               range_categories: dict[str, str] | None = None) -> pd.DataFrame:
     """Items inside a `step` range, with a boolean column per range name, the step index, the
-    instance index of each phase and the category (name rules, then range rules)."""
+    instance index of each phase, the phase itself (``phase``: the innermost phase range holding the
+    item, "" for none), and the category: by name (``categorize``), then overridden for the items
+    inside any range named in ``range_categories`` (none by default)."""
     items = items.copy()
     t = items["t_attr"].to_numpy()
     for name in range_names:
@@ -188,8 +231,12 @@ def attribute(items: pd.DataFrame, ranges: pd.DataFrame, *,
             items[f"{name} index"] = inst
     if STEP_RANGE in range_names:
         items = items[items[STEP_RANGE]].copy()
+    items["phase"] = ""
+    for name in PHASE_RANGES:
+        if name in items.columns:
+            items.loc[items[name], "phase"] = name
     items["category"] = [categorize(n) for n in items["name"]]
-    for rng, cat in (RANGE_CATEGORIES if range_categories is None else range_categories).items():
+    for rng, cat in (range_categories or {}).items():
         if rng in items.columns:
             items.loc[items[rng], "category"] = cat
     items["kernel"] = [short_kernel_name(n) for n in items["name"]]

@@ -1,5 +1,6 @@
 """The timing harness: records, precisions, OOM rows, sweeps written as they go, and the CLI."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -8,10 +9,10 @@ import pytest
 import torch
 
 from systems.bench import benchmark
-from systems.bench.benchmark import (BenchmarkConfig, build_parser, configs_from_args, main, run_benchmark,
-                                     run_sweep)
+from systems.bench.benchmark import (BenchmarkConfig, build_parser, config_of, configs_from_args, main,
+                                     run_benchmark, run_sweep, warmup_sweep)
+from systems.bench.budget import SKIPPED, Budget
 from systems.config import get_config
-from systems.measure.hardware import lookup_peak
 from systems.measure.results import read_records
 
 TINY = dict(model="debug", context_length=32, batch_size=2, warmup=1, steps=3, device="cpu")
@@ -79,6 +80,45 @@ def test_sweep_continues_past_oom_and_writes_rows_as_it_goes(monkeypatch, tmp_pa
         assert key in env
 
 
+def test_sweep_lists_points_past_its_budget_without_running_them(monkeypatch, tmp_path):
+    ran = []
+    monkeypatch.setattr(benchmark, "run_benchmark", lambda cfg: ran.append(cfg.context_length) or
+                        {"context_length": cfg.context_length, "status": "ok"})
+    ticks = iter(range(100))
+    budget = Budget(seconds=1.5, clock=lambda: float(next(ticks)))  # one second per question asked
+    cfgs = [BenchmarkConfig(**{**TINY, "context_length": c}) for c in (16, 32, 64)]
+    records = run_sweep(cfgs, out_path=tmp_path / "b.jsonl", progress=False, budget=budget)
+    assert ran == [16] and [r["status"] for r in records] == ["ok", SKIPPED, SKIPPED]
+    assert [r["context_length"] for r in read_records(tmp_path / "b.jsonl")] == [16, 32, 64]
+
+
+def test_warmup_sweep_reruns_train_steps_that_ran_and_lists_the_rest(monkeypatch, tmp_path):
+    seen = []
+
+    def fake_sweep(configs, **kwargs):
+        assert kwargs["isolate"] is True  # a cold start needs a fresh process
+        seen.extend((c.context_length, c.warmup) for c in configs)
+        return [{**dataclasses.asdict(c), "status": "ok"} for c in configs]
+
+    monkeypatch.setattr(benchmark, "run_sweep", fake_sweep)
+    ok = {**dataclasses.asdict(BenchmarkConfig(**TINY)), "status": "ok", "model_overrides": None}
+    oom = {**ok, "context_length": 64, "status": "oom", "error": "CUDA out of memory"}
+    forward = {**ok, "mode": "forward"}
+    rows = warmup_sweep([forward, ok, oom], warmups=(0, 2), out_path=tmp_path / "w.jsonl", progress=False)
+    assert seen == [(32, 0), (32, 2)]  # only the train step that ran; forward records are not warm-up points
+    skipped = [r for r in rows if r["status"] != "ok"]
+    assert [(r["context_length"], r["warmup"]) for r in skipped] == [(64, 0), (64, 2)]
+    assert skipped[0]["status"] == "skipped (train step oom in the timing sweep)"
+    assert len(read_records(tmp_path / "w.jsonl")) == 2  # the skipped rows (the fake sweep wrote none)
+
+
+def test_config_of_reads_a_record_back():
+    cfg = BenchmarkConfig(**{**TINY, "model_overrides": {"d_ff": 256}})
+    record = run_benchmark(cfg)
+    assert isinstance(record["model_overrides"], str)  # flattened for the results file
+    assert config_of(record) == cfg
+
+
 def test_isolated_sweep_runs_in_a_fresh_process(tmp_path):
     records = run_sweep([BenchmarkConfig(**{**TINY, "warmup": 0})], out_path=tmp_path / "x.jsonl",
                         progress=False, isolate=True)
@@ -110,12 +150,6 @@ def test_around_measure_and_on_step_hooks_wrap_only_measured_steps():
 def test_invalid_configs_raise_clear_errors(bad, message):
     with pytest.raises(ValueError, match=message):
         BenchmarkConfig(**{**TINY, **bad})
-
-
-def test_unknown_gpu_has_no_peak():
-    assert lookup_peak("NVIDIA H100 80GB HBM3").name == "H100 SXM"
-    assert lookup_peak("NVIDIA H100 PCIe").name == "H100 PCIe"
-    assert lookup_peak("Mystery Accelerator 9000") is None
 
 
 def _cli(*args):
