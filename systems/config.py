@@ -73,10 +73,11 @@ HANDOUT_TABLES: dict[str, dict[str, str]] = {
 }
 
 
-def check_handout(handout: str) -> str:
-    if handout not in HANDOUTS:
+def check_handout(handout: str | int) -> str:
+    """The handout's name as a string ("2026"): a papermill or -p value may arrive as the int 2026."""
+    if str(handout) not in HANDOUTS:
         raise ValueError(f"handout must be one of {', '.join(HANDOUTS)}, got {handout!r}")
-    return handout
+    return str(handout)
 
 
 def handout_sizes(handout: str = DEFAULT_HANDOUT) -> dict[str, str]:
