@@ -223,68 +223,6 @@ def test_notebook_07_smoke(tmp_path):
         assert (tmp_path / "figures" / f"07_distributed_{stem}.png").exists()
 
 
-def test_overlap_stats_from_a_gpu_trace(tmp_path, trace_event):
-    """Exposed communication = NCCL kernel time with no other kernel running, per step."""
-    import gzip
-    import json
-
-    from systems.measure.trace import comm_compute_intervals, overlap_stats
-
-    ev = trace_event
-    events = [
-        ev("step", "gpu_user_annotation", 1000, 100), ev("step", "gpu_user_annotation", 1100, 100),
-        # step 1: compute 1000-1060, comm 1050-1080 -> 10 overlapped, 20 exposed
-        ev("ampere_sgemm", "kernel", 1000, 40), ev("elementwise", "kernel", 1030, 30),
-        ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 1050, 30),
-        # step 2: comm 1100-1140 entirely under compute 1090-1150 (a memcpy counts as compute)
-        ev("Memcpy DtoD", "gpu_memcpy", 1090, 60), ev("ncclDevKernel_AllReduce", "kernel", 1100, 40),
-        ev("aten::mm", "cpu_op", 900, 500),  # CPU ops are ignored when kernels exist
-    ]
-    path = tmp_path / "trace.json.gz"
-    with gzip.open(path, "wt") as f:
-        json.dump({"traceEvents": events}, f)
-    iv = comm_compute_intervals(path)
-    assert iv.kind == "gpu" and len(iv.steps) == 2
-    stats = overlap_stats(iv)
-    assert stats["comm_ms"] == pytest.approx(70 / 2 / 1e3)
-    assert stats["overlapped_ms"] == pytest.approx(50 / 2 / 1e3)
-    assert stats["exposed_comm_ms"] == pytest.approx(20 / 2 / 1e3)
-    assert stats["overlap_pct"] == pytest.approx(100 * 50 / 70)
-    assert stats["exposed_comm_pct_of_step"] == pytest.approx(100 * 20 / 200)
-
-
-def test_gpu_step_annotations_on_two_streams_count_once(tmp_path, trace_event):
-    """Kineto writes one gpu_user_annotation per (range, stream): a naive-DDP step that launches
-    NCCL kernels from its own thread shows up on the compute and the NCCL stream, with the same
-    External id. They are one step, not two (else every per-step number is halved)."""
-    import json
-
-    from systems.measure.trace import comm_compute_intervals, overlap_stats
-
-    ev = trace_event
-    events = [
-        # NCCL stream's annotations first, as a trace may order them
-        ev("step", "gpu_user_annotation", 1060, 40, 20, ext=11),
-        ev("step", "gpu_user_annotation", 1160, 40, 20, ext=12),
-        ev("step", "gpu_user_annotation", 1000, 90, 7, ext=11),
-        ev("step", "gpu_user_annotation", 1100, 90, 7, ext=12),
-        ev("step", "user_annotation", 900, 150, 1, ext=11),
-        ev("sgemm", "kernel", 1000, 60, 7), ev("adam", "kernel", 1080, 10, 7),
-        ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 1060, 40, 20),
-        ev("sgemm", "kernel", 1100, 60, 7), ev("adam", "kernel", 1180, 10, 7),
-        ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 1160, 40, 20),
-    ]
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    iv = comm_compute_intervals(path)
-    assert iv.steps == [(0.0, 100.0), (100.0, 200.0)]
-    stats = overlap_stats(iv)
-    assert stats["profiled_steps"] == 2
-    assert stats["step_window_ms"] == pytest.approx(100 / 1e3)
-    assert stats["comm_ms"] == pytest.approx(40 / 1e3)  # per step, over 2 steps
-    assert stats["exposed_comm_ms"] == pytest.approx(30 / 1e3)  # of 40, 1080-1090 is under adam
-
-
 def test_bucketed_rejects_bad_bucket_size():
     with pytest.raises(ValueError, match="bucket_size_mb must be positive"):
         DDPBucketed(nn.Linear(2, 2), bucket_size_mb=0)
