@@ -687,6 +687,34 @@ def ddp_bucket_overhead(*, total_bytes: float, bandwidth_bytes_per_s: float, per
     return total_bytes / (n_buckets * bandwidth_bytes_per_s) + n_buckets * per_call_overhead_s
 
 
+def ddp_bucket_overhead_paced(*, total_bytes: float, bandwidth_bytes_per_s: float, per_call_overhead_s: float,
+                              n_buckets: int, backward_s: float, last_bucket_bytes: float | None = None) -> float:
+    """The same overhead when the backward takes ``backward_s`` (measured), not the transfer time.
+
+    Bucket k (k = 1..n_b) is ready at k c with c = backward_s / n_b (gradients at a uniform rate);
+    an all-reduce costs t = o + s / (n_b w), the last one t_last = o + last / w (the last bucket
+    holds the first parameters; its size differs when a separate cap or a large embedding sets
+    it). The stream runs them one at a time, so each of the n_b - 1 hand-offs can add a backlog of
+    t - c when communication is the slower of the two, and nothing when it keeps up:
+
+        overhead = t_last + (n_b - 1) max(0, t - c).
+
+    With the handout's assumption c = s / (n_b w) this is s / (n_b w) + n_b o, the function above
+    (t - c = o). When the backward is much slower than the transfers (a big model on a fast link)
+    the backlog vanishes and only the last bucket's all-reduce is left: the fewer, larger buckets
+    the handout's optimum prefers then cost more, not less.
+    """
+    _positive(total_bytes=total_bytes, bandwidth_bytes_per_s=bandwidth_bytes_per_s, backward_s=backward_s)
+    if not per_call_overhead_s >= 0:
+        raise ValueError(f"per_call_overhead_s must be >= 0, got {per_call_overhead_s!r}")
+    if not n_buckets >= 1:
+        raise ValueError(f"n_buckets must be >= 1, got {n_buckets!r}")
+    t = per_call_overhead_s + total_bytes / (n_buckets * bandwidth_bytes_per_s)
+    last = total_bytes / n_buckets if last_bucket_bytes is None else last_bucket_bytes
+    t_last = per_call_overhead_s + last / bandwidth_bytes_per_s
+    return t_last + (n_buckets - 1) * max(0.0, t - backward_s / n_buckets)
+
+
 def optimal_n_buckets(*, total_bytes: float, bandwidth_bytes_per_s: float, per_call_overhead_s: float) -> float:
     """d/dn_b [s/(n_b w) + n_b o] = -s/(n_b^2 w) + o = 0  =>  n_b* = sqrt(s / (w o)).
 

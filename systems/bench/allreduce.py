@@ -89,6 +89,17 @@ def plan_cases(*, backends: Sequence[str], world_sizes: Sequence[int] = HANDOUT_
     return plan
 
 
+def notebook_plan(*, profile: str, n_gpus: int) -> tuple[Plan, dict]:
+    """Notebook 07's cases and per-case budget. Full: NCCL at every handout world size the GPUs
+    allow, and gloo on the host's CPU up to 100 MB (1 GB over gloo takes seconds per call); smoke:
+    gloo on 2 CPU processes up to 10 MB. Committed runs on larger machines fill in the rest."""
+    if profile == "full":
+        return (plan_cases(backends=["nccl", "gloo"], n_gpus=n_gpus, max_gloo_bytes=100 * MB),
+                dict(budget_s=0.5, min_iters=5, max_iters=50))
+    return (plan_cases(backends=["gloo"], n_gpus=0, max_gloo_world_size=2, max_gloo_bytes=10 * MB),
+            dict(budget_s=0.3, min_iters=3, max_iters=10))
+
+
 def bus_bandwidth_factor(world_size: int) -> float:
     return 2 * (world_size - 1) / world_size
 

@@ -454,6 +454,34 @@ def test_ddp_bucket_overhead_matches_event_simulation(s, w, o):
             simulate_bucketed_backward(total_bytes=s, w=w, o=o, n_buckets=nb), rel=1e-9)
 
 
+def simulate_paced_backward(*, total_bytes, w, o, n_buckets, backward_s, last_bytes):
+    """Discrete events with a measured backward: bucket k ready at k * backward_s / n_b; the
+    buckets' all-reduces one at a time, the last of its own size."""
+    c = backward_s / n_buckets
+    stream_free = 0.0
+    for k in range(1, n_buckets + 1):
+        size = last_bytes if k == n_buckets else total_bytes / n_buckets
+        stream_free = max(k * c, stream_free) + o + size / w
+    return stream_free - backward_s
+
+
+@pytest.mark.parametrize("backward_s", [0.003, 0.05, 0.3])
+def test_paced_bucket_overhead_matches_event_simulation(backward_s):
+    s, w, o = 8e9, 3e11, 4e-5
+    for nb in (1, 2, 8, 98, 435):
+        for last in (None, 6.4e7):
+            expected = simulate_paced_backward(total_bytes=s, w=w, o=o, n_buckets=nb, backward_s=backward_s,
+                                               last_bytes=s / nb if last is None else last)
+            assert pm.ddp_bucket_overhead_paced(total_bytes=s, bandwidth_bytes_per_s=w, per_call_overhead_s=o,
+                                                n_buckets=nb, backward_s=backward_s, last_bucket_bytes=last) \
+                == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    # under the handout's assumption (the backward as long as the transfers) it is the handout's model
+    for nb in (1, 5, 64):
+        assert pm.ddp_bucket_overhead_paced(total_bytes=s, bandwidth_bytes_per_s=w, per_call_overhead_s=o,
+                                            n_buckets=nb, backward_s=s / w) == pytest.approx(
+            pm.ddp_bucket_overhead(total_bytes=s, bandwidth_bytes_per_s=w, per_call_overhead_s=o, n_buckets=nb))
+
+
 def test_optimal_buckets_by_integer_scan():
     s, w, o = 4e9, 5e10, 5e-5
     sims = {nb: simulate_bucketed_backward(total_bytes=s, w=w, o=o, n_buckets=nb) for nb in range(1, 500)}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -207,22 +205,6 @@ def test_unknown_variant():
         make_ddp("nope", nn.Linear(2, 2))
 
 
-@pytest.mark.slow
-def test_notebook_07_smoke(tmp_path):
-    from systems.measure.results import read_records
-    from systems.workbook import run_notebooks
-
-    (run,) = run_notebooks(only=["07"], profile="smoke", out_dir=tmp_path, report=False, progress=False)
-    assert run.ok, run.error
-    ddp_rows = read_records(tmp_path / "results" / "07_distributed_ddp.jsonl")
-    variants = {r["variant"] for r in ddp_rows}
-    assert {"nosync", "naive", "flat", "overlap", "torch_ddp"} <= variants
-    assert {r["precision"] for r in ddp_rows} == {"fp32", "bf16"}
-    assert read_records(tmp_path / "results" / "07_distributed_overlap.jsonl")
-    for stem in ("allreduce", "ddp_variants", "overlap", "bucket_model"):
-        assert (tmp_path / "figures" / f"07_distributed_{stem}.png").exists()
-
-
 class SometimesExtra(nn.Module):
     """A layer the forward uses only when ``use_extra`` is set (on one rank, in one step)."""
 
@@ -316,76 +298,3 @@ def test_bucketed_reduce_dtype_communicates_low_precision_and_keeps_fp32_grads()
 def test_bucketed_rejects_an_integer_reduce_dtype():
     with pytest.raises(ValueError, match="reduce_dtype"):
         DDPBucketed(nn.Linear(2, 2), bucket_size_mb=1, reduce_dtype=torch.int32)
-
-
-@pytest.mark.slow
-def test_ddp_benchmark_compiled_setting_runs_after_eager(tmp_path):
-    """A compiled setting reuses the eager setting's variants on the same model with its blocks
-    compiled: rows carry (precision, compiled, setting), each setting has its own nosync baseline,
-    and the DDP hooks still see every gradient (the bucketed run would hang or raise otherwise)."""
-    from systems.bench.ddp import DDPBenchConfig, run_ddp_benchmark
-    from systems.measure.results import read_records
-
-    cfg = DDPBenchConfig(model="debug", context_length=32, batch_size=2, precisions=("fp32",),
-                         compiled_precisions=("fp32",), variants=("nosync", "bucketed:0.05", "torch_ddp"),
-                         warmup=1, steps=2, profile=False, out_path=str(tmp_path / "ddp.jsonl"),
-                         overlap_path=str(tmp_path / "overlap.jsonl"), trace_dir=str(tmp_path / "traces"))
-    run_ddp_benchmark(cfg, world_size=2, backend="gloo", timeout_s=300)
-    rows = read_records(tmp_path / "ddp.jsonl")
-    assert [(r["setting"], r["variant"]) for r in rows] == [
-        ("fp32", "nosync"), ("fp32", "bucketed:0.05"), ("fp32", "torch_ddp"),
-        ("fp32+compile", "nosync"), ("fp32+compile", "bucketed:0.05"), ("fp32+compile", "torch_ddp")]
-    for r in rows:
-        assert r["compiled"] == (r["setting"] == "fp32+compile")
-        assert r["first_step_s"] > 0 and r["step_ms"] > 0
-    by = {(r["setting"], r["variant"]): r for r in rows}
-    assert by[("fp32+compile", "torch_ddp")]["baseline_step_ms"] == by[("fp32+compile", "nosync")]["step_ms"]
-
-
-def test_ddp_bench_config_rejects_unknown_compiled_precision():
-    from systems.bench.ddp import DDPBenchConfig
-
-    with pytest.raises(ValueError, match="precisions must be among"):
-        DDPBenchConfig(compiled_precisions=("fp8",))
-    with pytest.raises(ValueError, match="compile_mode applies"):
-        DDPBenchConfig(compile_mode="reduce-overhead")
-    with pytest.raises(ValueError, match="<MiB>/<last MiB>"):  # refused before any rank starts
-        DDPBenchConfig(variants=("bucketed_tail:1000",))
-    proc = subprocess.run([sys.executable, "-m", "systems.bench.ddp", "--tail-buckets-mb", "1000"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and "--tail-buckets-mb" in proc.stderr
-
-
-def test_ddp_commentary_tells_slowed_computation_from_exposed_communication():
-    """Step minus no-communication step is the cost of communicating; the trace says whether that
-    cost is communication left exposed or computation slowed by communication running beside it."""
-    import pandas as pd
-
-    from systems.report.distributed import ddp_commentary
-
-    def rows(setting, best_ms):
-        common = dict(setting=setting, precision="bf16", n_buckets=None, step_ms_p10=None, step_ms_p90=None)
-        return [dict(common, variant="nosync", step_ms=100.0, comm_overhead_ms=0.0, comm_share=0.0),
-                dict(common, variant="bucketed:1000", step_ms=best_ms, comm_overhead_ms=best_ms - 100.0,
-                     comm_share=(best_ms - 100.0) / best_ms),
-                dict(common, variant="torch_ddp", step_ms=130.0, comm_overhead_ms=30.0, comm_share=30 / 130)]
-
-    ddp = pd.DataFrame(rows("a", 120.0) + rows("b", 120.0))
-    overlap = pd.DataFrame([dict(setting="a", precision="bf16", variant="bucketed:1000", exposed_comm_ms=1.0, overlap_pct=95.0,
-                                 comm_ms=20.0, exposed_comm_pct_of_step=0.8),
-                            dict(setting="b", precision="bf16", variant="bucketed:1000", exposed_comm_ms=15.0, overlap_pct=25.0,
-                                 comm_ms=20.0, exposed_comm_pct_of_step=12.5)])
-    text = ddp_commentary(ddp, overlap)
-    line_a, line_b = [ln for ln in text.splitlines() if ln.startswith("- **")]
-    assert "20 ms slower" in line_a and "computation slowed by the communication" in line_a
-    assert "communication left exposed" in line_b
-    assert "0.923x torch DDP" in line_a
-
-    from systems.report.distributed import ddp_table, ddp_targets
-
-    targets = ddp_targets(ddp_table(ddp.assign(step_ms_p10=120.0, step_ms_p90=120.0, fwd_bwd_ms=0.0,
-                                               sync_wait_ms=0.0, optimizer_ms=0.0, first_step_s=float("nan"))),
-                          overlap).splitlines()
-    assert targets == [f"- {s}: best `bucketed:1000` runs at 0.923x torch DDP's step time (target <= 1) with "
-                       f"{pct}% of the step exposed communication in its trace (target <= 3%)."
-                       for s, pct in (("a", "0.8"), ("b", "12.5"))]
