@@ -47,14 +47,35 @@ def _labelled(records: list[dict], source: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _name(path: Path, root: Path) -> str:
+    """A file's name for tables: relative to the repository when inside it."""
+    path = path.resolve()
+    return str(path.relative_to(root.resolve())) if path.is_relative_to(root.resolve()) else str(path)
+
+
+def read_allreduce(paths, *, this_run: str | Path | None = None, root: Path = REPO_ROOT) -> pd.DataFrame:
+    """All-reduce rows from ``paths`` (each read once), each labelled with its file (``this_run``'s
+    as "this run"), machine, commit and date."""
+    frames, seen = [], set()
+    for path in [Path(p) for p in paths]:
+        if path.resolve() in seen or not path.exists():
+            continue
+        seen.add(path.resolve())
+        mine = this_run is not None and path.resolve() == Path(this_run).resolve()
+        frames.append(_labelled(read_records(path), THIS_RUN if mine else _name(path, root)))
+    frames = [f for f in frames if len(f)]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
+        columns=["backend", "world_size", "size_bytes", "status", "source", "machine", "commit", "date"])
+
+
+def archived(patterns: str | None, *, root: Path = REPO_ROOT) -> list[Path]:
+    """The committed files matching the space-separated glob ``patterns`` (relative to ``root``)."""
+    return [Path(p) for pattern in (patterns or "").split() for p in sorted(glob.glob(str(root / pattern)))]
+
+
 def allreduce_rows(this_run: str | Path, *, archives: str | None = None, root: Path = REPO_ROOT) -> pd.DataFrame:
-    """This run's all-reduce rows and those of the committed runs matching the glob ``archives``
-    (relative to ``root``), each with its source file, machine, commit and date."""
-    frames = [_labelled(read_records(this_run), THIS_RUN)]
-    for path in sorted(glob.glob(str(root / archives))) if archives else []:
-        frames.append(_labelled(read_records(path), Path(path).name))
-    df = pd.concat([f for f in frames if len(f)], ignore_index=True)
-    return df
+    """This run's all-reduce rows and those of the committed runs matching ``archives``."""
+    return read_allreduce([Path(this_run), *archived(archives, root=root)], this_run=this_run, root=root)
 
 
 def allreduce_sources(df: pd.DataFrame) -> pd.DataFrame:

@@ -68,12 +68,12 @@ def test_allreduce_rows_name_each_source_machine_and_commit(tmp_path):
                                                       _allreduce_row("nccl", 2, 1000, 3.3, gpu8)]))
     df = report.allreduce_rows(mine, archives="results/13_allreduce_*.jsonl", root=tmp_path)
     sources = report.allreduce_sources(df).set_index("source")
-    assert sources.loc["13_allreduce_nccl_8xH200.jsonl", "machine"] == "8x NVIDIA H200"
-    assert sources.loc["13_allreduce_nccl_8xH200.jsonl", "commit"] == "7a244ec"
+    assert sources.loc["results/13_allreduce_nccl_8xH200.jsonl", "machine"] == "8x NVIDIA H200"
+    assert sources.loc["results/13_allreduce_nccl_8xH200.jsonl", "commit"] == "7a244ec"
     assert sources.loc[report.THIS_RUN, "measured"] == 3
     text = report.allreduce_answer(df)
     # NCCL facts come from the source with the most world sizes (the archive), named with its commit
-    assert "With NCCL (8x NVIDIA H200, 13_allreduce_nccl_8xH200.jsonl, commit 7a244ec) at 2 ranks" in text
+    assert "With NCCL (8x NVIDIA H200, results/13_allreduce_nccl_8xH200.jsonl, commit 7a244ec) at 2 ranks" in text
     assert "2 ranks 333 GB/s (3 ms), 8 ranks 333 GB/s (5.25 ms)" in text and "stays within 0%" in text
     assert "gloo on CPU is 40x to 200x slower" in text  # 2 against 0.05 ms at 1 MB, 600 against 3.0 ms at 1 GB
     assert "This run's NCCL times are 1.10x to 1.10x" in text  # 3.3 against the archive's 3.0
