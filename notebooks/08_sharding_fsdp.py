@@ -42,8 +42,8 @@ config.opt_path, config.fsdp_path = str(ctx.result_path("optimizer")), str(ctx.r
 config.gather_path, config.trace_dir = str(ctx.result_path("gathers")), str(ctx.results / f"{ctx.name}_traces")
 fsdp_bench.check_against_unsharded(ctx.result_path("check"))
 fsdp_bench.run_fsdp_benchmark(config, world_size=world, backend=backend)
-if large:
-    fsdp_bench.attempt(fsdp_bench.large_model_config(config, model=large), world_size=world, backend=backend)
+for large_config in fsdp_bench.large_model_configs(config, model=large) if large else []:
+    fsdp_bench.attempt(large_config, world_size=world, backend=backend)
 opt, fsdp = read_results(config.opt_path), read_results(config.fsdp_path)
 gathers, check = read_results(config.gather_path), read_results(ctx.result_path("check"))
 nb.md(f"Model **{config.model}** ({get_config(config.model).n_params:,} parameters), context "

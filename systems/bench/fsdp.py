@@ -386,26 +386,30 @@ def notebook_config(*, profile: str, handout: str) -> FSDPBenchConfig:
     return FSDPBenchConfig(model=preset_of("xl", handout), context_length=512, batch_size=4, warmup=2, steps=5)
 
 
-def large_model_config(config: FSDPBenchConfig, *, model: str) -> FSDPBenchConfig:
-    """The same benchmark for a model that may not fit: optimizer-state sharding in fp32 and our
-    FSDP computing in bf16, one warm-up and three timed steps each, no profile, rows appended to
-    ``config``'s files (their ``model`` column tells them apart)."""
+def large_model_configs(config: FSDPBenchConfig, *, model: str) -> list[FSDPBenchConfig]:
+    """The same benchmark for a model that may not fit, as two runs of one variant each: our FSDP
+    computing in bf16 first (the one expected to fit), then optimizer-state sharding in fp32; one
+    warm-up and three timed steps, no profile, rows appended to ``config``'s files (their
+    ``model`` column tells them apart). Separate runs, so that one that hangs on an out-of-memory
+    striking the ranks at different points cannot take the other's rows with it."""
     if model == config.model:
         raise ValueError(f"the large model must differ from the benchmark's own ({config.model!r}): rows are told apart by it")
-    return replace(config, model=model, opt_variants=("ddp_sharded",), fsdp_variants=("fsdp",), precisions=("bf16",),
-                   warmup=1, steps=3, profile=False, append=True)
+    common = dict(model=model, precisions=("bf16",), warmup=1, steps=3, profile=False, append=True)
+    return [replace(config, opt_variants=(), fsdp_variants=("fsdp",), **common),
+            replace(config, opt_variants=("ddp_sharded",), fsdp_variants=(), **common)]
 
 
-def attempt(config: FSDPBenchConfig, *, world_size: int = 2, backend: str = "auto", deadline_s: float = 180.0) -> dict:
+def attempt(config: FSDPBenchConfig, *, world_size: int = 2, backend: str = "auto", deadline_s: float = 150.0) -> dict:
     """``run_fsdp_benchmark`` that turns a failed or overlong run into a row ("error", with the
     first line of the error) in ``config.fsdp_path`` instead of an exception: for a model whose
-    out-of-memory might not strike every rank at the same point."""
+    out-of-memory might not strike every rank at the same point (then a collective hangs until
+    the deadline)."""
     try:
         return launch(bench_worker, world_size, backend, args=(asdict(config),), timeout_s=deadline_s,
                       deadline_s=deadline_s)[0]
     except DistributedRunError as exc:
-        row = {"model": config.model, "variant": ",".join(config.fsdp_variants), "status": "error",
-               "error": str(exc).splitlines()[0][:300]}
+        row = {"model": config.model, "variant": ",".join((*config.opt_variants, *config.fsdp_variants)),
+               "status": "error", "error": str(exc).splitlines()[0][:300]}
         ResultWriter(config.fsdp_path, overwrite=False).write(row)
         return {"fsdp": [row]}
 

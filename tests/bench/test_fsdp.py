@@ -56,14 +56,16 @@ def test_optimizer_state_bytes_counts_local_shards():
     assert optimizer_state_bytes(opt) == 2 * 4 * 4 + 4
 
 
-def test_large_model_config_appends_rows_of_another_model():
+def test_large_model_configs_append_rows_of_another_model():
     base = fsdp_bench.FSDPBenchConfig(model="debug", context_length=32)
-    big = fsdp_bench.large_model_config(base, model="small")
-    assert (big.model, big.opt_variants, big.fsdp_variants, big.precisions) == ("small", ("ddp_sharded",), ("fsdp",),
-                                                                                 ("bf16",))
-    assert big.append and not big.profile and big.fsdp_path == base.fsdp_path
+    fsdp_first, sharded = fsdp_bench.large_model_configs(base, model="small")
+    assert (fsdp_first.model, fsdp_first.opt_variants, fsdp_first.fsdp_variants, fsdp_first.precisions) == (
+        "small", (), ("fsdp",), ("bf16",))
+    assert (sharded.opt_variants, sharded.fsdp_variants) == (("ddp_sharded",), ())
+    for big in (fsdp_first, sharded):
+        assert big.append and not big.profile and big.fsdp_path == base.fsdp_path and big.opt_path == base.opt_path
     with pytest.raises(ValueError, match="must differ"):
-        fsdp_bench.large_model_config(base, model="debug")
+        fsdp_bench.large_model_configs(base, model="debug")
     with pytest.raises(ValueError, match="optimizer-sharding variants"):
         fsdp_bench.FSDPBenchConfig(opt_variants=("zero3",))
     assert fsdp_bench.notebook_config(profile="full", handout="2026").model == "2.7B"
@@ -88,7 +90,8 @@ def test_attempt_turns_a_failed_run_into_a_row(tmp_path, monkeypatch):
     result = fsdp_bench.attempt(cfg, world_size=2, backend="gloo")
     rows = read_records(out)
     assert [r["status"] for r in rows] == ["ok", "error"]
-    assert rows[1]["model"] == "small" and rows[1]["error"].startswith("rank 1 of 2 was killed by signal SIGKILL")
+    assert rows[1]["model"] == "small" and rows[1]["variant"] == "ddp,ddp_sharded,fsdp2,fsdp"
+    assert rows[1]["error"].startswith("rank 1 of 2 was killed by signal SIGKILL")
     assert result["fsdp"][0]["status"] == "error"
 
 
