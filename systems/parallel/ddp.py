@@ -117,9 +117,9 @@ class _DDPBase(nn.Module):
         mine = self._issue_order()
         signature = torch.tensor(mine + [-x for x in mine], dtype=torch.int32)
         dist.all_reduce(signature, op=dist.ReduceOp.MAX, group=self._check_group)
-        n = len(mine)
+        n, agreed = len(mine), signature.tolist()
         # max == -max(-x) == min only where every rank holds the same value
-        mismatched = [i for i in range(n) if signature[i].item() != -signature[n + i].item()]
+        mismatched = [i for i in range(n) if agreed[i] != -agreed[n + i]]
         self.check_seconds += time.perf_counter() - start
         self.check_calls += 1
         if mismatched:  # the failure path only: every rank's order, to name who differs
