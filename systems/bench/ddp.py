@@ -161,10 +161,10 @@ def notebook_config(*, profile: str, handout: str) -> DDPBenchConfig:
     if handout == "2025":
         return DDPBenchConfig(model=model, context_length=512, batch_size=4, lp_reduce_buckets_mb=(1000.0,),
                               tail_buckets_mb=((1000.0, 1.0),), compiled_precisions=("bf16",),
-                              compile_mode="reduce-overhead", warmup=3, steps=10, budget_s=330.0)
+                              compile_mode="reduce-overhead", warmup=3, steps=10, budget_s=300.0)
     return DDPBenchConfig(model=model, context_length=512, batch_size=4, bucket_sizes_mb=(100.0,),
                           tail_buckets_mb=((1000.0, 1.0),), compiled_precisions=("bf16",),
-                          compile_mode="reduce-overhead", warmup=2, steps=8, budget_s=330.0)
+                          compile_mode="reduce-overhead", warmup=2, steps=8, budget_s=300.0)
 
 
 def _train_step(name: str, model: torch.nn.Module, opt, precision: str) -> tuple[Parallelized, TrainStep]:
