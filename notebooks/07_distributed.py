@@ -112,9 +112,7 @@ nb.md("**Against torch DDP.**\n\n" + report.ddp_commentary(ddp, overlap))
 # all-reduces). Exposed communication = time some communication runs while nothing else does.
 
 # %%
-nb.show(overlap[overlap["status"] == "ok"][["setting", "variant", "step_window_ms", "comm_ms", "compute_ms",
-                                            "overlapped_ms", "exposed_comm_ms", "overlap_pct"]],
-        caption="per profiled step, from the traces")
+nb.show(report.overlap_table(overlap), caption="per profiled step, from the traces")
 nb.save_figure(report.plot_overlap(overlap, title=f"One profiled step per variant ({ctx.gpu})"), ctx, "overlap")
 nb.answer(ctx, "ddp_overlap_individual_parameters_benchmarking", "b", report.trace_answer(overlap))
 nb.md("**Against our own targets** (the project's, not the handout's):\n\n"

@@ -388,7 +388,7 @@ def overlap_answer(ddp: pd.DataFrame) -> str:
 
 def trace_answer(overlap: pd.DataFrame) -> str:
     """ddp_overlap_individual_parameters_benchmarking (b): what the traces show, per setting."""
-    ok = overlap[overlap["status"] == "ok"]
+    ok = overlap[overlap["status"] == "ok"] if len(overlap) else overlap
     lines = []
     for r in ok.itertuples():
         lines.append(f"- {r.setting} · `{r.variant}`: {r.comm_ms:.3g} ms of communication per step, "
@@ -400,10 +400,11 @@ def trace_answer(overlap: pd.DataFrame) -> str:
             "beside the backward.\n" + "\n".join(lines))
 
 
-def best_of_ours(g: pd.DataFrame) -> pd.Series:
-    """The fastest of our wrappers in one setting's rows (not the nosync baseline, not torch DDP)."""
+def best_of_ours(g: pd.DataFrame) -> pd.Series | None:
+    """The fastest of our wrappers in one setting's rows (not the nosync baseline, not torch DDP);
+    None when none of them ran (the budget skipped them)."""
     ours = g[~g["variant"].isin(["nosync", "torch_ddp"])]
-    return ours.loc[ours["step_ms"].idxmin()]
+    return ours.loc[ours["step_ms"].idxmin()] if len(ours) else None
 
 
 def trace_row(overlap: pd.DataFrame | None, *, setting: str, variant: str) -> pd.Series | None:
@@ -423,6 +424,8 @@ def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None) -> str:
     lines = []
     for setting, g in _ok(table).groupby("setting", sort=False):
         best = best_of_ours(g)
+        if best is None:
+            continue
         traced = trace_row(overlap, setting=setting, variant=best["variant"])
         exposed = traced["exposed_comm_pct_of_step"] if traced is not None else float("nan")
         lines.append(f"- {setting}: best `{best['variant']}` runs at {best['vs_torch_ddp']:.3f}x torch DDP's step time "
@@ -438,6 +441,8 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
     overlap = overlap if overlap is not None and len(overlap) else None
     for setting, g in _ok(df).groupby("setting", sort=False):
         best = best_of_ours(g)
+        if best is None:
+            continue
         torch_row = g[g["variant"] == "torch_ddp"]
         base = g[g["variant"] == "nosync"]
         s = f"- **{setting}**: the best of our variants is `{best['variant']}` at {best['step_ms']:.4g} ms/step"
@@ -498,10 +503,26 @@ def plot_streams(ax, iv: TraceIntervals, *, title: str = "", step: int = 0) -> N
         ax.set_title(title, fontsize=10)
 
 
+OVERLAP_COLUMNS = ["setting", "variant", "step_window_ms", "comm_ms", "compute_ms", "overlapped_ms", "exposed_comm_ms",
+                   "overlap_pct"]
+
+
+def overlap_table(overlap: pd.DataFrame) -> pd.DataFrame:
+    """The profiled steps' overlap numbers; the variants the budget left unprofiled, by status."""
+    if not len(overlap):
+        return pd.DataFrame(columns=OVERLAP_COLUMNS)
+    return overlap.reindex(columns=OVERLAP_COLUMNS + ["status"])
+
+
 def plot_overlap(overlap: pd.DataFrame, *, title: str = ""):
     """One lane pair per profiled (setting, variant): computation against communication over the
     first profiled step, whole."""
-    rows = list(overlap[overlap["status"] == "ok"].itertuples())
+    rows = list(overlap[overlap["status"] == "ok"].itertuples()) if len(overlap) else []
+    if not rows:
+        fig, ax = plt.subplots(figsize=(8, 1.5))
+        ax.text(0.5, 0.5, "no step was profiled in this run", ha="center", va="center")
+        ax.set_axis_off()
+        return fig
     fig, axes = plt.subplots(len(rows), 1, figsize=(12, 1.9 * len(rows)), squeeze=False)
     for ax, r in zip(axes[:, 0], rows):
         pct = "n/a" if r.overlap_pct is None or r.overlap_pct != r.overlap_pct else f"{r.overlap_pct:.0f}%"

@@ -97,3 +97,24 @@ def test_bucket_frame_compares_the_wait_after_backward_with_the_models():
     assert frame.loc["bucketed:1", "backward_slowdown_ms"] == pytest.approx(19.0)
     best, ties = report.robust_best(frame.reset_index())
     assert best["variant"] == "bucketed:1000" and ties == []
+
+
+def test_answers_survive_variants_the_budget_skipped():
+    """A setting whose variants the budget skipped (only its nosync ran) drops out of every answer
+    instead of failing the notebook; the rows that ran are still answered."""
+    common = dict(status="ok", n_params=1e9, grad_bytes=4e9, n_tensors=300, context_length=512, global_batch=4,
+                  local_batch=2, world_size=2, backend="nccl", device="NVIDIA H200", steps=8, step_ms_p10=99.0,
+                  step_ms_p90=101.0, backward_ms=60.0, baseline_step_ms=100.0, first_step_s=1.0)
+    rows = [dict(common, setting="fp32", variant=v, step_ms=ms, sync_wait_ms=w, comm_overhead_ms=ms - 100.0,
+                 comm_share=(ms - 100.0) / ms)
+            for v, ms, w in (("nosync", 100.0, 0.0), ("naive", 130.0, 30.0), ("flat", 125.0, 25.0),
+                             ("overlap", 110.0, 2.0), ("torch_ddp", 108.0, 0.0))]
+    rows.append(dict(common, setting="bf16", variant="nosync", step_ms=50.0, sync_wait_ms=0.0, comm_overhead_ms=0.0,
+                     comm_share=0.0))
+    rows += [dict(setting="bf16", variant=v, status="skipped (budget)") for v in ("naive", "flat", "overlap")]
+    ddp = pd.DataFrame(rows)
+    assert "bf16" not in report.ddp_commentary(ddp, None) and "fp32" in report.ddp_commentary(ddp, None)
+    assert report.ddp_targets(report.ddp_table(ddp), None).startswith("- fp32: best `overlap`")
+    assert "- bf16" not in report.overlap_answer(ddp) and "- bf16" not in report.flat_answer(ddp, fit=None)
+    assert "- fp32: 130 ms per step" in report.naive_answer(ddp, model_label="xl")
+    assert set(report.ddp_table(ddp)["status"]) == {"ok", "skipped (budget)"}
