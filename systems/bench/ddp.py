@@ -30,7 +30,7 @@ while Python launches them, communication kernels fill those gaps, and the trace
 exposed although computation was not waiting for them. Compiled blocks launch a few fused kernels
 per block, so the step becomes GPU-bound and overlap is measured on a busy GPU.
 
-    python -m systems.bench.ddp                  # 2 GPUs, NCCL, xl, < 7 min on 2xH200 (rows in build/ddp)
+    python -m systems.bench.ddp                  # 2 GPUs, NCCL, 2025's xl (xl-2025), rows in build/ddp
     python -m systems.bench.ddp --model debug --context-length 128 --backend gloo
     torchrun --nproc-per-node 2 -m systems.bench.ddp   # same, env:// rendezvous
 """

@@ -12,6 +12,7 @@ import pandas as pd
 
 from systems.analysis.sharding import (communication_per_step, expected_saving, memory_per_rank, per_rank_bytes,
                                        phase_bytes, sizes_table)
+from systems.config import get_config
 
 MiB = 2**20
 GB = 1e9
@@ -257,7 +258,7 @@ def large_model_answer(opt: pd.DataFrame, fsdp: pd.DataFrame, *, model: str, wor
         if "model" in fsdp.columns else opt[opt["model"] == model]
     if not len(rows):
         return f"The {model} model was not attempted in this run."
-    n = rows["n_params"].dropna().iloc[0] if "n_params" in rows.columns and rows["n_params"].notna().any() else None
+    n = get_config(model).n_params
     parts = []
     for _, r in rows.iterrows():
         what = (f"ran at {r['step_ms']:.4g} ms per step, peak {_mib(max(r['peak_fwd_bwd'], r['peak_opt_step']))}"
@@ -265,14 +266,12 @@ def large_model_answer(opt: pd.DataFrame, fsdp: pd.DataFrame, *, model: str, wor
                 f"ran at {r['step_ms']:.4g} ms per step" if r["status"] == "ok" else
                 "ran out of memory" if r["status"] == "oom" else f"failed ({r.get('error', r['status'])})")
         parts.append(f"`{r['variant']}` ({r['precision'] if pd.notna(r.get('precision')) else 'bf16'}) {what}")
-    text = f"The {model} model ({_params(n)} parameters) on {world_size} ranks: " + "; ".join(parts) + "."
-    if n is not None:
-        need = {s: per_rank_bytes(n, world_size, s) for s in ("ddp_sharded", "fsdp")}
-        text += (f" Its weights, gradients, moments and step temporaries alone take "
-                 f"{(need['ddp_sharded'].persistent + need['ddp_sharded'].optimizer_temporaries) / GB:.0f} GB per rank "
-                 f"with sharded optimizer state and {(need['fsdp'].persistent + need['fsdp'].optimizer_temporaries) / GB:.0f} "
-                 "GB with FSDP, before any activation.")
-    return text
+    need = {s: per_rank_bytes(n, world_size, s) for s in ("ddp_sharded", "fsdp")}
+    return (f"The {model} model ({_params(n)} parameters) on {world_size} ranks: " + "; ".join(parts) + ". Its weights, "
+            f"gradients, moments and step temporaries alone take "
+            f"{(need['ddp_sharded'].persistent + need['ddp_sharded'].optimizer_temporaries) / GB:.0f} GB per rank with "
+            f"sharded optimizer state and {(need['fsdp'].persistent + need['fsdp'].optimizer_temporaries) / GB:.0f} GB "
+            "with FSDP, before any activation.")
 
 
 def device_memory() -> tuple[float, str]:

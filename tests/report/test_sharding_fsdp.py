@@ -42,3 +42,15 @@ def test_fsdp_saving_is_against_the_sharded_optimizer_and_counts_gathered_units(
     assert "3,499 MiB saved (92% of the expected)" in text
     assert "explain up to 313 MiB" in text
     assert "20 bytes per parameter" in text
+
+
+def test_the_large_model_answer_says_what_happened_to_each_run():
+    """10B on 2 ranks: the sharded-optimizer run out of memory, the FSDP run an error row (e.g. a
+    hang past its deadline); the answer names both and the bytes the accounting needs."""
+    opt = pd.DataFrame([dict(model="10B", variant="ddp_sharded", precision="fp32", status="oom", n_params=12_832_823_808)])
+    fsdp = pd.DataFrame([dict(model="10B", variant="fsdp", status="error", error="distributed run did not finish")])
+    text = report.large_model_answer(opt, fsdp, model="10B", world_size=2)
+    assert "`ddp_sharded` (fp32) ran out of memory" in text
+    assert "`fsdp` (bf16) failed (distributed run did not finish)" in text
+    # 16 bytes per parameter + 4 of temporaries on half: 4+4+4+2 = 14 B/param sharded-state, 10 B/param FSDP
+    assert "180 GB per rank with sharded optimizer state and 128 GB with FSDP" in text
