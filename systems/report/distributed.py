@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import NullFormatter
 import numpy as np
 import pandas as pd
 
@@ -608,6 +609,7 @@ def plot_bucket_model(frame: pd.DataFrame, fit: dict, *, title: str = ""):
                                                                      0, None), fmt="s", color="tab:blue", capsize=3,
                     label="measured step - no-communication step")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels of a short log axis collide
         ax.set_xlabel("mean bucket (MiB) = gradient bytes / buckets")
         ax.set_ylabel("ms")
         ax.set_title(setting)
