@@ -407,7 +407,8 @@ def fsdp_tp_region_figure(*, layer: pm.FFNLayer, hws: list[pm.Accelerator], n_po
             ax.plot(grid["n_fsdp"], n_target / grid["n_fsdp"], color="tab:green", ls=style, lw=1)
         ax.plot(ov["n_fsdp"], ov["n_tp"], "k*", ms=12, label=f"overlapped optimum N = {ov['n']:.0f}")
         ax.plot(se["n_fsdp"], se["n_tp"], "ko", ms=7, label=f"serial optimum N = {se['n']:.0f}")
-        ax.set(xlabel="N_FSDP", ylabel="N_TP", ylim=(1, grid["n_tp"][-1]), title=f"{hw.name}: comm/compute (serial), log2")
+        ax.set(xlabel="N_FSDP", ylabel="N_TP", ylim=(1, grid["n_tp"][-1]))
+        ax.set_title(f"{hw.name}\nserial comm / compute (log2)", fontsize=10)
         ax.legend(fontsize=8, loc="upper right")
     fig.colorbar(im, ax=axes, label="log2(serial comm / compute)")
     return fig
