@@ -519,6 +519,44 @@ def fsdp_tp_max_devices_serial(layer: FFNLayer, *, accelerator: Accelerator) -> 
     return {"n": n_fsdp * n_tp, "n_fsdp": n_fsdp, "n_tp": n_tp}
 
 
+def fsdp_tp_ratio_grid(layer: FFNLayer, *, accelerator: Accelerator, n_points: int, span: float = 1.5) -> dict:
+    """Forward comm / compute over a grid of (N_FSDP, N_TP), up to ``span`` times the overlapped
+    optimum on each axis: arrays ``n_fsdp`` (columns), ``n_tp`` (rows), ``overlapped`` and
+    ``serial`` (ratios > 1: communication-bound)."""
+    import numpy as np
+
+    ov = fsdp_tp_max_devices_overlapped(layer, accelerator=accelerator)
+    nf = np.linspace(1, span * ov["n_fsdp"], n_points)
+    nt = np.linspace(1, span * ov["n_tp"], n_points)
+    overlapped, serial = np.empty((len(nt), len(nf))), np.empty((len(nt), len(nf)))
+    for i, t in enumerate(nt):
+        for j, f in enumerate(nf):
+            compute = fsdp_tp_forward_flops(layer, n_fsdp=f, n_tp=t) / accelerator.flops_per_s
+            times = fsdp_tp_forward_comm_times(layer, n_fsdp=f, n_tp=t, link_bytes_per_s=accelerator.link_bytes_per_s)
+            overlapped[i, j], serial[i, j] = times["overlapped"] / compute, times["serial"] / compute
+    return {"n_fsdp": nf, "n_tp": nt, "overlapped": overlapped, "serial": serial}
+
+
+def tp_backward_check(*, batch: int = 8, d_model: int = 16, d_ff: int = 24, n_tp: int = 4, seed: int = 0) -> dict:
+    """tp_calcs (a), executed: ``tp_ffn_forward_backward`` on ``n_tp`` column/row shards against
+    autograd on the unsharded layer, in float64; the largest difference of y, dx and each dW."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, d_model, generator=g, dtype=torch.float64)
+    w1, w2 = (torch.randn(d_model, d_ff, generator=g, dtype=torch.float64) / d_model**0.5 for _ in range(2))
+    w3 = torch.randn(d_ff, d_model, generator=g, dtype=torch.float64) / d_ff**0.5
+    dy = torch.randn(batch, d_model, generator=g, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w1, w2, w3)]
+    y = (torch.nn.functional.silu(leaves[0] @ leaves[1]) * (leaves[0] @ leaves[2])) @ leaves[3]
+    y.backward(dy)
+    tp = tp_ffn_forward_backward(x, dy, list(w1.chunk(n_tp, 1)), list(w2.chunk(n_tp, 1)), list(w3.chunk(n_tp, 0)))
+    return {"n_tp": n_tp, "y": (tp["y"] - y).abs().max().item(), "dx": (tp["dx"] - leaves[0].grad).abs().max().item(),
+            "dW1": (torch.cat(tp["dW1"], 1) - leaves[1].grad).abs().max().item(),
+            "dW2": (torch.cat(tp["dW2"], 1) - leaves[2].grad).abs().max().item(),
+            "dW3": (torch.cat(tp["dW3"], 0) - leaves[3].grad).abs().max().item()}
+
+
 # ---------------------------------------------------------------------------------------------
 # Sympy derivations: the same answers solved from the FLOP and byte counts
 # ---------------------------------------------------------------------------------------------
@@ -687,6 +725,34 @@ def ddp_bucket_overhead(*, total_bytes: float, bandwidth_bytes_per_s: float, per
     return total_bytes / (n_buckets * bandwidth_bytes_per_s) + n_buckets * per_call_overhead_s
 
 
+def ddp_bucket_overhead_paced(*, total_bytes: float, bandwidth_bytes_per_s: float, per_call_overhead_s: float,
+                              n_buckets: int, backward_s: float, last_bucket_bytes: float | None = None) -> float:
+    """The same overhead when the backward takes ``backward_s`` (measured), not the transfer time.
+
+    Bucket k (k = 1..n_b) is ready at k c with c = backward_s / n_b (gradients at a uniform rate);
+    an all-reduce costs t = o + s / (n_b w), the last one t_last = o + last / w (the last bucket
+    holds the first parameters; its size differs when a separate cap or a large embedding sets
+    it). The stream runs them one at a time, so each of the n_b - 1 hand-offs can add a backlog of
+    t - c when communication is the slower of the two, and nothing when it keeps up:
+
+        overhead = t_last + (n_b - 1) max(0, t - c).
+
+    With the handout's assumption c = s / (n_b w) this is s / (n_b w) + n_b o, the function above
+    (t - c = o). When the backward is much slower than the transfers (a big model on a fast link)
+    the backlog vanishes and only the last bucket's all-reduce is left: the fewer, larger buckets
+    the handout's optimum prefers then cost more, not less.
+    """
+    _positive(total_bytes=total_bytes, bandwidth_bytes_per_s=bandwidth_bytes_per_s, backward_s=backward_s)
+    if not per_call_overhead_s >= 0:
+        raise ValueError(f"per_call_overhead_s must be >= 0, got {per_call_overhead_s!r}")
+    if not n_buckets >= 1:
+        raise ValueError(f"n_buckets must be >= 1, got {n_buckets!r}")
+    t = per_call_overhead_s + total_bytes / (n_buckets * bandwidth_bytes_per_s)
+    last = total_bytes / n_buckets if last_bucket_bytes is None else last_bucket_bytes
+    t_last = per_call_overhead_s + last / bandwidth_bytes_per_s
+    return t_last + (n_buckets - 1) * max(0.0, t - backward_s / n_buckets)
+
+
 def optimal_n_buckets(*, total_bytes: float, bandwidth_bytes_per_s: float, per_call_overhead_s: float) -> float:
     """d/dn_b [s/(n_b w) + n_b o] = -s/(n_b^2 w) + o = 0  =>  n_b* = sqrt(s / (w o)).
 
@@ -722,9 +788,10 @@ def symbolic_ddp_bucket() -> dict[str, sp.Expr]:
 
 def answers_table(*, model: StackedFFN = XXL, mesh: TPUMesh = HANDOUT_MESH, tpu: Accelerator = TPU_V5P,
                   gpu: Accelerator = H100, layer: FFNLayer | None = None,
-                  example_n: int = 8):
+                  example_n: int = 8, extra: tuple[Accelerator, ...] = ()):
     """Every numbered answer, evaluated: the 2025 XXL numbers on the handout's hardware and the
-    2026 bounds for ``layer`` (default: the leaderboard FFN) on both ``tpu`` and ``gpu``."""
+    2026 bounds for ``layer`` (default: the leaderboard FFN) on ``gpu``, ``tpu`` and each of
+    ``extra`` (e.g. the GPU with a measured link bandwidth)."""
     import pandas as pd
 
     layer = layer or leaderboard_ffn()
@@ -771,7 +838,7 @@ def answers_table(*, model: StackedFFN = XXL, mesh: TPUMesh = HANDOUT_MESH, tpu:
         "TFLOP", "12 B D D_FF / N")
     add("fsdp_tp_calcs", "a", f"forward FLOPs/device at N_FSDP = N_TP = {n}",
         fsdp_tp_forward_flops(layer, n_fsdp=n, n_tp=n) / 1e12, "TFLOP", "6 B D D_FF / (N_FSDP N_TP)")
-    for hw in (gpu, tpu):
+    for hw in (gpu, *extra, tpu):
         tag = f" [{hw.name}]"
         w = hw.link_bytes_per_s
         add("data_parallel_calcs", "b", f"backward comm at N={n}" + tag,

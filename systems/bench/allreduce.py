@@ -8,7 +8,13 @@ are gathered on rank 0 with all_gather_object.
 Bandwidths follow nccl-tests: algbw = size / time; busbw = algbw * 2 (n - 1) / n, the traffic
 each link of a ring all-reduce carries, comparable across world sizes and with link peaks.
 
+Rows go to the output file one by one, as rank 0 measures them, and nothing in it is ever
+deleted: an interrupted run keeps every case it finished, and running the same command again
+resumes, skipping the cases the file already holds for this machine (``--append`` measures them
+again). The default file is under build/allreduce/, never the committed results/.
+
     python -m systems.bench.allreduce --backend gloo --world-sizes 2 --sizes-mb 1 10
+    python -m systems.bench.allreduce --out results/13_allreduce_nccl_8xH200.jsonl   # on 8 GPUs
 """
 
 from __future__ import annotations
@@ -24,14 +30,17 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from systems.measure.env import environment
+from systems.measure.results import ResultWriter, read_records
 from systems.measure.timer import median_p10_p90
-from systems.measure.results import ResultWriter
 from systems.parallel.launch import DistContext, all_gather_objects, resolve_backend, spawn
 
 MB = 1_000_000  # the handout's 1 MB ... 1 GB are decimal sizes
 HANDOUT_SIZES_BYTES = (1 * MB, 10 * MB, 100 * MB, 1000 * MB)
 HANDOUT_WORLD_SIZES = (2, 4, 6)
 WARMUP = 5
+DEFAULT_OUT = "build/allreduce/allreduce.jsonl"
+EXISTING = ("resume", "append", "replace")
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,17 @@ def plan_cases(*, backends: Sequence[str], world_sizes: Sequence[int] = HANDOUT_
     return plan
 
 
+def notebook_plan(*, profile: str, n_gpus: int) -> tuple[Plan, dict]:
+    """Notebook 07's cases and per-case budget. Full: NCCL at every handout world size the GPUs
+    allow, and gloo on the host's CPU up to 100 MB (1 GB over gloo takes seconds per call); smoke:
+    gloo on 2 CPU processes up to 10 MB. Committed runs on larger machines fill in the rest."""
+    if profile == "full":
+        return (plan_cases(backends=["nccl", "gloo"], n_gpus=n_gpus, max_gloo_bytes=100 * MB),
+                dict(budget_s=0.5, min_iters=5, max_iters=50))
+    return (plan_cases(backends=["gloo"], n_gpus=0, max_gloo_world_size=2, max_gloo_bytes=10 * MB),
+            dict(budget_s=0.3, min_iters=3, max_iters=10))
+
+
 def bus_bandwidth_factor(world_size: int) -> float:
     return 2 * (world_size - 1) / world_size
 
@@ -89,8 +109,10 @@ def _iters_for(warm_s: float, *, budget_s: float, min_iters: int, max_iters: int
 
 
 def _bench_worker(ctx: DistContext, sizes_bytes: list[int], budget_s: float, min_iters: int,
-                  max_iters: int) -> list[dict]:
-    """One rank: every size at this world size. Returns the rows (on rank 0; [] elsewhere)."""
+                  max_iters: int, out_path: str) -> list[dict]:
+    """One rank: every size at this world size. Rank 0 appends each row to ``out_path`` as soon as
+    it is measured, and returns them ([] on the other ranks)."""
+    writer = ResultWriter(out_path, overwrite=False) if ctx.is_main else None
     rows = []
     for size in sizes_bytes:
         numel = size // 4
@@ -120,8 +142,8 @@ def _bench_worker(ctx: DistContext, sizes_bytes: list[int], budget_s: float, min
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
         if ctx.is_main:
-            rows.append(summarise(gathered, backend=ctx.backend, device=_device_name(ctx),
-                                  world_size=ctx.world_size, size_bytes=size))
+            rows.append(writer.write(summarise(gathered, backend=ctx.backend, device=_device_name(ctx),
+                                               world_size=ctx.world_size, size_bytes=size)))
     return rows
 
 
@@ -163,7 +185,7 @@ def summarise(gathered: list[dict], *, backend: str, device: str, world_size: in
     algbw = size_bytes / median_s / 1e9
     return {
         "backend": backend, "device": device, "world_size": world_size, "size_bytes": size_bytes,
-        "size_mb": size_bytes / MB, "dtype": "float32", "iters": n_iters, "warmup": WARMUP,
+        "size_mb": size_bytes / MB, "dtype": "fp32", "iters": n_iters, "warmup": WARMUP,
         "time_ms": median_s * 1e3, "time_ms_p10": p10_s * 1e3, "time_ms_p90": p90_s * 1e3,
         "time_ms_min": min(min(t) for t in per_rank) * 1e3, "time_ms_max": max(max(t) for t in per_rank) * 1e3,
         "rank_spread_ms": statistics.median(gap) * 1e3,
@@ -175,25 +197,57 @@ def summarise(gathered: list[dict], *, backend: str, device: str, world_size: in
 def not_run_row(case: Case, reason: str) -> dict:
     return {"backend": case.backend, "device": "cuda" if case.backend == "nccl" else "cpu",
             "world_size": case.world_size, "size_bytes": case.size_bytes, "size_mb": case.size_bytes / MB,
-            "dtype": "float32", "time_ms": None, "algbw_GBps": None, "busbw_GBps": None,
+            "dtype": "fp32", "time_ms": None, "algbw_GBps": None, "busbw_GBps": None,
             "status": "not_run", "reason": reason}
 
 
-def run_benchmark(plan: Plan, out_path: str | Path, *, budget_s: float = 2.0, min_iters: int = 5,
-                  max_iters: int = 50, timeout_s: float = 300.0, progress: bool = True) -> list[dict]:
-    """Run a plan: one spawn per (backend, world size); rows written to out_path as they come."""
-    writer = ResultWriter(out_path)
-    rows = [writer.write(not_run_row(case, reason)) for case, reason in plan.not_run]
+def machine_key(env: dict) -> tuple:
+    """What makes two rows' machines the same for resuming: host, GPU model and count, CPU."""
+    return tuple(env.get(k) for k in ("hostname", "gpu", "gpu_count", "cpu"))
+
+
+def recorded_cases(out_path: str | Path, env: dict, *, measured_only: bool) -> set[tuple[str, int, int]]:
+    """(backend, world size, size) of the rows ``out_path`` already holds for this machine (with
+    ``measured_only``, of its measured rows: a case recorded as not run may run now)."""
+    mine = machine_key(env)
+    return {(r["backend"], int(r["world_size"]), int(r["size_bytes"])) for r in read_records(out_path)
+            if machine_key(r.get("env") or {}) == mine and (r.get("status") == "ok" or not measured_only)}
+
+
+def run_benchmark(plan: Plan, out_path: str | Path, *, existing: str = "resume", budget_s: float = 2.0,
+                  min_iters: int = 5, max_iters: int = 50, timeout_s: float = 300.0,
+                  progress: bool = True) -> list[dict]:
+    """Run a plan: one spawn per (backend, world size); rank 0 appends each row as it measures it.
+
+    ``existing``: what to do with the rows ``out_path`` already holds: "resume" skips the cases
+    recorded for this machine (an interrupted run picks up where it stopped), "append" measures
+    everything again below them, "replace" starts a new file (a notebook's own output). Returns
+    this call's rows.
+    """
+    if existing not in EXISTING:
+        raise ValueError(f"existing must be one of {', '.join(EXISTING)}, got {existing!r}")
+    out_path = Path(out_path)
+    if existing == "replace":
+        out_path.unlink(missing_ok=True)
+    resume = existing == "resume"
+    done = recorded_cases(out_path, environment(), measured_only=True) if resume else set()
+    noted = recorded_cases(out_path, environment(), measured_only=False) if resume else set()
+    key = lambda case: (case.backend, case.world_size, case.size_bytes)  # noqa: E731
+    writer = ResultWriter(out_path, overwrite=False)
+    rows = [writer.write(not_run_row(case, reason)) for case, reason in plan.not_run if key(case) not in noted]
     groups: dict[tuple[str, int], list[int]] = {}
     for case in plan.run:
-        groups.setdefault((case.backend, case.world_size), []).append(case.size_bytes)
+        if key(case) not in done:
+            groups.setdefault((case.backend, case.world_size), []).append(case.size_bytes)
+    skipped = sum(key(case) in done for case in plan.run)
+    if progress and skipped:
+        print(f"all-reduce: {skipped} case(s) already in {out_path} for this machine, skipped", flush=True)
     for (backend, ws), sizes in groups.items():
         if progress:
             print(f"all-reduce: {backend} world size {ws}, sizes {[s / MB for s in sizes]} MB", flush=True)
-        per_rank = spawn(_bench_worker, ws, backend, args=(sorted(sizes), budget_s, min_iters, max_iters),
-                         timeout_s=timeout_s)
-        for row in per_rank[0]:
-            rows.append(writer.write(row))
+        per_rank = spawn(_bench_worker, ws, backend,
+                         args=(sorted(sizes), budget_s, min_iters, max_iters, str(out_path)), timeout_s=timeout_s)
+        rows += per_rank[0]
     return rows
 
 
@@ -205,13 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mb", nargs="+", type=float, default=[s / MB for s in HANDOUT_SIZES_BYTES])
     parser.add_argument("--max-gloo-world-size", type=int, default=None)
     parser.add_argument("--max-gloo-mb", type=float, default=None)
-    parser.add_argument("--out", default="results/07_distributed_allreduce.jsonl")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"rows are appended here, one per case as it is measured (default {DEFAULT_OUT})")
+    parser.add_argument("--append", action="store_true",
+                        help="measure cases the file already holds for this machine again (default: skip them)")
     args = parser.parse_args(argv)
     plan = plan_cases(backends=[resolve_backend(b) for b in args.backend], world_sizes=args.world_sizes,
                       sizes_bytes=[int(m * MB) for m in args.sizes_mb],
                       max_gloo_world_size=args.max_gloo_world_size,
                       max_gloo_bytes=None if args.max_gloo_mb is None else int(args.max_gloo_mb * MB))
-    rows = run_benchmark(plan, args.out)
+    rows = run_benchmark(plan, args.out, existing="append" if args.append else "resume")
+    print(f"rows in {args.out}", flush=True)
     for row in rows:
         if row["status"] == "ok":
             print(f"{row['backend']} n={row['world_size']} {row['size_mb']:>7g} MB: {row['time_ms']:9.3f} ms  "

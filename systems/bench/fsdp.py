@@ -2,11 +2,12 @@
 
 Two parts, every variant on the same model, data and global batch (split over the ranks):
 
-1. optimizer_state_sharding_accounting (fp32): ``ddp`` (DDPIndividualParameters + our AdamW)
+1. optimizer_state_sharding_accounting (fp32): ``ddp`` (DDPIndividualParameters + torch AdamW)
    against ``ddp_sharded`` (the same with ShardedOptimizer(AdamW)). Per variant: peak memory
    after model init, during forward+backward (before the optimizer step) and during the step;
-   a breakdown measured from the allocator (parameters, gradients, optimizer state,
-   activations) next to the one computed from the parameter count; time per iteration.
+   a breakdown measured from the allocator (parameters, gradients, optimizer state, the
+   optimizer step's temporaries, activations), which ``systems.analysis.sharding`` computes from
+   the parameter count; time per iteration.
 2. fsdp_accounting, per precision (fp32; bf16 compute): ``fsdp2`` (torch's ``fully_shard`` per
    Transformer block and on the root) and our ``fsdp`` (systems.parallel.fsdp.FSDP). Peak memory
    and step time, and their ratios in the same run; then one profiled step of ours whose trace
@@ -21,7 +22,7 @@ Memory comes from the allocator, read at the step's phase marks (``Marks(track_m
 bytes allocated and the high-water mark per phase; GPU only, CPU rows carry None). Times are per
 step, the slowest rank's, median over steps.
 
-    python -m systems.bench.fsdp                       # 2 GPUs, NCCL, xl, < 6 min on 2xH200 (rows in build/fsdp)
+    python -m systems.bench.fsdp                       # 2 GPUs, NCCL, 2025's xl (rows in build/fsdp)
     python -m systems.bench.fsdp --model debug --backend gloo --context-length 64
     torchrun --nproc-per-node 2 -m systems.bench.fsdp  # same, env:// rendezvous
 """
@@ -30,13 +31,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from systems.analysis.sharding import computed_breakdown
 from systems.bench.config import RunConfig, add_distributed_arguments
 from systems.measure.devices import catch_oom, release_memory
 from systems.measure.results import ResultWriter
@@ -44,12 +44,14 @@ from systems.measure.timer import Marks, median_p10_p90
 from systems.measure.trace import STEP_RANGE, collective_timeline
 from systems.model import TransformerLM
 from systems.parallel.fsdp import FSDP
-from systems.parallel.launch import DistContext, all_gather_objects, launch, resolve_backend, under_torchrun
+from systems.parallel.launch import (DistContext, DistributedRunError, all_gather_objects, launch, resolve_backend,
+                                    spawn, under_torchrun)
 from systems.parallel.plan import ParallelPlan, Parallelized, apply
 from systems.parallel.sharded_optimizer import ShardedOptimizer
 from systems.train import OptimizerSpec, StepSpec, TrainStep, build_optimizer
 
 PRECISIONS = ("fp32", "bf16")
+OPT_VARIANTS = ("ddp", "ddp_sharded")
 FSDP_VARIANTS = ("fsdp2", "fsdp")
 UNIT_MARK = "fsdp_unit"  # record_function ranges the benchmark puts around each unit's forward
 MiB = 1024 * 1024
@@ -62,10 +64,12 @@ class FSDPBenchConfig(RunConfig):
     warmup: int = 2  # >= 1: the first step creates the optimizer state
     steps: int = 5
     precisions: tuple[str, ...] = PRECISIONS
+    opt_variants: tuple[str, ...] = OPT_VARIANTS  # part 1, in fp32
     fsdp_variants: tuple[str, ...] = FSDP_VARIANTS
     prefetch: int = 1
     profile: bool = True
     lr: float = 1e-5
+    append: bool = False  # add rows below those already in the files (another model's run)
     opt_path: str = "build/fsdp/08_sharding_fsdp_optimizer.jsonl"
     fsdp_path: str = "build/fsdp/08_sharding_fsdp_fsdp.jsonl"
     gather_path: str = "build/fsdp/08_sharding_fsdp_gathers.jsonl"
@@ -78,6 +82,9 @@ class FSDPBenchConfig(RunConfig):
         bad = [v for v in self.fsdp_variants if v not in FSDP_VARIANTS]
         if bad:
             raise ValueError(f"fsdp variants must be among {FSDP_VARIANTS}, got {bad}")
+        bad = [v for v in self.opt_variants if v not in OPT_VARIANTS]
+        if bad:
+            raise ValueError(f"optimizer-sharding variants must be among {OPT_VARIANTS}, got {bad}")
         if self.warmup < 1:
             raise ValueError(f"need warmup >= 1 (it creates the optimizer state), got {self.warmup}")
         super().__post_init__()
@@ -147,7 +154,8 @@ def _memory_step(s: _Setup, tokens, targets, device: torch.device) -> dict:
     s.step(tokens, targets, marks=marks)
     if not marks.track_memory:
         return {k: None for k in ("mem_before_fwd", "mem_after_fwd", "mem_after_bwd", "mem_after_step",
-                                  "peak_fwd_bwd", "peak_opt_step")}
+                                  "peak_fwd_bwd", "peak_opt_step", "activations_measured", "grads_measured",
+                                  "opt_temporaries_measured")}
     synced = "grad_sync" if "grad_sync" in marks else "backward"
     m0, m1 = marks.allocated_bytes("start"), marks.allocated_bytes("forward")
     m2 = marks.allocated_bytes(synced)
@@ -155,7 +163,9 @@ def _memory_step(s: _Setup, tokens, targets, device: torch.device) -> dict:
             "mem_after_step": marks.allocated_bytes("optimizer"),
             "peak_fwd_bwd": max(marks.peak_bytes(n) for n in ("forward", "backward", synced)),
             "peak_opt_step": marks.peak_bytes("optimizer"),
-            "activations_measured": m1 - m0, "grads_measured": m2 - m0}
+            "activations_measured": m1 - m0, "grads_measured": m2 - m0,
+            # what the step allocates beyond what it starts with: the update's temporaries
+            "opt_temporaries_measured": marks.peak_bytes("optimizer") - m2}
 
 
 def _timed(s: _Setup, tokens, targets, ctx: DistContext, steps: int) -> list[float]:
@@ -194,6 +204,9 @@ def run_variant(variant: str, precision: str, model_cfg, ctx: DistContext, cfg: 
                     for k, v in _memory_step(s, tokens, targets, ctx.device).items()})
         row["opt_state_bytes"] = optimizer_state_bytes(s.opt)
         row["param_bytes_local"] = _local_param_bytes(s)
+        if isinstance(s.par.wrapper, FSDP):  # the largest gathered unit, in the dtype it is gathered in
+            size = torch.finfo(s.par.wrapper.compute_dtype or torch.float32).bits // 8
+            row["gathered_unit_bytes"] = max(u["padded"] for u in s.par.wrapper.shard_layout()) * size
         samples = _timed(s, tokens, targets, ctx, cfg.steps)
         row["n_params"] = s.n_params
     if oom:
@@ -302,12 +315,12 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
     data = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, cfg.context_length + 1), generator=gen)
     shard = data[ctx.rank * local:(ctx.rank + 1) * local].to(ctx.device)
     tokens, targets = shard[:, :-1].contiguous(), shard[:, 1:].contiguous()
-    common = {"backend": ctx.backend, "world_size": ctx.world_size, "model": cfg.model,
+    common = {"backend": ctx.backend, "world_size": ctx.world_size, "model": cfg.model, "n_params": model_cfg.n_params,
               "context_length": cfg.context_length, "global_batch": cfg.batch_size, "local_batch": local,
               "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
     main = ctx.is_main
-    writers = {k: ResultWriter(p) for k, p in (("opt", cfg.opt_path), ("fsdp", cfg.fsdp_path),
-                                                ("gather", cfg.gather_path))} if main else {}
+    writers = {k: ResultWriter(p, overwrite=not cfg.append) for k, p in (
+        ("opt", cfg.opt_path), ("fsdp", cfg.fsdp_path), ("gather", cfg.gather_path))} if main else {}
     out = {"opt": [], "fsdp": [], "gather": []}
 
     def emit(kind, row):
@@ -315,14 +328,8 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             out[kind].append(writers[kind].write({**common, **row}))
 
     # part 1: optimizer state sharding (fp32)
-    for variant in ("ddp", "ddp_sharded"):
+    for variant in cfg.opt_variants:
         row = run_variant(variant, "fp32", model_cfg, ctx, cfg, tokens, targets)
-        if row["status"] == "ok":
-            comp = computed_breakdown(row["n_params"], ctx.world_size, sharded_optimizer=variant == "ddp_sharded")
-            row.update(comp)
-            row["predicted_peak_fwd_bwd"] = (comp["params_computed"] + comp["opt_state_computed"]
-                                             + (row.get("activations_measured") or 0)
-                                             + comp["grads_computed"]) if row.get("peak_fwd_bwd") else None
         emit("opt", row)
         if main:
             print(f"[opt] {variant:>12}: {row.get('step_ms', float('nan')):8.1f} ms/step, peak "
@@ -367,6 +374,94 @@ def run_fsdp_benchmark(config: FSDPBenchConfig, *, world_size: int = 2, backend:
                        timeout_s: float = 600.0) -> dict:
     config.check_world_size(world_size)
     return launch(bench_worker, world_size, backend, args=(asdict(config),), timeout_s=timeout_s)[0]
+
+
+def notebook_config(*, profile: str, handout: str) -> FSDPBenchConfig:
+    """Notebook 08's benchmark: the handout's xl (2025: xl-2025; 2026: the 2.7B preset) on 2
+    ranks, context 512, global batch 4; the debug model on gloo for the smoke profile."""
+    from systems.config import preset_of
+
+    if profile == "smoke":
+        return FSDPBenchConfig(model="debug", context_length=64, batch_size=4, warmup=1, steps=3)
+    return FSDPBenchConfig(model=preset_of("xl", handout), context_length=512, batch_size=4, warmup=2, steps=5)
+
+
+def large_model_configs(config: FSDPBenchConfig, *, model: str) -> list[FSDPBenchConfig]:
+    """The same benchmark for a model that may not fit, as two runs of one variant each: our FSDP
+    computing in bf16 first (the one expected to fit), then optimizer-state sharding in fp32; one
+    warm-up and three timed steps, no profile, rows appended to ``config``'s files (their
+    ``model`` column tells them apart). Separate runs, so that one that hangs on an out-of-memory
+    striking the ranks at different points cannot take the other's rows with it."""
+    if model == config.model:
+        raise ValueError(f"the large model must differ from the benchmark's own ({config.model!r}): rows are told apart by it")
+    common = dict(model=model, precisions=("bf16",), warmup=1, steps=3, profile=False, append=True)
+    return [replace(config, opt_variants=(), fsdp_variants=("fsdp",), **common),
+            replace(config, opt_variants=("ddp_sharded",), fsdp_variants=(), **common)]
+
+
+def attempt(config: FSDPBenchConfig, *, world_size: int = 2, backend: str = "auto", deadline_s: float = 150.0) -> dict:
+    """``run_fsdp_benchmark`` that turns a failed or overlong run into a row ("error", with the
+    first line of the error) in ``config.fsdp_path`` instead of an exception: for a model whose
+    out-of-memory might not strike every rank at the same point (then a collective hangs until
+    the deadline)."""
+    try:
+        return launch(bench_worker, world_size, backend, args=(asdict(config),), timeout_s=deadline_s,
+                      deadline_s=deadline_s)[0]
+    except DistributedRunError as exc:
+        row = {"model": config.model, "variant": ",".join((*config.opt_variants, *config.fsdp_variants)),
+               "status": "error", "error": str(exc).splitlines()[0][:300]}
+        ResultWriter(config.fsdp_path, overwrite=False).write(row)
+        return {"fsdp": [row]}
+
+
+def _check_worker(ctx: DistContext, steps: int) -> dict:
+    """ShardedOptimizer(AdamW) against AdamW on the same gradients (every rank computes the full
+    batch's), and FSDP on half batches against one process on the whole batch; max differences."""
+    from systems.config import get_config
+    from systems.optim import cross_entropy
+
+    cfg = get_config("debug", d_model=32, d_ff=64, n_heads=2, n_layers=2, vocab_size=97)
+    batches = [torch.randint(0, cfg.vocab_size, (8, 17), generator=torch.Generator().manual_seed(100 + i))
+               for i in range(steps)]
+
+    def train(kind: str) -> dict:
+        torch.manual_seed(0)
+        model = TransformerLM(cfg)
+        owner = FSDP(model) if kind == "fsdp" else model
+        params = list(owner.parameters())
+        opt = (ShardedOptimizer(params, torch.optim.AdamW, lr=1e-3) if kind == "sharded"
+               else torch.optim.AdamW(params, lr=1e-3))
+        rows = slice(ctx.rank * 4, (ctx.rank + 1) * 4) if kind == "fsdp" else slice(None)
+        for data in batches:
+            opt.zero_grad(set_to_none=True)
+            cross_entropy(owner(data[rows, :-1]), data[rows, 1:]).backward()
+            if kind == "fsdp":
+                owner.finish_gradient_synchronization()
+            opt.step()
+        if kind == "fsdp":
+            full = owner.gather_full_params()
+            owner.remove_hooks()
+            return full
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    reference = train("single")
+    out = {"rank": ctx.rank, "steps": steps, "n_params": sum(w.numel() for w in reference.values()),
+           "max_weight": max(w.abs().max().item() for w in reference.values())}
+    for kind in ("sharded", "fsdp"):
+        trained = train(kind)
+        out[f"{kind}_max_abs_diff"] = max((trained[n] - w).abs().max().item() for n, w in reference.items())
+        out[f"{kind}_bit_equal"] = all(torch.equal(trained[n], w) for n, w in reference.items())
+    return out
+
+
+def check_against_unsharded(out_path: str | Path, *, world_size: int = 2, steps: int = 3) -> list[dict]:
+    """optimizer_state_sharding and fsdp as the handout checks them, on 2 gloo ranks: one row per
+    rank with the largest weight difference from unsharded training after ``steps`` AdamW steps.
+    ShardedOptimizer only moves who updates each parameter, so it must be bit-equal; FSDP sums
+    the half batches' gradients in another order, so it agrees to rounding."""
+    rows = spawn(_check_worker, world_size, "gloo", args=(steps,), timeout_s=120)
+    writer = ResultWriter(out_path)
+    return [writer.write(r) for r in rows]
 
 
 def main(argv: list[str] | None = None) -> int:

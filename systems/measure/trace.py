@@ -106,6 +106,35 @@ def cpu_range_spans(events: list[dict], name: str) -> list[Interval]:
     return sorted(span(e) for e in events if category(e) == "user_annotation" and e["name"] == name)
 
 
+def launched_spans(events: list[dict], name: str) -> list[Interval]:
+    """GPU-side spans of the device work *launched* inside each CPU range called ``name``: from
+    the first start to the last end of the kernels (memcpy, memset) whose launch call, matched by
+    its "correlation" id, ran during that range, on any thread.
+
+    This is where a step ran on the GPU. Kineto's gpu_user_annotation is no substitute for a
+    range with nested ranges (a step and its phases): a kernel is tied to the innermost range of
+    the thread that launched it, so an outer range gets no GPU span of its own, and the backward's
+    kernels (launched by autograd's thread, NCCL's too when hooks start them) belong to no range.
+    The CPU range is none either: the host runs ahead of the GPU. Empty when the trace has no
+    launch correlations.
+    """
+    launch_ts = {(e.get("args") or {}).get("correlation"): float(e["ts"]) for e in events
+                 if category(e) in LAUNCH_CATEGORIES}
+    launch_ts.pop(None, None)
+    ranges = cpu_range_spans(events, name)
+    spans: list[list[float]] = [[float("inf"), float("-inf")] for _ in ranges]
+    for e in device_events(events):
+        ts = launch_ts.get((e.get("args") or {}).get("correlation"))
+        if ts is None:
+            continue
+        for span_, (lo, hi) in zip(spans, ranges):
+            if lo <= ts <= hi:
+                a, b = span(e)
+                span_[0], span_[1] = min(span_[0], a), max(span_[1], b)
+                break
+    return [(a, b) for a, b in spans if a < b]
+
+
 def range_spans(events: list[dict], name: str) -> list[Interval]:
     """Where the ranges called ``name`` ran: their GPU-side spans when the trace has them (the
     device work launched inside them), else their CPU spans."""
@@ -171,7 +200,7 @@ def comm_compute_intervals(trace: dict | list | str | Path, *, step_range: str =
         kind = "gpu"
         comm = [span(e) for e in kernels if is_comm_kernel(e["name"])]
         compute = [span(e) for e in kernels if not is_comm_kernel(e["name"])]
-        steps = gpu_annotation_spans(events, step_range)
+        steps = launched_spans(events, step_range) or gpu_annotation_spans(events, step_range)
     else:
         kind = "cpu"
         comm_events = [e for e in events if e["name"].startswith("gloo:")]

@@ -13,6 +13,16 @@ sums both uses into its single ``.grad`` and fires its post-accumulate hook once
 reduced once. Parameters that get no gradient in a step stay ``None``. As with torch's DDP, every
 rank must use the same parameters in a step (the collectives are matched by order).
 
+That contract is checked: before a step's gradients are waited for (and, for naive and flat,
+before any is sent), the ranks agree on which parameters got a gradient and in which order their
+reductions were issued, with one small all-reduce (MAX over each rank's signature and its
+negation: 2 int32 per parameter) on a gloo group of their own, whose call order the gradient
+collectives cannot disturb. A parameter used on some ranks only, or gradients issued in
+different orders, raise a RuntimeError naming the parameter and the ranks instead of pairing the
+wrong gradients (a hang, gloo's "Connection reset by peer", or silently wrong averages). It costs
+one CPU round trip per step (``check_seconds`` accumulates it; the DDP benchmark reports it per
+step); ``check_gradients=False`` turns it off.
+
 Averaging: gradients are pre-scaled by 1/world_size and then summed, because gloo has no AVG
 reduction; for a power-of-two world size the pre-scaling is exact.
 
@@ -22,6 +32,7 @@ accumulation without synchronisation is not supported by these wrappers).
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -38,7 +49,8 @@ def _unique_params(module: nn.Module) -> list[nn.Parameter]:
 
 
 class _DDPBase(nn.Module):
-    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None):
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
+                 check_gradients: bool = True):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("initialise a process group first (systems.parallel.launch.spawn "
@@ -46,8 +58,22 @@ class _DDPBase(nn.Module):
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
         self._hooks: list = []
         self.broadcast_from_rank0()
+        names = {id(p): name for name, p in module.named_parameters()}
+        self._params = self.grad_params
+        self._names = [names[id(p)] for p in self._params]
+        self._position = {id(p): i for i, p in enumerate(self._params)}
+        # the agreement runs on a group of its own: after a mismatch the gradient collectives'
+        # call order differs between ranks, and a check issued on the same group would pair with
+        # the wrong call. new_group is collective: every rank of the default group builds it.
+        self._check_group = None
+        if check_gradients:
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            self._check_group = dist.new_group(ranks=ranks, backend="gloo")
+        self.check_seconds = 0.0  # time spent agreeing, summed over steps
+        self.check_calls = 0
 
     @property
     def grad_params(self) -> list[nn.Parameter]:
@@ -63,7 +89,7 @@ class _DDPBase(nn.Module):
         return self.module(*args, **kwargs)
 
     def on_train_batch_start(self) -> None:
-        """Call before each step's forward (only the bucketed wrapper keeps per-step state)."""
+        """Call before each step's forward (wrappers with per-step state reset it here)."""
 
     def finish_gradient_synchronization(self) -> None:
         raise NotImplementedError
@@ -78,13 +104,56 @@ class _DDPBase(nn.Module):
         tensor.div_(self.world_size)
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group, async_op=async_op)
 
+    def _issue_order(self) -> list[int]:
+        """Per trainable parameter: -1 if it got no gradient this step, else the position at which
+        its reduction is (or will be) issued among the step's collectives. Ranks must agree."""
+        return [0 if p.grad is not None else -1 for p in self._params]
+
+    def _check_same_gradients(self) -> None:
+        """Raise, on every rank, if the ranks disagree on ``_issue_order()``."""
+        if self._check_group is None:
+            return
+        start = time.perf_counter()
+        mine = self._issue_order()
+        signature = torch.tensor(mine + [-x for x in mine], dtype=torch.int32)
+        dist.all_reduce(signature, op=dist.ReduceOp.MAX, group=self._check_group)
+        n, agreed = len(mine), signature.tolist()
+        # max == -max(-x) == min only where every rank holds the same value
+        mismatched = [i for i in range(n) if agreed[i] != -agreed[n + i]]
+        self.check_seconds += time.perf_counter() - start
+        self.check_calls += 1
+        if mismatched:  # the failure path only: every rank's order, to name who differs
+            everyone: list = [None] * self.world_size
+            dist.all_gather_object(everyone, mine, group=self._check_group)
+            # a parameter missing on some ranks is the cause; the positions after it shift with it
+            missing = [i for i in mismatched if len({order[i] >= 0 for order in everyone}) > 1]
+            raise RuntimeError(self._mismatch_message((missing or mismatched)[0], everyone,
+                                                      n_more=len(mismatched) - 1))
+
+    def _mismatch_message(self, i: int, everyone: list[list[int]], *, n_more: int) -> str:
+        name, wrapper = self._names[i], type(self).__name__
+        with_grad = [r for r, order in enumerate(everyone) if order[i] >= 0]
+        more = f" ({n_more} more parameter(s) disagree too)" if n_more else ""
+        if 0 < len(with_grad) < self.world_size:
+            without = [r for r in range(self.world_size) if r not in with_grad]
+            what = (f"parameter {name!r} got a gradient on rank(s) {with_grad} but not on rank(s) {without} "
+                    "in this step")
+        else:
+            where = ", ".join(f"rank {r}: {order[i]}" for r, order in enumerate(everyone))
+            what = f"the reduction of parameter {name!r} is issued at different positions on the ranks ({where})"
+        return (f"{wrapper}: {what}{more}. Every rank must use the same parameters, in the same order, in "
+                "every step: the gradient all-reduces are matched by their order, so they would pair "
+                "different gradients (a hang, or wrong averages). Use the parameter on every rank "
+                "(multiplied by zero where it is not needed) or freeze it (requires_grad=False).")
+
 
 class DDPNaive(_DDPBase):
     """After backward: one blocking all-reduce per parameter gradient."""
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        for p in self.grad_params:
+        self._check_same_gradients()
+        for p in self._params:
             if p.grad is not None:
                 self._all_reduce_(p.grad, async_op=False)
 
@@ -94,8 +163,9 @@ class DDPFlat(_DDPBase):
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
+        self._check_same_gradients()
         by_dtype: dict[tuple, list[torch.Tensor]] = {}
-        for p in self.grad_params:
+        for p in self._params:
             if p.grad is not None:
                 by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
         for grads in by_dtype.values():
@@ -105,21 +175,75 @@ class DDPFlat(_DDPBase):
                 g.copy_(synced)
 
 
+class _AgreedOrder:
+    """Lets a rank start a collective during backward only while this step's order of ready items
+    (parameters, buckets) repeats the order every rank agreed on in the last checked step.
+
+    The k-th collective a rank starts is then the agreed k-th item on every rank: ranks whose steps
+    differ stop at their first difference instead of pairing different tensors (which hangs NCCL
+    and aborts gloo in native code, before any check could name the parameter). What was held
+    back is started in ``finish_gradient_synchronization`` once the check has passed, in the
+    order checked. The first step has no agreed order, so it sends everything after backward;
+    so does a step whose order changed on every rank alike. With the check off, items go at once.
+    """
+
+    def __init__(self, checked: bool):
+        self.checked = checked
+        self.agreed: list[int] | None = None
+        self.order: list[int] = []  # this step's items, as they became ready
+        self.following = not checked
+
+    def start_step(self) -> None:
+        self.order = []
+        self.following = not self.checked or self.agreed is not None
+
+    def ready(self, item: int) -> bool:
+        """Record ``item`` as ready; True when its collective may start now."""
+        k = len(self.order)
+        self.order.append(item)
+        if self.checked and self.following:
+            self.following = k < len(self.agreed) and self.agreed[k] == item
+        return self.following
+
+
 class DDPIndividualParameters(_DDPBase):
     """Overlap: each gradient's all-reduce starts, asynchronously, as soon as backward has
     accumulated it (post-accumulate-grad hook); finish waits for the outstanding ones."""
 
-    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None):
-        super().__init__(module, process_group)
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *,
+                 check_gradients: bool = True):
+        super().__init__(module, process_group, check_gradients=check_gradients)
         self._handles: list = []
-        for p in self.grad_params:
+        self._gate = _AgreedOrder(checked=check_gradients)
+        for p in self._params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     @torch.no_grad()
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        self._handles.append(self._all_reduce_(param.grad, async_op=True))
+        if self._gate.ready(self._position[id(param)]):
+            self._handles.append(self._all_reduce_(param.grad, async_op=True))
 
+    def _issue_order(self) -> list[int]:
+        order = [-1] * len(self._names)
+        for k, i in enumerate(self._gate.order):
+            order[i] = k
+        return order
+
+    def on_train_batch_start(self) -> None:
+        self._gate.start_step()
+
+    @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
+        try:
+            self._check_same_gradients()
+        except RuntimeError:
+            self._handles.clear()
+            self._gate.start_step()
+            raise
+        for i in self._gate.order[len(self._handles):]:  # held back: now in the order just agreed
+            self._handles.append(self._all_reduce_(self._params[i].grad, async_op=True))
+        self._gate.agreed = self._gate.order
+        self._gate.start_step()
         # wait() on NCCL only makes the current stream wait for the communication stream, so the
         # optimizer step queued next is ordered after the reduction without blocking the CPU
         for handle in self._handles:
@@ -215,14 +339,14 @@ class DDPBucketed(_DDPBase):
 
     def __init__(self, module: nn.Module, bucket_size_mb: float,
                  process_group: dist.ProcessGroup | None = None, *, reduce_dtype: torch.dtype | None = None,
-                 last_bucket_mb: float | None = None):
+                 last_bucket_mb: float | None = None, check_gradients: bool = True):
         if not bucket_size_mb > 0:  # before the constructor's broadcast: fail without communicating
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
         if last_bucket_mb is not None and not last_bucket_mb > 0:
             raise ValueError(f"last_bucket_mb must be positive, got {last_bucket_mb!r}")
         if reduce_dtype is not None and not reduce_dtype.is_floating_point:
             raise ValueError(f"reduce_dtype must be a floating-point dtype, got {reduce_dtype}")
-        super().__init__(module, process_group)
+        super().__init__(module, process_group, check_gradients=check_gradients)
         self.bucket_size_mb = bucket_size_mb
         params = self.grad_params
         groups = assign_buckets([p.numel() * p.element_size() for p in params], bucket_size_mb * MiB,
@@ -230,6 +354,8 @@ class DDPBucketed(_DDPBase):
                                 last_bucket_bytes=None if last_bucket_mb is None else last_bucket_mb * MiB)
         self.buckets = [_Bucket([params[i] for i in group], reduce_dtype) for group in groups]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._bucket_index = {id(b): k for k, b in enumerate(self.buckets)}
+        self._gate = _AgreedOrder(checked=check_gradients)  # over bucket indices
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
@@ -240,6 +366,22 @@ class DDPBucketed(_DDPBase):
     def on_train_batch_start(self) -> None:
         for bucket in self.buckets:
             bucket.reset()
+        self._gate.start_step()
+
+    def _send_order(self) -> list[int]:
+        """Bucket indices in the order their all-reduces are issued: the complete buckets as they
+        became complete, then (in finish) the others in bucket order."""
+        done = set(self._gate.order)
+        return self._gate.order + [k for k in range(len(self.buckets)) if k not in done]
+
+    def _issue_order(self) -> list[int]:
+        """A parameter's position is its bucket's in ``_send_order``; -1 without a gradient."""
+        slot = {k: pos for pos, k in enumerate(self._send_order())}
+        order = [-1] * len(self._names)
+        for k, b in enumerate(self.buckets):
+            for i in b.ready:
+                order[self._position[id(b.params[i])]] = slot[k]
+        return order
 
     @torch.no_grad()
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -253,7 +395,7 @@ class DDPBucketed(_DDPBase):
         else:
             view.mul_(1.0 / self.world_size)
         bucket.ready.add(i)
-        if len(bucket.ready) == len(bucket.params) and bucket.handle is None:
+        if len(bucket.ready) == len(bucket.params) and self._gate.ready(self._bucket_index[id(bucket)]):
             bucket.handle = self._launch(bucket)
 
     def _launch(self, bucket: _Bucket):
@@ -261,9 +403,15 @@ class DDPBucketed(_DDPBase):
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        # buckets whose parameters did not all get a gradient have not been sent: send them now,
-        # in bucket order, with zeros standing in for the missing gradients
-        for bucket in self.buckets:
+        try:
+            self._check_same_gradients()  # before the held-back buckets are sent and any is waited for
+        except RuntimeError:
+            self.on_train_batch_start()
+            raise
+        order = self._send_order()
+        # the rest in the agreed order: complete buckets held back, then those whose parameters did
+        # not all get a gradient, with zeros standing in for the missing gradients
+        for bucket in (self.buckets[k] for k in order):
             if bucket.handle is None:
                 for i, (p, view) in enumerate(zip(bucket.params, bucket.views)):
                     if i not in bucket.ready:
@@ -279,6 +427,8 @@ class DDPBucketed(_DDPBase):
                 else:
                     p.grad.copy_(view)  # .grad keeps the parameter's dtype
             bucket.reset()
+        self._gate.agreed = order
+        self._gate.start_step()
 
 
 VARIANTS = {

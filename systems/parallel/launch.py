@@ -12,7 +12,8 @@ Backends: ``gloo`` runs on CPU; ``nccl`` runs one process per GPU and binds rank
 ``cuda:LOCAL_RANK`` with ``torch.cuda.set_device``. Every process group gets a collective
 timeout, so a rank stuck in a collective with a dead peer errors out instead of hanging; a rank
 that raises ends the whole run, and its traceback is re-raised in the caller as
-``DistributedRunError``.
+``DistributedRunError``. A rank killed from outside Python (SIGKILL, a native crash) is named
+with its signal or exit code, before the peers that then lose their connection to it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import faulthandler
 import gc
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
@@ -219,16 +221,102 @@ def _collect_errors(exchange: Path) -> list[dict]:
     return sorted(records, key=lambda r: r["time"])
 
 
-def _terminate(context, grace_s: float = 5.0) -> None:
-    for p in context.processes:
+def _terminate(processes, grace_s: float = 5.0) -> None:
+    for p in processes:
         if p.is_alive():
             p.terminate()
     end = time.monotonic() + grace_s
-    for p in context.processes:
+    for p in processes:
         p.join(max(0.0, end - time.monotonic()))
         if p.is_alive():
             p.kill()
             p.join()
+
+
+@dataclass
+class RankExit:
+    """How a rank's process ended on its own (before the launcher terminated anything)."""
+
+    rank: int
+    exitcode: int  # negative: killed by signal -exitcode (multiprocessing's convention)
+    time: float  # when the launcher saw it end (time.time(), comparable with the error records')
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+    def describe(self) -> str:
+        if self.signal_name:
+            return f"was killed by signal {self.signal_name}"
+        return f"exited with code {self.exitcode}"
+
+
+def _wait_for_ranks(processes, *, deadline_s: float | None, grace_s: float = 2.0) -> list[RankExit]:
+    """Wait until every rank has exited, or one has failed; returns the failed ranks' exits, in
+    the order they were seen.
+
+    After the first failure the others get ``grace_s`` to end by themselves (a peer that lost its
+    partner usually raises within milliseconds); whatever is still running then is terminated,
+    and those terminations are not reported as failures: the caller must tell a rank that died
+    on its own (the cause) from one the launcher stopped (a consequence).
+    """
+    from multiprocessing.connection import wait
+
+    pending = {p.sentinel: rank for rank, p in enumerate(processes)}
+    failed: list[RankExit] = []
+    start = time.monotonic()
+    grace_end = None
+    while pending:
+        timeout = 0.5 if grace_end is None else max(0.0, grace_end - time.monotonic())
+        for sentinel in wait(list(pending), timeout=timeout):
+            rank = pending.pop(sentinel)
+            processes[rank].join()
+            if processes[rank].exitcode != 0:
+                failed.append(RankExit(rank, processes[rank].exitcode, time.time()))
+        if failed and grace_end is None:
+            grace_end = time.monotonic() + grace_s
+        if grace_end is not None and time.monotonic() >= grace_end:
+            break
+        if grace_end is None and deadline_s is not None and time.monotonic() - start > deadline_s:
+            _terminate(processes)
+            raise DistributedRunError(f"distributed run did not finish within deadline_s={deadline_s:g} s; all "
+                                      f"{len(processes)} ranks were terminated")
+    _terminate(processes)
+    return failed
+
+
+def _failure_error(failed: list[RankExit], errors: list[dict], world_size: int) -> DistributedRunError:
+    """One error naming the rank that failed first, then the others.
+
+    A rank that ended without a Python error record died outside Python. Killed by a signal other
+    than SIGABRT (SIGKILL from the OOM killer or a user, SIGSEGV) or exiting with a code of its
+    own, it is the cause: its peers then fail in their collectives ("Connection reset by peer")
+    and must not be blamed. SIGABRT is also how NCCL's and gloo's error handling end a rank
+    whose peer has gone, so such a rank is ordered by time with the Python errors.
+    """
+    recorded = {e["rank"] for e in errors}
+    # (order, time, rank, what happened, the same in a few words)
+    events = [(0 if f.signal_name != "SIGABRT" else 1, f.time, f.rank,
+               f"{f.describe()} without raising a Python error (killed from outside, e.g. by the kernel's "
+               "OOM killer or kill -9, or crashed in native code)", f.describe())
+              for f in failed if f.rank not in recorded]
+    events += [(1, e["time"], e["rank"], f"failed with {e['type']}: {e['message']}", f"({e['type']})")
+               for e in errors]
+    if not events:
+        return DistributedRunError("distributed run failed: "
+                                   + ", ".join(f"rank {f.rank} {f.describe()}" for f in failed))
+    events.sort(key=lambda e: e[:2])
+    _, _, rank, text, _ = events[0]
+    later = ", ".join(f"rank {r} {short}" for _, _, r, _, short in events[1:])
+    details = errors[0]["traceback"] if errors else ""
+    label = "" if not errors or errors[0]["rank"] == rank else f"rank {errors[0]['rank']}'s traceback:\n"
+    return DistributedRunError(f"rank {rank} of {world_size} {text}" + (f"\n(then: {later})" if later else "")
+                               + (f"\n\n{label}{details}" if details else ""), rank=rank, details=details)
 
 
 def _spawn_once(fn, world_size, backend, args, timeout_s, deadline_s, master_addr, port):
@@ -239,31 +327,12 @@ def _spawn_once(fn, world_size, backend, args, timeout_s, deadline_s, master_add
         context = mp.start_processes(
             _worker, args=(fn, world_size, backend, master_addr, port, tuple(args), timeout_s, exchange_dir),
             nprocs=world_size, join=False, start_method="spawn")
-        start = time.monotonic()
-        failure: BaseException | None = None
         try:
-            # join() raises as soon as one rank fails, after terminating the others
-            while not context.join(timeout=0.5, grace_period=2.0):
-                if deadline_s is not None and time.monotonic() - start > deadline_s:
-                    _terminate(context)
-                    raise DistributedRunError(
-                        f"distributed run did not finish within deadline_s={deadline_s:g} s; all "
-                        f"{world_size} ranks were terminated")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-            failure = exc
+            failed = _wait_for_ranks(context.processes, deadline_s=deadline_s)
         finally:
-            if failure is not None or any(p.is_alive() for p in context.processes):
-                _terminate(context)
-        if failure is not None:
-            errors = _collect_errors(exchange)
-            if errors:
-                first = errors[0]
-                others = ", ".join(f"rank {e['rank']} ({e['type']})" for e in errors[1:])
-                raise DistributedRunError(
-                    f"rank {first['rank']} of {world_size} failed with {first['type']}: {first['message']}"
-                    + (f"\n(then: {others})" if others else "") + f"\n\n{first['traceback']}",
-                    rank=first["rank"], details=first["traceback"]) from None
-            raise DistributedRunError(f"distributed run failed: {failure}", details=str(failure)) from None
+            _terminate(context.processes)  # an interrupt (Ctrl-C) must not leave ranks behind
+        if failed:
+            raise _failure_error(failed, _collect_errors(exchange), world_size) from None
         results = []
         for rank in range(world_size):
             with (exchange / f"rank{rank}.result").open("rb") as f:

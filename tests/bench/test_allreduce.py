@@ -60,3 +60,70 @@ def test_gloo_run_writes_rows_and_not_run_rows(tmp_path):
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"])  # 2(n-1)/n = 1 at n = 2
     for r in not_run:
         assert r["time_ms"] is None and "world size" in r["reason"]
+
+
+def test_the_command_writes_under_build_by_default(monkeypatch):
+    """Without --out the rows never land in the committed results/ (they once replaced
+    results/07_distributed_allreduce.jsonl); a re-run resumes unless --append is given."""
+    assert arb.DEFAULT_OUT.startswith("build/")
+    calls = []
+    monkeypatch.setattr(arb, "run_benchmark", lambda plan, out_path, **kwargs: calls.append((out_path, kwargs)) or [])
+    arb.main(["--backend", "gloo", "--world-sizes", "2", "--sizes-mb", "1"])
+    arb.main(["--backend", "gloo", "--world-sizes", "2", "--sizes-mb", "1", "--append", "--out", "x.jsonl"])
+    assert calls == [(arb.DEFAULT_OUT, {"existing": "resume"}), ("x.jsonl", {"existing": "append"})]
+
+
+@pytest.mark.slow
+def test_a_rerun_resumes_and_append_measures_again(tmp_path):
+    """Rows already in the file for this machine are kept and skipped; --append adds new ones
+    below; a row from another machine does not count as done."""
+    import json
+
+    out = tmp_path / "allreduce.jsonl"
+    foreign = {"backend": "gloo", "world_size": 2, "size_bytes": 2 * MB, "status": "ok", "time_ms": 1.0,
+               "env": {"hostname": "elsewhere", "gpu": None, "gpu_count": 0, "cpu": "x86_64"}}
+    out.write_text(json.dumps(foreign) + "\n")
+    plan = arb.plan_cases(backends=["gloo"], world_sizes=[2], sizes_bytes=[100_000, 2 * MB])
+    budget = dict(budget_s=0.05, min_iters=3, max_iters=3, timeout_s=60, progress=False)
+    first = arb.run_benchmark(plan, out, **budget)
+    assert sorted(r["size_bytes"] for r in first) == [100_000, 2 * MB]  # the foreign row is no excuse
+    assert arb.run_benchmark(plan, out, **budget) == []  # everything is there for this machine
+    again = arb.run_benchmark(plan, out, existing="append", **budget)
+    assert len(again) == 2
+    records = read_records(out)
+    assert records[0]["env"]["hostname"] == "elsewhere" and len(records) == 1 + 2 + 2
+    with pytest.raises(ValueError, match="existing must be one of"):
+        arb.run_benchmark(plan, out, existing="overwrite")
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_the_rows_measured_so_far_and_the_rerun_finishes(tmp_path):
+    """Interrupt the command once its first row is in the file: the row stays (rows are written
+    as measured and nothing is deleted), and the same command run again measures only the rest."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "allreduce.jsonl"
+    sizes = ["0.1", "0.2", "0.3", "0.4", "0.5", "0.6", "0.7", "0.8"]
+    cmd = [sys.executable, "-m", "systems.bench.allreduce", "--backend", "gloo", "--world-sizes", "2",
+           "--sizes-mb", *sizes, "--out", str(out)]
+    # each size takes at least its warm-up and 5 timed calls of 2 s budget: ~ 10 s per size
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (out.exists() and read_records(out)):
+        time.sleep(0.2)
+    assert read_records(out), "no row appeared while the run was going"
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group, ranks included
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    kept = read_records(out)
+    assert 1 <= len(kept) < len(sizes)
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"{len(kept)} case(s) already in" in rerun.stdout
+    records = read_records(out)
+    assert sorted(r["size_mb"] for r in records) == [float(s) for s in sizes]  # each once
+    assert records[:len(kept)] == kept

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 
@@ -69,6 +70,28 @@ def test_collective_timeout_ends_a_stuck_run():
     assert time.monotonic() - start < 60
     assert info.value.rank == 0
     assert "_rank1_hangs" in info.value.details
+
+
+def _rank1_dies(ctx, how):
+    dist.barrier()
+    if ctx.rank == 1:
+        if how == "SIGKILL":
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or kill -9 would
+        os._exit(3)  # leaves without a Python exception
+    dist.all_reduce(torch.ones(4))  # rank 0 loses its peer here: "Connection reset by peer"
+    return "unreachable"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how, says", [("SIGKILL", "was killed by signal SIGKILL"), ("exit", "exited with code 3")])
+def test_a_rank_that_dies_outside_python_is_named_not_its_survivor(how, says):
+    with pytest.raises(DistributedRunError) as info:
+        spawn(_rank1_dies, 2, "gloo", args=(how,), timeout_s=30, deadline_s=90)
+    message = str(info.value)
+    assert message.startswith(f"rank 1 of 2 {says} without raising a Python error"), message
+    assert info.value.rank == 1
+    # the survivor's error (its collective lost the peer) follows as a consequence
+    assert "(then: rank 0" in message
 
 
 def _both_sleep(ctx):

@@ -1,0 +1,93 @@
+"""The DDP benchmark: settings, variants, budget, and the wrappers' check against one process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from systems.bench.ddp import DDPBenchConfig, notebook_config, run_ddp_benchmark
+from systems.measure.results import read_records
+
+
+@pytest.mark.slow
+def test_ddp_benchmark_compiled_setting_runs_after_eager(tmp_path):
+    """A compiled setting reuses the eager setting's variants on the same model with its blocks
+    compiled: rows carry (precision, compiled, setting), each setting has its own nosync baseline,
+    and the DDP hooks still see every gradient (the bucketed run would hang or raise otherwise)."""
+    cfg = DDPBenchConfig(model="debug", context_length=32, batch_size=2, precisions=("fp32",),
+                         compiled_precisions=("fp32",), variants=("nosync", "bucketed:0.05", "torch_ddp"),
+                         warmup=1, steps=2, profile=False, out_path=str(tmp_path / "ddp.jsonl"),
+                         overlap_path=str(tmp_path / "overlap.jsonl"), trace_dir=str(tmp_path / "traces"))
+    run_ddp_benchmark(cfg, world_size=2, backend="gloo", timeout_s=300)
+    rows = read_records(tmp_path / "ddp.jsonl")
+    assert [(r["setting"], r["variant"]) for r in rows] == [
+        ("fp32", "nosync"), ("fp32", "bucketed:0.05"), ("fp32", "torch_ddp"),
+        ("fp32+compile", "nosync"), ("fp32+compile", "bucketed:0.05"), ("fp32+compile", "torch_ddp")]
+    for r in rows:
+        assert r["compiled"] == (r["setting"] == "fp32+compile")
+        assert r["first_step_s"] > 0 and r["step_ms"] > 0
+    by = {(r["setting"], r["variant"]): r for r in rows}
+    assert by[("fp32+compile", "torch_ddp")]["baseline_step_ms"] == by[("fp32+compile", "nosync")]["step_ms"]
+
+
+def test_ddp_bench_config_rejects_unknown_compiled_precision():
+    with pytest.raises(ValueError, match="precisions must be among"):
+        DDPBenchConfig(compiled_precisions=("fp8",))
+    with pytest.raises(ValueError, match="compile_mode applies"):
+        DDPBenchConfig(compile_mode="reduce-overhead")
+    with pytest.raises(ValueError, match="<MiB>/<last MiB>"):  # refused before any rank starts
+        DDPBenchConfig(variants=("bucketed_tail:1000",))
+    proc = subprocess.run([sys.executable, "-m", "systems.bench.ddp", "--tail-buckets-mb", "1000"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--tail-buckets-mb" in proc.stderr
+
+
+
+
+@pytest.mark.slow
+def test_a_variant_past_the_budget_is_recorded_as_skipped(tmp_path):
+    """The budget is wall-clock seconds for the sweep: once the next variant's warm-up and timed
+    steps would run past it, the variant gets a row with status "skipped (budget)" and nothing
+    runs; every rank takes the same branch (rank 0's clock decides), so nothing hangs."""
+    cfg = DDPBenchConfig(model="debug", context_length=32, batch_size=2, precisions=("fp32",),
+                         variants=("nosync", "naive", "flat", "overlap"), warmup=1, steps=2, profile=False,
+                         budget_s=1e-3, out_path=str(tmp_path / "ddp.jsonl"), overlap_path=str(tmp_path / "o.jsonl"),
+                         trace_dir=str(tmp_path / "traces"))
+    run_ddp_benchmark(cfg, world_size=2, backend="gloo", timeout_s=120)
+    rows = read_records(tmp_path / "ddp.jsonl")
+    # the first variant always runs (nothing is known about the step yet); the rest would overrun
+    assert [(r["variant"], r["status"]) for r in rows] == [
+        ("nosync", "ok"), ("naive", "skipped (budget)"), ("flat", "skipped (budget)"), ("overlap", "skipped (budget)")]
+    assert rows[0]["backward_ms"] > 0 and rows[0]["step_ms"] >= rows[0]["backward_ms"]
+
+
+def test_notebook_configs_follow_the_handouts_xl():
+    """2025's xl is the xl-2025 preset with the handout's 1-1000 MB bucket sweep; 2026's xl is the
+    2.7B preset (2560/10240/32/32); the smoke profile is the debug model."""
+    c25, c26 = notebook_config(profile="full", handout="2025"), notebook_config(profile="full", handout="2026")
+    assert c25.model == "xl-2025" and c26.model == "2.7B"
+    assert {f"bucketed:{b:g}" for b in (1, 10, 100, 1000)} <= set(c25.variants)
+    assert c26.model_config().d_model == 2560 and c26.model_config().n_layers == 32
+    for c in (c25, c26):
+        assert c.variants[0] == "nosync" and c.variants[-1] == "torch_ddp"
+        assert {"naive", "flat", "overlap"} <= set(c.variants) and c.budget_s is not None
+        assert (c.context_length, c.batch_size) == (512, 4)
+    assert notebook_config(profile="smoke", handout="2026").model == "debug"
+    with pytest.raises(ValueError, match="budget_s"):
+        DDPBenchConfig(budget_s=0)
+
+
+@pytest.mark.slow
+def test_every_wrapper_trains_like_one_process(tmp_path):
+    """The notebook's check of the code deliverables: each wrapper's weights after 3 AdamW steps
+    on 2 gloo ranks against one process on the whole batch. fp32 sums of the half-batch gradients
+    in another order differ in the last bits (~1e-7 relative per step), so a few 1e-7 is the
+    expected distance; a wrong average or a missing gradient moves weights by lr = 1e-3 or more."""
+    from systems.bench.ddp import CHECKED_WRAPPERS, check_against_single_process
+
+    rows = check_against_single_process(tmp_path / "check.jsonl")
+    assert sorted((r["wrapper"], r["rank"]) for r in rows) == sorted((w, r) for w, _ in CHECKED_WRAPPERS for r in (0, 1))
+    for r in rows:
+        assert r["max_abs_diff"] < 1e-5, r

@@ -1,0 +1,44 @@
+"""Notebook 09's smoke profile, for both handouts (each answers its own problems)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from systems.measure.results import read_records
+from systems.report.deliverables import deliverables
+from systems.workbook import run_notebooks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("handout, figures", [("2025", {"mesh_batch_crossover", "ddp_buckets"}),
+                                              ("2026", {"dp_crossover", "tp_crossover", "fsdp_tp_region"})])
+def test_notebook_09_smoke(tmp_path, handout, figures):
+    runs = run_notebooks(only=["09"], profile="smoke", out_dir=tmp_path, parameters={"handout": handout},
+                         report=False, progress=False)
+    assert len(runs) == 1 and runs[0].ok, runs[0].error
+    made = {p.name for p in (tmp_path / "figures").glob("09_*.png")}
+    assert {f"09_parallelism_math_{f}.png" for f in figures} <= made
+    wanted = {(d.problem, d.part) for d in deliverables(handout) if d.notebook == "09_parallelism_math"}
+    answered = [(r["problem"], r["part"]) for r in read_records(tmp_path / "results" / "09_parallelism_math_deliverables.jsonl")]
+    assert sorted(answered) == sorted(wanted)
+
+
+@pytest.mark.slow
+def test_notebook_09_uses_measured_bandwidth(tmp_path):
+    """With an all-reduce results file the notebook must build the worked example from it."""
+    measured = tmp_path / "allreduce.jsonl"
+    # times make algbw = size / time: 180 GB/s at 1 GiB, 40 GB/s at 1 MiB (fit: o ~ 20 us, w ~ 180 GB/s)
+    rows = [dict(backend="nccl", world_size=2, size_bytes=2**30, algbw_GBps=180.0, busbw_GBps=180.0, status="ok",
+                 time_ms=2**30 / 180e9 * 1e3),
+            dict(backend="nccl", world_size=2, size_bytes=2**20, algbw_GBps=40.0, busbw_GBps=40.0, status="ok",
+                 time_ms=2**20 / 40e9 * 1e3),
+            dict(backend="gloo", world_size=2, size_bytes=2**30, algbw_GBps=2.0, busbw_GBps=2.0, status="ok", time_ms=500.0)]
+    measured.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "out"
+    runs = run_notebooks(only=["09"], profile="smoke", out_dir=out, parameters={"allreduce_results": str(measured)},
+                         report=False, progress=False)
+    assert runs[0].ok, runs[0].error
+    text = runs[0].output.read_text()
+    assert "measured NCCL" in text and "180" in text

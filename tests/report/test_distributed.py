@@ -1,0 +1,120 @@
+"""Notebook 07's report: answers rendered from rows, the bucket model frame, the all-reduce sources."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from systems.report import distributed as report
+
+
+def test_ddp_commentary_tells_slowed_computation_from_exposed_communication():
+    """Step minus no-communication step is the cost of communicating; the trace says whether that
+    cost is communication left exposed or computation slowed by communication running beside it."""
+    import pandas as pd
+
+    from systems.report.distributed import ddp_commentary
+
+    def rows(setting, best_ms):
+        common = dict(setting=setting, precision="bf16", n_buckets=None, step_ms_p10=None, step_ms_p90=None)
+        return [dict(common, variant="nosync", step_ms=100.0, comm_overhead_ms=0.0, comm_share=0.0),
+                dict(common, variant="bucketed:1000", step_ms=best_ms, comm_overhead_ms=best_ms - 100.0,
+                     comm_share=(best_ms - 100.0) / best_ms),
+                dict(common, variant="torch_ddp", step_ms=130.0, comm_overhead_ms=30.0, comm_share=30 / 130)]
+
+    ddp = pd.DataFrame(rows("a", 120.0) + rows("b", 120.0))
+    overlap = pd.DataFrame([dict(setting="a", precision="bf16", variant="bucketed:1000", exposed_comm_ms=1.0, overlap_pct=95.0,
+                                 comm_ms=20.0, exposed_comm_pct_of_step=0.8),
+                            dict(setting="b", precision="bf16", variant="bucketed:1000", exposed_comm_ms=15.0, overlap_pct=25.0,
+                                 comm_ms=20.0, exposed_comm_pct_of_step=12.5)])
+    text = ddp_commentary(ddp, overlap)
+    line_a, line_b = [ln for ln in text.splitlines() if ln.startswith("- **")]
+    assert "20 ms slower" in line_a and "computation slowed by the communication" in line_a
+    assert "communication left exposed" in line_b
+    assert "0.923x torch DDP" in line_a
+
+    from systems.report.distributed import ddp_table, ddp_targets
+
+    targets = ddp_targets(ddp_table(ddp.assign(step_ms_p10=120.0, step_ms_p90=120.0, fwd_bwd_ms=0.0,
+                                               sync_wait_ms=0.0, optimizer_ms=0.0, first_step_s=float("nan"))),
+                          overlap).splitlines()
+    # the targets are ours, not the handout's, and say so ("our target"; was "target")
+    assert targets == [f"- {s}: best `bucketed:1000` runs at 0.923x torch DDP's step time (our target <= 1) with "
+                       f"{pct}% of the step exposed communication in its trace (our target <= 3%)."
+                       for s, pct in (("a", "0.8"), ("b", "12.5"))]
+
+
+def _allreduce_row(backend, ws, mb, ms, env):
+    size = int(mb * 1e6)
+    return dict(backend=backend, world_size=ws, size_bytes=size, size_mb=mb, status="ok", time_ms=ms,
+                time_ms_p10=ms, time_ms_p90=ms, algbw_GBps=size / (ms / 1e3) / 1e9,
+                busbw_GBps=size / (ms / 1e3) / 1e9 * 2 * (ws - 1) / ws, iters=5, env=env)
+
+
+def test_allreduce_rows_name_each_source_machine_and_commit(tmp_path):
+    """This run's rows and the committed runs' rows, each labelled from its own env; the answer is
+    built from all of them and names where its numbers come from."""
+    gpu8 = {"gpu": "NVIDIA H200", "gpu_count": 8, "git_commit": "7a244ec", "date": "2026-11-22T10:32:05+00:00"}
+    cpu = {"gpu": None, "gpu_count": 0, "cpu": "x86_64", "git_commit": "9308767", "date": "2026-11-22T05:00:00"}
+    (tmp_path / "results").mkdir()
+    archive = [_allreduce_row("nccl", ws, mb, ms, gpu8) for ws, mb, ms in
+               ((2, 1, 0.05), (2, 1000, 3.0), (8, 1, 0.09), (8, 1000, 5.25))]
+    (tmp_path / "results" / "13_allreduce_nccl_8xH200.jsonl").write_text("\n".join(json.dumps(r) for r in archive))
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("\n".join(json.dumps(r) for r in [_allreduce_row("gloo", 2, 1, 2.0, cpu),
+                                                      _allreduce_row("gloo", 2, 1000, 600.0, cpu),
+                                                      _allreduce_row("nccl", 2, 1000, 3.3, gpu8)]))
+    df = report.allreduce_rows(mine, archives="results/13_allreduce_*.jsonl", root=tmp_path)
+    sources = report.allreduce_sources(df).set_index("source")
+    assert sources.loc["results/13_allreduce_nccl_8xH200.jsonl", "machine"] == "8x NVIDIA H200"
+    assert sources.loc["results/13_allreduce_nccl_8xH200.jsonl", "commit"] == "7a244ec"
+    assert sources.loc[report.THIS_RUN, "measured"] == 3
+    text = report.allreduce_answer(df)
+    # NCCL facts come from the source with the most world sizes (the archive), named with its commit
+    assert "With NCCL (8x NVIDIA H200, results/13_allreduce_nccl_8xH200.jsonl, commit 7a244ec) at 2 ranks" in text
+    assert "2 ranks 333 GB/s (3 ms), 8 ranks 333 GB/s (5.25 ms)" in text and "stays within 0%" in text
+    assert "gloo on CPU is 40x to 200x slower" in text  # 2 against 0.05 ms at 1 MB, 600 against 3.0 ms at 1 GB
+    assert "This run's NCCL times are 1.10x to 1.10x" in text  # 3.3 against the archive's 3.0
+
+
+def test_bucket_frame_compares_the_wait_after_backward_with_the_models():
+    """The paced model with a backward much longer than the transfers predicts about the last
+    bucket's all-reduce; the handout model's per-call term grows with the bucket count."""
+    base = dict(setting="fp32", status="ok", grad_bytes=8e9, step_ms_p10=400.0, step_ms_p90=402.0)
+    rows = [dict(base, variant="nosync", kind="nosync", step_ms=400.0, backward_ms=270.0, sync_wait_ms=0.0,
+                 n_buckets=None, last_bucket_bytes=None),
+            dict(base, variant="bucketed:1000", kind="bucketed", step_ms=414.0, step_ms_p10=413.0, step_ms_p90=415.0,
+                 backward_ms=280.0, sync_wait_ms=2.4, n_buckets=8, last_bucket_bytes=1e9),
+            dict(base, variant="bucketed:1", kind="bucketed", step_ms=421.0, step_ms_p10=420.0, step_ms_p90=430.0,
+                 backward_ms=289.0, sync_wait_ms=0.2, n_buckets=435, last_bucket_bytes=6.4e7)]
+    fit = {"per_call_overhead_s": 40e-6, "bandwidth_bytes_per_s": 325e9}
+    frame = report.bucket_model_frame(pd.DataFrame(rows), fit).set_index("variant")
+    # 8 buckets: the last (1 GB) takes o + 1e9/w = 3.12 ms and the stream keeps pace with 34 ms per bucket
+    assert frame.loc["bucketed:1000", "paced_model_ms"] == pytest.approx(1e3 * (40e-6 + 1e9 / 325e9))
+    assert frame.loc["bucketed:1", "handout_model_ms"] == pytest.approx(1e3 * (8e9 / 435 / 325e9 + 435 * 40e-6))
+    assert frame.loc["bucketed:1", "backward_slowdown_ms"] == pytest.approx(19.0)
+    best, ties = report.robust_best(frame.reset_index())
+    assert best["variant"] == "bucketed:1000" and ties == []
+
+
+def test_answers_survive_variants_the_budget_skipped():
+    """A setting whose variants the budget skipped (only its nosync ran) drops out of every answer
+    instead of failing the notebook; the rows that ran are still answered."""
+    common = dict(status="ok", n_params=1e9, grad_bytes=4e9, n_tensors=300, context_length=512, global_batch=4,
+                  local_batch=2, world_size=2, backend="nccl", device="NVIDIA H200", steps=8, step_ms_p10=99.0,
+                  step_ms_p90=101.0, backward_ms=60.0, baseline_step_ms=100.0, first_step_s=1.0)
+    rows = [dict(common, setting="fp32", variant=v, step_ms=ms, sync_wait_ms=w, comm_overhead_ms=ms - 100.0,
+                 comm_share=(ms - 100.0) / ms)
+            for v, ms, w in (("nosync", 100.0, 0.0), ("naive", 130.0, 30.0), ("flat", 125.0, 25.0),
+                             ("overlap", 110.0, 2.0), ("torch_ddp", 108.0, 0.0))]
+    rows.append(dict(common, setting="bf16", variant="nosync", step_ms=50.0, sync_wait_ms=0.0, comm_overhead_ms=0.0,
+                     comm_share=0.0))
+    rows += [dict(setting="bf16", variant=v, status="skipped (budget)") for v in ("naive", "flat", "overlap")]
+    ddp = pd.DataFrame(rows)
+    assert "bf16" not in report.ddp_commentary(ddp, None) and "fp32" in report.ddp_commentary(ddp, None)
+    assert report.ddp_targets(report.ddp_table(ddp), None).startswith("- fp32: best `overlap`")
+    assert "- bf16" not in report.overlap_answer(ddp) and "- bf16" not in report.flat_answer(ddp, fit=None)
+    assert "- fp32: 130 ms per step" in report.naive_answer(ddp, model_label="xl")
+    assert set(report.ddp_table(ddp)["status"]) == {"ok", "skipped (budget)"}

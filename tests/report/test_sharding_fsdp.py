@@ -1,0 +1,56 @@
+"""Notebook 08's answers rendered from rows shaped like the GPU run's."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from systems.report import sharding_fsdp as report
+
+MiB = 2**20
+N = 1_998_235_200  # xl-2025
+
+
+def _row(variant, *, state, temps, params=4 * N, grads=4 * N, acts=11_600 * MiB, other=0, precision="fp32", **extra):
+    """A row as the benchmark writes it, with the allocator's numbers made from the parts."""
+    after_step = params + grads + state + other
+    return dict(model="xl-2025", variant=variant, precision=precision, status="ok", n_params=N, param_bytes_local=params,
+                grads_measured=grads, opt_state_bytes=state, opt_temporaries_measured=temps, activations_measured=acts,
+                peak_after_init=params, peak_fwd_bwd=params + state + acts + other, peak_opt_step=after_step + temps,
+                mem_after_step=after_step, step_ms=400.0, step_ms_p10=399.0, step_ms_p90=401.0, **extra)
+
+
+def test_sharding_answer_attributes_every_part_and_matches_the_accounting():
+    opt = pd.DataFrame([_row("ddp", state=8 * N, temps=4 * N, other=500 * MiB),
+                        _row("ddp_sharded", state=4 * N, temps=2 * N, other=300 * MiB)])
+    text = report.sharding_memory_answer(opt, model="xl-2025", world_size=2)
+    assert "during the step 38,613 MiB / 26,979 MiB" in text  # 20 and 16 bytes per parameter, plus other
+    assert "other 500 MiB / 300 MiB" in text and "As expected: they follow the accounting" in text and "by at most 1.6%" in text
+    assert "the moments are 50% and the temporaries 50% of DDP's" in text
+    table = report.breakdown_table(opt, model="xl-2025", world_size=2)
+    assert table.loc["optimizer_temporaries", ("measured_MiB", "ddp (fp32)")] == table.loc[
+        "optimizer_temporaries", ("computed_MiB", "ddp (fp32)")]
+
+
+def test_fsdp_saving_is_against_the_sharded_optimizer_and_counts_gathered_units():
+    opt = pd.DataFrame([_row("ddp", state=8 * N, temps=4 * N), _row("ddp_sharded", state=4 * N, temps=2 * N)])
+    unit = 164 * 10**6
+    fsdp = pd.DataFrame([_row("fsdp", params=2 * N, grads=2 * N, state=4 * N, temps=2 * N, other=2 * unit,
+                              gathered_unit_bytes=unit, prefetch=1)])
+    text = report.fsdp_saving_answer(opt, fsdp, model="xl-2025", world_size=2)
+    # at the peak (the forward's end) FSDP saves the other half of the weights, minus the units in flight
+    assert "expected 3,811 MiB per rank" in text
+    assert "3,499 MiB saved (92% of the expected)" in text
+    assert "explain up to 313 MiB" in text
+    assert "20 bytes per parameter" in text
+
+
+def test_the_large_model_answer_says_what_happened_to_each_run():
+    """10B on 2 ranks: the sharded-optimizer run out of memory, the FSDP run an error row (e.g. a
+    hang past its deadline); the answer names both and the bytes the accounting needs."""
+    opt = pd.DataFrame([dict(model="10B", variant="ddp_sharded", precision="fp32", status="oom", n_params=12_832_823_808)])
+    fsdp = pd.DataFrame([dict(model="10B", variant="fsdp", status="error", error="distributed run did not finish")])
+    text = report.large_model_answer(opt, fsdp, model="10B", world_size=2)
+    assert "`ddp_sharded` (fp32) ran out of memory" in text
+    assert "`fsdp` (bf16) failed (distributed run did not finish)" in text
+    # 16 bytes per parameter + 4 of temporaries on half: 4+4+4+2 = 14 B/param sharded-state, 10 B/param FSDP
+    assert "180 GB per rank with sharded optimizer state and 128 GB with FSDP" in text
