@@ -63,6 +63,12 @@ PRESETS: dict[str, dict] = {
                context_length=32_768),
 }
 
+def check_choice(name: str, value, allowed) -> None:
+    """The one check of an option against its allowed values: a one-line ValueError that lists them."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+
+
 HANDOUTS = ("2025", "2026")
 DEFAULT_HANDOUT = "2026"
 # Each handout's Table 1: its own size names, smallest first, and the preset each one is. The
@@ -75,8 +81,7 @@ HANDOUT_TABLES: dict[str, dict[str, str]] = {
 
 def check_handout(handout: str | int) -> str:
     """The handout's name as a string ("2026"): a papermill or -p value may arrive as the int 2026."""
-    if str(handout) not in HANDOUTS:
-        raise ValueError(f"handout must be one of {', '.join(HANDOUTS)}, got {handout!r}")
+    check_choice("handout", str(handout), HANDOUTS)
     return str(handout)
 
 

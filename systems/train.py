@@ -85,6 +85,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from systems.config import check_choice
 from systems.measure.devices import DTYPES, sync
 from systems.measure.timer import Marks
 from systems.measure.trace import GRAD_SYNC_RANGE, PHASE_RANGES, STEP_RANGE
@@ -96,11 +97,6 @@ REDUCTIONS = ("mean", "sum")
 OPTIMIZERS = ("ours", "fused", "torch", "torch_fused")
 # the marks a step sets, in order (grad_sync only with a data-parallel wrapper)
 MARKS = ("start", "forward", "backward", "grad_sync", "optimizer")
-
-
-def _choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -115,10 +111,10 @@ class StepSpec:
     grads_to_none: bool = True  # False keeps .grad tensors between steps (views of DDP buckets)
 
     def __post_init__(self) -> None:
-        _choice("mode", self.mode, MODES)
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("loss", self.loss, LOSSES)
-        _choice("reduction", self.reduction, REDUCTIONS)
+        check_choice("mode", self.mode, MODES)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("loss", self.loss, LOSSES)
+        check_choice("reduction", self.reduction, REDUCTIONS)
         if self.reduction == "sum" and self.loss != "fused":
             raise ValueError("reduction='sum' is implemented by the fused loss: set loss='fused'")
 
@@ -254,7 +250,7 @@ class OptimizerSpec:
     in_backward: bool = False  # one optimizer per block, stepped inside the backward
 
     def __post_init__(self) -> None:
-        _choice("optimizer", self.kind, OPTIMIZERS)
+        check_choice("optimizer", self.kind, OPTIMIZERS)
         if self.master_weights and self.kind != "fused":
             raise ValueError("master_weights is MasterWeightAdamW, a fused optimizer: set kind='fused'")
         if self.sharded and self.in_backward:
@@ -263,7 +259,7 @@ class OptimizerSpec:
 
 def optimizer_class(kind: str) -> tuple[type, dict]:
     """The optimizer class of ``kind`` and the keyword arguments that select its implementation."""
-    _choice("optimizer", kind, OPTIMIZERS)
+    check_choice("optimizer", kind, OPTIMIZERS)
     if kind == "fused":
         from systems.kernels.fused_adamw import FusedAdamW
 

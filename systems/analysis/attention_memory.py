@@ -23,6 +23,7 @@ import math
 
 import pandas as pd
 
+from systems.config import check_choice
 from systems.measure.devices import dtype_of
 from systems.measure.flops import attention_flops
 
@@ -37,8 +38,7 @@ def _element_size(dtype: str) -> int:
 
 def score_tensors_at_backward_peak(device: str) -> int:
     """P, dP, dS, and on CUDA softmax backward's ``grad * output`` temporary."""
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    check_choice("device", device, DEVICES)
     return 4 if device == "cuda" else 3
 
 

@@ -394,16 +394,21 @@ def dp_max_devices(layer: FFNLayer, *, accelerator: Accelerator) -> float:
 # -- FSDP -------------------------------------------------------------------------------------
 
 
+def per_device_flops(layer: FFNLayer, *, backward: bool = False, **degrees: float) -> float:
+    """The forward's (or backward's) matmul FLOPs spread over the product of the parallel degrees:
+    FSDP splits the batch, TP the hidden width, 2D both; each device does an equal share."""
+    _devices(**degrees)
+    return (backward_flops(layer) if backward else forward_flops(layer)) / math.prod(degrees.values())
+
+
 def fsdp_forward_flops(layer: FFNLayer, *, n_fsdp: float) -> float:
     """(a) 6 B D D_FF / N_FSDP: the DP forward on a batch shard (weights are gathered first)."""
-    _devices(n_fsdp=n_fsdp)
-    return forward_flops(layer) / n_fsdp
+    return per_device_flops(layer, n_fsdp=n_fsdp)
 
 
 def fsdp_backward_flops(layer: FFNLayer, *, n_fsdp: float) -> float:
     """(a) 12 B D D_FF / N_FSDP."""
-    _devices(n_fsdp=n_fsdp)
-    return backward_flops(layer) / n_fsdp
+    return per_device_flops(layer, backward=True, n_fsdp=n_fsdp)
 
 
 def fsdp_forward_comm_time(layer: FFNLayer, *, n_fsdp: float, link_bytes_per_s: float) -> float:
@@ -430,14 +435,12 @@ def fsdp_max_devices(layer: FFNLayer, *, accelerator: Accelerator) -> dict[str, 
 
 def tp_forward_flops(layer: FFNLayer, *, n_tp: float) -> float:
     """(b) 6 B D D_FF / N_TP: the three matmuls on a D_FF / N_TP slice of the hidden width."""
-    _devices(n_tp=n_tp)
-    return forward_flops(layer) / n_tp
+    return per_device_flops(layer, n_tp=n_tp)
 
 
 def tp_backward_flops(layer: FFNLayer, *, n_tp: float) -> float:
     """(b) 12 B D D_FF / N_TP."""
-    _devices(n_tp=n_tp)
-    return backward_flops(layer) / n_tp
+    return per_device_flops(layer, backward=True, n_tp=n_tp)
 
 
 def tp_forward_comm_time(layer: FFNLayer, *, n_tp: float, link_bytes_per_s: float) -> float:
@@ -464,8 +467,7 @@ def tp_max_devices(layer: FFNLayer, *, accelerator: Accelerator) -> dict[str, fl
 
 def fsdp_tp_forward_flops(layer: FFNLayer, *, n_fsdp: float, n_tp: float) -> float:
     """(a) 6 B D D_FF / (N_FSDP N_TP): batch split N_FSDP ways, hidden width N_TP ways."""
-    _devices(n_fsdp=n_fsdp, n_tp=n_tp)
-    return forward_flops(layer) / (n_fsdp * n_tp)
+    return per_device_flops(layer, n_fsdp=n_fsdp, n_tp=n_tp)
 
 
 def fsdp_tp_forward_comm_times(layer: FFNLayer, *, n_fsdp: float, n_tp: float,

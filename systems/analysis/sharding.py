@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from systems.config import check_choice
+
 FP32 = 4
 ADAM_STATES = 2  # AdamW's first and second moments
 FOREACH_TEMPORARIES = 1  # fp32 tensors per updated parameter during torch AdamW's foreach step
@@ -42,8 +44,7 @@ class RankBytes:
 
 def per_rank_bytes(n_params: float, world_size: int, scheme: str, *, bytes_per_value: int = FP32) -> RankBytes:
     """What one rank holds of each part under ``scheme`` (see the module docstring)."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    check_choice("scheme", scheme, SCHEMES)
     if not (isinstance(world_size, int) and world_size >= 1):
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     p = n_params * bytes_per_value

@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from systems.config import check_choice
 from systems.measure.env import environment
 from systems.measure.results import ResultWriter, read_records
 from systems.measure.timer import median_p10_p90
@@ -224,8 +225,7 @@ def run_benchmark(plan: Plan, out_path: str | Path, *, existing: str = "resume",
     everything again below them, "replace" starts a new file (a notebook's own output). Returns
     this call's rows.
     """
-    if existing not in EXISTING:
-        raise ValueError(f"existing must be one of {', '.join(EXISTING)}, got {existing!r}")
+    check_choice("existing", existing, EXISTING)
     out_path = Path(out_path)
     if existing == "replace":
         out_path.unlink(missing_ok=True)

@@ -29,7 +29,7 @@ import torch
 
 from systems.bench.budget import Budget
 from systems.bench.config import RunConfig
-from systems.config import PRESETS
+from systems.config import PRESETS, check_choice
 from systems.measure.devices import catch_oom, release_memory, sync
 from systems.measure.flops import model_flops
 from systems.measure.hardware import lookup_peak
@@ -54,12 +54,9 @@ class BenchmarkConfig(RunConfig):
     tf32: bool = False  # allow TF32 tensor cores for fp32 matmuls
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.compile not in COMPILE_SCOPES:
-            raise ValueError(f"compile must be one of {COMPILE_SCOPES}, got {self.compile!r}")
+        check_choice("mode", self.mode, MODES)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("compile", self.compile, COMPILE_SCOPES)
         super().__post_init__()
 
     def step_spec(self) -> StepSpec:

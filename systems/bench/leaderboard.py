@@ -37,6 +37,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from systems.bench.config import RunConfig
+from systems.config import check_choice
 from systems.measure.devices import release_memory
 from systems.measure.flops import train_step_flops
 from systems.measure.results import ResultWriter
@@ -81,10 +82,8 @@ class LeaderboardConfig(RunConfig):
     def __post_init__(self) -> None:
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"precision must be bf16 or fp32, got {self.precision!r}")
-        if self.sdpa_backend not in SDPA_BACKENDS:
-            raise ValueError(f"sdpa_backend must be one of {tuple(SDPA_BACKENDS)}, got {self.sdpa_backend!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        check_choice("sdpa_backend", self.sdpa_backend, SDPA_BACKENDS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.checkpoint_group < 0:
             raise ValueError(f"checkpoint_group must be >= 0 (0 turns checkpointing off), got {self.checkpoint_group}")
         super().__post_init__()

@@ -26,10 +26,17 @@ import torch
 import torch.nn as nn
 
 from systems.bench.benchmark import PHASES, BenchmarkConfig, run_benchmark
-from systems.config import get_config, preset_of
+from systems.config import check_choice, get_config, preset_of
 from systems.measure.devices import catch_oom, release_memory, resolve_device, sync
-from systems.measure.memory import (MemoryProbe, ProbeMarks, build_timeline, residual_stream_bytes,
-                                    saved_tensor_report, snapshot_recorder, step_marker)
+from systems.measure.memory import (
+    MemoryProbe,
+    ProbeMarks,
+    build_timeline,
+    residual_stream_bytes,
+    saved_tensor_report,
+    snapshot_recorder,
+    step_marker,
+)
 from systems.measure.results import ResultWriter
 from systems.model import TransformerBlock, TransformerLM
 from systems.parallel import checkpoint as checkpointing
@@ -56,8 +63,7 @@ CHECKPOINT_RUN = dict(model=preset_of("xl", "2026"), batch_size=4, context_lengt
 
 
 def handout_profile(handout: str) -> MemoryProfile:
-    if handout not in HANDOUT_PROFILES:
-        raise ValueError(f"handout must be one of {', '.join(HANDOUT_PROFILES)}, got {handout!r}")
+    check_choice("handout", handout, HANDOUT_PROFILES)
     return HANDOUT_PROFILES[handout]
 
 

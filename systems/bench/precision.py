@@ -28,9 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from systems.bench.benchmark import MODES, BenchmarkConfig
-from systems.config import get_config
+from systems.config import check_choice, get_config
 from systems.measure.devices import dtype_name, dtype_of
-
 
 # ----------------------------------------------------------------------------- 1. accumulation
 
@@ -290,8 +289,7 @@ def layernorm_sensitivity(*, scales: Sequence[float] | None = None, d: int = 102
     if scales is None:
         scales = [float(s) for s in np.logspace(-4, 4, 17)]
     for m in methods:
-        if m not in LN_METHODS:
-            raise ValueError(f"method must be one of {LN_METHODS}, got {m!r}")
+        check_choice("method", m, LN_METHODS)
     for dt in dtypes:
         dtype_of(dt)
     gen = torch.Generator().manual_seed(seed)
@@ -341,8 +339,7 @@ def precision_sweep_configs(sizes: Sequence[str], *, modes: Sequence[str] = MODE
     if not sizes:
         raise ValueError("sizes must name at least one model size")
     for m in modes:
-        if m not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {m!r}")
+        check_choice("mode", m, MODES)
     for size in sizes:
         get_config(size)  # unknown names fail here, before anything runs
     steps = steps or {}

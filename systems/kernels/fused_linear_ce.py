@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from systems.config import check_choice
 from systems.kernels.blocks import load_f32, store_as
 from systems.measure.devices import triton_interpreting
 
@@ -96,8 +97,7 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 def _validate(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
               chunk_size: int | None) -> None:
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_choice("reduction", reduction, REDUCTIONS)
     if not (hidden.is_floating_point() and weight.is_floating_point()):
         raise ValueError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
     if weight.dim() != 2:
@@ -107,8 +107,7 @@ def _validate(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
                          f"got {tuple(targets.shape)}")
-    if targets.dtype not in TARGET_DTYPES:
-        raise ValueError(f"targets must be one of {TARGET_DTYPES}, got {targets.dtype}")
+    check_choice("targets", targets.dtype, TARGET_DTYPES)
     if not (hidden.device == weight.device == targets.device):
         raise ValueError(f"hidden, weight and targets must be on one device, got "
                          f"{hidden.device}, {weight.device}, {targets.device}")

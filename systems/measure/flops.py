@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from systems.config import ModelConfig
+from systems.config import ModelConfig, check_choice
 
 FLOPS_PER_MAC = 2
 BACKWARD_FACTOR = 2
@@ -36,8 +36,7 @@ def attention_pairs(n_q: int, n_k: int, *, causal: bool) -> int:
 
 def pass_factor(pass_: str) -> int:
     """Forward passes' worth of FLOPs in a pass: fwd 1, bwd BACKWARD_FACTOR, fwd_bwd both."""
-    if pass_ not in PASSES:
-        raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
+    check_choice("pass", pass_, PASSES)
     return {"fwd": 1, "bwd": BACKWARD_FACTOR, "fwd_bwd": 1 + BACKWARD_FACTOR}[pass_]
 
 

@@ -9,6 +9,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from systems.config import check_choice
+
 CLOCKS = ("auto", "device", "host")
 
 
@@ -45,8 +47,7 @@ class Marks:
     """
 
     def __init__(self, device: torch.device, *, clock: str = "auto", track_memory: bool = False):
-        if clock not in CLOCKS:
-            raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
+        check_choice("clock", clock, CLOCKS)
         cuda = torch.device(device).type == "cuda"
         if clock == "device" and not cuda:
             raise ValueError("clock='device' needs a CUDA device; use 'host' or 'auto' on a CPU")

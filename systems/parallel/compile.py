@@ -7,6 +7,8 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from systems.config import check_choice
+
 COMPILE_SCOPES = ("none", "blocks", "model")
 
 
@@ -22,8 +24,7 @@ def apply_compile(model: nn.Module, *, scope: str, mode: str | None = None) -> C
     """What to call for the model's forward: the model itself with its blocks compiled in place
     ("blocks"), a compiled whole model ("model": one graph per mode, whose compile time grows
     with depth), or the model unchanged ("none")."""
-    if scope not in COMPILE_SCOPES:
-        raise ValueError(f"compile scope must be one of {', '.join(COMPILE_SCOPES)}; got {scope!r}")
+    check_choice("compile scope", scope, COMPILE_SCOPES)
     if scope == "blocks":
         compile_blocks(model.layers, mode=mode)
     elif scope == "model":

@@ -57,6 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from systems.config import check_choice
 from systems.model import Embedding, Linear
 
 SHARDED_TYPES = (Linear, Embedding, nn.Linear, nn.Embedding)
@@ -124,8 +125,7 @@ class FSDP(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("FSDP needs an initialised process group "
                                "(systems.parallel.launch.spawn or run_from_env)")
-        if units not in UNIT_POLICIES:
-            raise ValueError(f"units must be one of {UNIT_POLICIES}, got {units!r}")
+        check_choice("units", units, UNIT_POLICIES)
         if not (isinstance(prefetch, int) and 0 <= prefetch <= 2):
             raise ValueError(f"prefetch must be 0, 1 or 2 units ahead, got {prefetch!r}")
         for name, dt in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):

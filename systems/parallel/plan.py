@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from systems.config import check_choice
 from systems.measure.devices import DTYPES
 from systems.parallel.checkpoint import apply_activation_checkpointing, apply_nested_checkpointing
 from systems.parallel.compile import COMPILE_SCOPES, apply_compile
@@ -52,12 +53,10 @@ class ParallelPlan:
             raise ValueError("checkpoint_group and checkpoint_branching must be >= 0 (0 turns them off)")
         if self.checkpoint_group and self.checkpoint_branching:
             raise ValueError("choose one checkpointing: checkpoint_group (one level) or checkpoint_branching (nested)")
-        if self.compile not in COMPILE_SCOPES:
-            raise ValueError(f"compile must be one of {', '.join(COMPILE_SCOPES)}; got {self.compile!r}")
+        check_choice("compile", self.compile, COMPILE_SCOPES)
         if self.compile_mode is not None and self.compile == "none":
             raise ValueError("compile_mode needs compile='blocks' or 'model'")
-        if self.data_parallel not in DATA_PARALLEL:
-            raise ValueError(f"data_parallel must be one of {', '.join(DATA_PARALLEL)}; got {self.data_parallel!r}")
+        check_choice("data_parallel", self.data_parallel, DATA_PARALLEL)
         bucketed = self.data_parallel == "bucketed"
         if bucketed and not (self.bucket_size_mb or 0) > 0:
             raise ValueError("data_parallel='bucketed' needs a positive bucket_size_mb")

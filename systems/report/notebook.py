@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from systems.config import DEFAULT_HANDOUT, check_handout
+from systems.config import DEFAULT_HANDOUT, check_choice, check_handout
 from systems.measure.env import environment
 from systems.measure.results import ResultWriter
 
@@ -60,8 +60,7 @@ def setup(*, name: str, profile: str, out_dir: str | Path, handout: str = DEFAUL
     """Validate the papermill parameters, make the output folders, and show the environment."""
     import torch
 
-    if profile not in PROFILES:
-        raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
+    check_choice("profile", profile, PROFILES)
     check_handout(str(handout))
     if profile == "full" and needs_gpu_for_full and not torch.cuda.is_available():
         raise RuntimeError("the full profile needs a CUDA GPU; run with profile='smoke' on a CPU")

@@ -28,7 +28,16 @@ import triton
 
 from systems.attention.flash_pytorch import backward_reference
 from systems.attention.flash_triton import kernels
-from systems.attention.flash_triton.tuning import INTERPRETING, TUNE_KEY, TUNED, TunedKernel, config_meta, plan_store, seq_bucket
+from systems.attention.flash_triton.tuning import (
+    INTERPRETING,
+    TUNE_KEY,
+    TUNED,
+    TunedKernel,
+    config_meta,
+    plan_store,
+    seq_bucket,
+)
+from systems.config import check_choice
 
 # ----------------------------------------------------------------------------- variants
 
@@ -70,12 +79,9 @@ class FlashVariant:
     fp32_dot: Fp32Dot = "auto"
 
     def __post_init__(self):
-        if self.forward not in FORWARDS:
-            raise ValueError(f"FlashVariant forward must be one of {', '.join(FORWARDS)}; got {self.forward!r}")
-        if self.backward not in BACKWARDS:
-            raise ValueError(f"FlashVariant backward must be one of {', '.join(BACKWARDS)}; got {self.backward!r}")
-        if self.fp32_dot not in FP32_DOTS:
-            raise ValueError(f"FlashVariant fp32_dot must be one of {', '.join(FP32_DOTS)}; got {self.fp32_dot!r}")
+        check_choice("FlashVariant forward", self.forward, FORWARDS)
+        check_choice("FlashVariant backward", self.backward, BACKWARDS)
+        check_choice("FlashVariant fp32_dot", self.fp32_dot, FP32_DOTS)
 
     def forward_tma(self, *tensors: torch.Tensor) -> bool:
         """Whether the forward reads these (..., seq, d) tensors through TMA descriptors."""
@@ -359,8 +365,7 @@ def dot_precision(dtype: torch.dtype, fp32_dot: str = "auto") -> str:
         return "ieee"
     if fp32_dot == "auto":
         return "tf32" if not INTERPRETING and torch.backends.cuda.matmul.allow_tf32 else "ieee"
-    if fp32_dot not in FP32_DOTS:
-        raise ValueError(f"fp32_dot must be one of {', '.join(FP32_DOTS)}; got {fp32_dot!r}")
+    check_choice("fp32_dot", fp32_dot, FP32_DOTS)
     return fp32_dot
 
 
@@ -403,6 +408,11 @@ def _pick(twins: tuple[TunedKernel, TunedKernel], tma: bool) -> TunedKernel:
     return twins[tma]
 
 
+def _tile_grid(n_rows: int, block: str, batch: int):
+    """The grid of a kernel with one program per ``block`` rows of ``n_rows`` and per (batch, head)."""
+    return lambda meta: (triton.cdiv(n_rows, meta[block]), batch)
+
+
 # The launchers take contiguous tensors shaped (..., seq, d) (every leading dim is batch) and
 # L, D shaped (..., n_q) fp32. ``fp32_dot``: FlashVariant.fp32_dot; ``meta``: ``_common``'s dict
 # when the caller already has it (then it holds the dot precision).
@@ -412,10 +422,7 @@ def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None =
     """Fill O (like Q) and L (Q's leading dims and n_q, fp32) from Q (..., n_q, d) and K, V
     (..., n_k, d). tma: the TMA kernel (the tensors must pass tma_usable)."""
     batch, n_q, n_k, d = _dims(q3, k3)
-
-    def grid(meta):
-        return (triton.cdiv(n_q, meta["BLOCK_M"]), batch)
-
+    grid = _tile_grid(n_q, "BLOCK_M", batch)
     _launch(_pick(_FWD, tma), grid, (q3, k3, v3, o, lse, n_q, n_k, d ** -0.5 * kernels.LOG2E),
             _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
@@ -424,10 +431,7 @@ def launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal: bool, *, config: d
               meta: dict | None = None, tma: bool = False, fp32_dot: str = "auto") -> None:
     """Fill dQ and D = rowsum(O * dO) (the dK/dV kernel's input), given L."""
     batch, n_q, n_k, d = _dims(q3, k3)
-
-    def grid(meta):
-        return (triton.cdiv(n_q, meta["BLOCK_M2"]), batch)
-
+    grid = _tile_grid(n_q, "BLOCK_M2", batch)
     args = (q3, k3, v3, o3, do3, lse, delta, dq, n_q, n_k, d ** -0.5 * kernels.LOG2E, d ** -0.5)
     _launch(_pick(_DQ, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
@@ -436,10 +440,7 @@ def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config:
                 meta: dict | None = None, tma: bool = False, fp32_dot: str = "auto") -> None:
     """Fill dK and dV, given L and D (written by launch_dq)."""
     batch, n_q, n_k, d = _dims(q3, k3)
-
-    def grid(meta):
-        return (triton.cdiv(n_k, meta["BLOCK_N1"]), batch)
-
+    grid = _tile_grid(n_k, "BLOCK_N1", batch)
     args = (q3, k3, v3, do3, lse, delta, dk, dv, n_q, n_k, d ** -0.5 * kernels.LOG2E, d ** -0.5)
     _launch(_pick(_DKDV, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot),
             config)
@@ -459,10 +460,7 @@ def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, 
                   meta: dict | None = None, fp32_dot: str = "auto") -> None:
     """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D."""
     batch, n_q, n_k, d = _dims(q3, k3)
-
-    def grid(meta):
-        return (triton.cdiv(n_k, meta["BLOCK_N3"]), batch)
-
+    grid = _tile_grid(n_k, "BLOCK_N3", batch)
     args = (q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, n_q, n_k, d ** -0.5 * kernels.LOG2E, d ** -0.5)
     _launch(TUNED["atomic"], grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
