@@ -81,8 +81,9 @@ class ResultWriter:
         if not existing:
             return
         first = existing[0]
-        theirs, ours = machine_of(first.get("env", {})), machine_of(self.env)
-        if theirs != ours:
+        theirs, ours = machine_of(first.get("env") or {}), machine_of(self.env)
+        # a row with no stamp (written by hand, or by an older tool) says nothing about its machine
+        if first.get("env") and theirs != ours:
             raise ValueError(f"{self.path} holds rows measured on {theirs}; this run is on {ours}: "
                              "one file holds one machine's rows, so write to another file")
         for key, value in self.identity.items():
