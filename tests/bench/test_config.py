@@ -27,3 +27,34 @@ def test_cuda_on_a_machine_without_it_is_a_config_error():
 def test_world_size_must_split_the_batch():
     with pytest.raises(ValueError, match="does not split evenly over 3 ranks"):
         RunConfig(model="debug", context_length=64, batch_size=4).check_world_size(3)
+
+
+@pytest.mark.parametrize("tool", ["benchmark", "train_step", "flash", "flash_tuning", "fused", "allreduce", "ddp",
+                                  "fsdp", "leaderboard", "profile"])
+def test_commands_write_under_build_unless_told(tool, monkeypatch):
+    """No command writes into the committed results/ unless the user names it: every output
+    option defaults to nothing or to a path under build/."""
+    import argparse
+    import importlib
+
+    seen = {}
+
+    def capture(parser, args=None, namespace=None):
+        seen["parser"] = parser
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    module = importlib.import_module(f"systems.bench.{tool}")
+    with pytest.raises(SystemExit):
+        module.main([])
+    outputs = [a for a in seen["parser"]._actions if a.dest in ("out", "out_dir", "jsonl", "output")]
+    for action in outputs:
+        assert action.default is None or str(action.default).startswith("build/"), (tool, action.dest, action.default)
+    from systems.bench.ddp import DDPBenchConfig
+    from systems.bench.fsdp import FSDPBenchConfig
+    from systems.bench.leaderboard import LeaderboardConfig
+
+    for path in (DDPBenchConfig.out_path, DDPBenchConfig.overlap_path, DDPBenchConfig.trace_dir,
+                 FSDPBenchConfig.fsdp_path, FSDPBenchConfig.opt_path, FSDPBenchConfig.gather_path,
+                 LeaderboardConfig.out_path):
+        assert path.startswith("build/"), path
