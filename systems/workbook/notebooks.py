@@ -223,6 +223,11 @@ def run_notebooks(*, only: list[str] | None = None, profile: str = "auto", out_d
     check_commit(profile=profile, allow_dirty=allow_dirty)
     if allow_dirty:
         os.environ["WORKBOOK_ALLOW_DIRTY"] = "1"  # the kernels inherit it and stamp it on every row
+    # the commit is read once, before anything runs: the notebooks then write tracked files (their
+    # executed copies, results, figures), which would make a later read say "+dirty"
+    commit = git_commit()
+    if commit != "unknown":
+        os.environ.setdefault("WORKBOOK_GIT_COMMIT", commit)
     out = Path(out_dir).resolve() if out_dir else default_out_dir(profile)
     check_out_dir(out)
     runs: list[NotebookRun] = []

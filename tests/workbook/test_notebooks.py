@@ -136,3 +136,19 @@ def test_ci_runs_the_readme_test_command():
     ci = (REPO_ROOT / ".ci" / "run").read_text()
     command = next(line for line in readme.splitlines() if "pytest" in line and line.startswith("python3"))
     assert command in ci.splitlines()
+
+
+def test_the_run_states_its_commit_before_the_notebooks_write(monkeypatch, tmp_path):
+    """The kernels stamp the commit the run started at, not one made "+dirty" by the executed
+    notebooks, results and figures the run itself writes into a checkout."""
+    import os
+
+    from systems.workbook import notebooks as runner
+
+    # a copy of the environment, so the variable the run sets does not leak into later tests
+    environ = {k: v for k, v in os.environ.items() if k != "WORKBOOK_GIT_COMMIT"}
+    monkeypatch.setattr(os, "environ", environ)
+    monkeypatch.setattr(runner, "git_commit", lambda: "0123456789ab")
+    monkeypatch.setattr(runner, "run_notebook", lambda *a, **k: runner.NotebookRun("01_benchmarking", True, 0.0, None))
+    workbook.run_notebooks(only=["01"], profile="smoke", out_dir=tmp_path, progress=False, report=False)
+    assert environ["WORKBOOK_GIT_COMMIT"] == "0123456789ab"
