@@ -103,10 +103,12 @@ def _run_label(env: dict) -> str:
     return f"{env.get('gpu_count', 1)} x {gpu}" if gpu else "CPU"
 
 
-def deliverables_index(out_dir: Path, handout: str, *, failed: dict[str, str] | None = None) -> str:
+def deliverables_index(out_dir: Path, handout: str, *, failed: dict[str, str] | None = None,
+                       executed: set[str] | None = None) -> str:
     """The index as HTML: one row per deliverable of ``handout`` with its status and link.
-    ``failed``: notebook stem -> where it failed (its answers after that cell are missing)."""
-    failed = failed or {}
+    ``failed``: notebook stem -> where it failed (its answers after that cell are missing);
+    ``executed``: the notebooks whose executed copies the report holds."""
+    failed, executed = failed or {}, executed or set()
     recorded = answers(out_dir, handout)
     rows, counts = [], defaultdict(int)
     for d in deliverables(handout):
@@ -120,6 +122,9 @@ def deliverables_index(out_dir: Path, handout: str, *, failed: dict[str, str] | 
             link = f'<a href="#{d.anchor}">{html.escape(label)}</a>'
         elif d.notebook in failed:
             status, css, link = f"failed: {d.notebook}, {failed[d.notebook]}", "failed", html.escape(label)
+        elif d.notebook in executed and not (out_dir / "results" / f"{d.notebook}_deliverables.jsonl").exists():
+            status, css = "in its notebook below, from a run that recorded no answers: re-run it", "missing"
+            link = f'<a href="#{d.notebook}">{html.escape(label)}</a>'
         elif not (out_dir / "results" / f"{d.notebook}_deliverables.jsonl").exists():
             why = f"needs {d.needs}" if d.needs else "its notebook has not run"
             status, css, link = f"not run here: {why}", "not-run", html.escape(label)
@@ -209,7 +214,7 @@ def build_report(out_dir: Path, *, handout: str | None = None) -> Path:
     report = nbformat.v4.new_notebook()
     report.cells.append(nbformat.v4.new_markdown_cell(
         "# LLM training-systems workbook: report\n\n"
-        + deliverables_index(out_dir, handout, failed=failed) + "\n\n"
+        + deliverables_index(out_dir, handout, failed=failed, executed=set(notebooks)) + "\n\n"
         + provenance(out_dir, handout, list(notebooks)) + "\n\n"
         + "Notebooks: " + " · ".join(f"[{stem}](#{stem})" for stem in notebooks)))
     for stem, nb in notebooks.items():

@@ -87,3 +87,12 @@ def test_a_truncated_notebook_is_named(tmp_path):
     (tmp_path / "writeup" / "executed" / "03_cut.ipynb").write_text('{"cells": [')
     with pytest.raises(workbook.ReportError, match="03_cut.ipynb: not a readable notebook"):
         workbook.build_report(tmp_path)
+
+
+def test_an_executed_notebook_without_recorded_answers_is_flagged(tmp_path):
+    """A notebook in the report from a run that recorded no answers is neither "answered" nor
+    "not run": the index points at it and says to re-run it."""
+    _executed(tmp_path, "03_mixed_precision", [nbformat.v4.new_markdown_cell("old run")])
+    html = workbook.build_report(tmp_path, handout="2026").read_text()
+    assert "from a run that recorded no answers: re-run it" in html
+    assert 'href="#03_mixed_precision"' in html
