@@ -1,25 +1,23 @@
 """Notebook 02 (kernel profiling) in its smoke profile, for each handout."""
 
-import pandas as pd
 import pytest
 
-from systems.report.deliverables import deliverables
+from systems.measure.results import read_records
+from tests.notebooks.smoke import asked, recorded, recorded_pairs, run_smoke
+
+NB = "02_kernel_profiling"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("handout", ["2025", "2026"])
 def test_notebook_02_smoke(tmp_path, handout):
-    from systems.workbook import run_notebooks
-
-    runs = run_notebooks(only=["02"], profile="smoke", out_dir=tmp_path, report=False, progress=False,
-                         parameters={"handout": handout})
-    assert runs and runs[0].ok, runs[0].error if runs else "no run"
+    run_smoke("02", tmp_path, handout=handout)
     for stem in ("train_step_timeline", "categories"):
-        assert (tmp_path / "figures" / f"02_kernel_profiling_{stem}.png").exists()
-    rows = pd.read_json(tmp_path / "results" / "02_kernel_profiling_summary.jsonl", lines=True)
-    assert len(rows) == 12 and (rows["status"] == "ok").all()
+        assert (tmp_path / "figures" / f"{NB}_{stem}.png").exists()
+    rows = read_records(tmp_path / "results" / f"{NB}_summary.jsonl")
+    assert len(rows) == 12 and all(r["status"] == "ok" for r in rows)
     # every nsys_profile question of the handout is answered, once
-    answers = pd.read_json(tmp_path / "results" / "02_kernel_profiling_deliverables.jsonl", lines=True)
-    asked = sorted(d.part for d in deliverables(handout) if d.notebook == "02_kernel_profiling")
-    assert sorted(answers["part"]) == asked and (answers["status"] == "answered").all()
-    assert set(answers["handout"].astype(str)) == {handout}
+    assert recorded_pairs(tmp_path, NB) == asked(handout, NB)
+    answers = recorded(tmp_path, NB)
+    assert all(a["status"] == "answered" for a in answers)
+    assert {str(a["handout"]) for a in answers} == {handout}

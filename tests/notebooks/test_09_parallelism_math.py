@@ -6,23 +6,19 @@ import json
 
 import pytest
 
-from systems.measure.results import read_records
-from systems.report.deliverables import deliverables
-from systems.workbook import run_notebooks
+from tests.notebooks.smoke import asked, recorded_pairs, run_smoke
+
+NB = "09_parallelism_math"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("handout, figures", [("2025", {"mesh_batch_crossover", "ddp_buckets"}),
                                               ("2026", {"dp_crossover", "tp_crossover", "fsdp_tp_region"})])
 def test_notebook_09_smoke(tmp_path, handout, figures):
-    runs = run_notebooks(only=["09"], profile="smoke", out_dir=tmp_path, parameters={"handout": handout},
-                         report=False, progress=False)
-    assert len(runs) == 1 and runs[0].ok, runs[0].error
+    run_smoke("09", tmp_path, handout=handout)
     made = {p.name for p in (tmp_path / "figures").glob("09_*.png")}
-    assert {f"09_parallelism_math_{f}.png" for f in figures} <= made
-    wanted = {(d.problem, d.part) for d in deliverables(handout) if d.notebook == "09_parallelism_math"}
-    answered = [(r["problem"], r["part"]) for r in read_records(tmp_path / "results" / "09_parallelism_math_deliverables.jsonl")]
-    assert sorted(answered) == sorted(wanted)
+    assert {f"{NB}_{f}.png" for f in figures} <= made
+    assert recorded_pairs(tmp_path, NB) == asked(handout, NB)
 
 
 @pytest.mark.slow
@@ -37,8 +33,5 @@ def test_notebook_09_uses_measured_bandwidth(tmp_path):
             dict(backend="gloo", world_size=2, size_bytes=2**30, algbw_GBps=2.0, busbw_GBps=2.0, status="ok", time_ms=500.0)]
     measured.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "out"
-    runs = run_notebooks(only=["09"], profile="smoke", out_dir=out, parameters={"allreduce_results": str(measured)},
-                         report=False, progress=False)
-    assert runs[0].ok, runs[0].error
-    text = runs[0].output.read_text()
+    text = run_smoke("09", out, allreduce_results=str(measured)).output.read_text()
     assert "measured NCCL" in text and "180" in text
