@@ -371,13 +371,19 @@ def backward_flops(layer: FFNLayer) -> float:
     return BACKWARD_FACTOR * forward_flops(layer)
 
 
+def per_device_flops(layer: FFNLayer, *, backward: bool = False, **degrees: float) -> float:
+    """The forward's (or backward's) matmul FLOPs on one device, the layer's work split over the
+    product of the parallel degrees: DP and FSDP split the batch, TP the hidden width, 2D both,
+    and each device does an equal share. The handouts' per-device counts are its cases:
+    DP (a) 12 B D D_FF / N_DP (``backward=True, n_dp=N``); FSDP (a) 6 B D D_FF / N_FSDP and
+    12 B D D_FF / N_FSDP (``n_fsdp=N``); TP (b) 6 B D D_FF / N_TP and 12 B D D_FF / N_TP
+    (``n_tp=N``); FSDP + TP 6 B D D_FF / (N_FSDP N_TP) (``n_fsdp=..., n_tp=...``)."""
+    _devices(**degrees)
+    return (backward_flops(layer) if backward else forward_flops(layer)) / math.prod(degrees.values())
+
+
 # -- data parallel ----------------------------------------------------------------------------
 
-
-def dp_backward_flops(layer: FFNLayer, *, n_dp: float) -> float:
-    """(a) 12 B D D_FF / N_DP: each device runs the full backward on B / N_DP rows."""
-    _devices(n_dp=n_dp)
-    return backward_flops(layer) / n_dp
 
 
 def dp_backward_comm_time(layer: FFNLayer, *, n_dp: float, link_bytes_per_s: float) -> float:
@@ -394,21 +400,7 @@ def dp_max_devices(layer: FFNLayer, *, accelerator: Accelerator) -> float:
 # -- FSDP -------------------------------------------------------------------------------------
 
 
-def per_device_flops(layer: FFNLayer, *, backward: bool = False, **degrees: float) -> float:
-    """The forward's (or backward's) matmul FLOPs spread over the product of the parallel degrees:
-    FSDP splits the batch, TP the hidden width, 2D both; each device does an equal share."""
-    _devices(**degrees)
-    return (backward_flops(layer) if backward else forward_flops(layer)) / math.prod(degrees.values())
 
-
-def fsdp_forward_flops(layer: FFNLayer, *, n_fsdp: float) -> float:
-    """(a) 6 B D D_FF / N_FSDP: the DP forward on a batch shard (weights are gathered first)."""
-    return per_device_flops(layer, n_fsdp=n_fsdp)
-
-
-def fsdp_backward_flops(layer: FFNLayer, *, n_fsdp: float) -> float:
-    """(a) 12 B D D_FF / N_FSDP."""
-    return per_device_flops(layer, backward=True, n_fsdp=n_fsdp)
 
 
 def fsdp_forward_comm_time(layer: FFNLayer, *, n_fsdp: float, link_bytes_per_s: float) -> float:
@@ -433,14 +425,6 @@ def fsdp_max_devices(layer: FFNLayer, *, accelerator: Accelerator) -> dict[str, 
 # -- tensor parallel --------------------------------------------------------------------------
 
 
-def tp_forward_flops(layer: FFNLayer, *, n_tp: float) -> float:
-    """(b) 6 B D D_FF / N_TP: the three matmuls on a D_FF / N_TP slice of the hidden width."""
-    return per_device_flops(layer, n_tp=n_tp)
-
-
-def tp_backward_flops(layer: FFNLayer, *, n_tp: float) -> float:
-    """(b) 12 B D D_FF / N_TP."""
-    return per_device_flops(layer, backward=True, n_tp=n_tp)
 
 
 def tp_forward_comm_time(layer: FFNLayer, *, n_tp: float, link_bytes_per_s: float) -> float:
@@ -464,10 +448,6 @@ def tp_max_devices(layer: FFNLayer, *, accelerator: Accelerator) -> dict[str, fl
 
 # -- FSDP + TP --------------------------------------------------------------------------------
 
-
-def fsdp_tp_forward_flops(layer: FFNLayer, *, n_fsdp: float, n_tp: float) -> float:
-    """(a) 6 B D D_FF / (N_FSDP N_TP): batch split N_FSDP ways, hidden width N_TP ways."""
-    return per_device_flops(layer, n_fsdp=n_fsdp, n_tp=n_tp)
 
 
 def fsdp_tp_forward_comm_times(layer: FFNLayer, *, n_fsdp: float, n_tp: float,
@@ -533,7 +513,7 @@ def fsdp_tp_ratio_grid(layer: FFNLayer, *, accelerator: Accelerator, n_points: i
     overlapped, serial = np.empty((len(nt), len(nf))), np.empty((len(nt), len(nf)))
     for i, t in enumerate(nt):
         for j, f in enumerate(nf):
-            compute = fsdp_tp_forward_flops(layer, n_fsdp=f, n_tp=t) / accelerator.flops_per_s
+            compute = per_device_flops(layer, n_fsdp=f, n_tp=t) / accelerator.flops_per_s
             times = fsdp_tp_forward_comm_times(layer, n_fsdp=f, n_tp=t, link_bytes_per_s=accelerator.link_bytes_per_s)
             overlapped[i, j], serial[i, j] = times["overlapped"] / compute, times["serial"] / compute
     return {"n_fsdp": nf, "n_tp": nt, "overlapped": overlapped, "serial": serial}
@@ -828,36 +808,37 @@ def answers_table(*, model: StackedFFN = XXL, mesh: TPUMesh = HANDOUT_MESH, tpu:
     add("alternate_ring_all_reduce", "", f"time in units of S/W at N={example_n}",
         alternate_ring_all_reduce_time(size_bytes=1.0, n=example_n, link_bytes_per_s=1.0), "S/W", "(N-1) S / W")
     n = example_n
-    add("data_parallel_calcs", "a", f"backward FLOPs/device at N={n}", dp_backward_flops(layer, n_dp=n) / 1e12,
-        "TFLOP", "12 B D D_FF / N")
-    add("fsdp_calcs", "a", f"forward FLOPs/device at N={n}", fsdp_forward_flops(layer, n_fsdp=n) / 1e12,
-        "TFLOP", "6 B D D_FF / N")
-    add("fsdp_calcs", "a", f"backward FLOPs/device at N={n}", fsdp_backward_flops(layer, n_fsdp=n) / 1e12,
-        "TFLOP", "12 B D D_FF / N")
-    add("tp_calcs", "b", f"forward FLOPs/device at N={n}", tp_forward_flops(layer, n_tp=n) / 1e12,
-        "TFLOP", "6 B D D_FF / N")
-    add("tp_calcs", "b", f"backward FLOPs/device at N={n}", tp_backward_flops(layer, n_tp=n) / 1e12,
-        "TFLOP", "12 B D D_FF / N")
+    # (problem, part, pass, the parallel degrees, the handout's formula): one device's share of the work
+    for problem, part, pass_, degrees, formula in [
+            ("data_parallel_calcs", "a", "backward", {"n_dp": n}, "12 B D D_FF / N"),
+            ("fsdp_calcs", "a", "forward", {"n_fsdp": n}, "6 B D D_FF / N"),
+            ("fsdp_calcs", "a", "backward", {"n_fsdp": n}, "12 B D D_FF / N"),
+            ("tp_calcs", "b", "forward", {"n_tp": n}, "6 B D D_FF / N"),
+            ("tp_calcs", "b", "backward", {"n_tp": n}, "12 B D D_FF / N")]:
+        flops = per_device_flops(layer, backward=pass_ == "backward", **degrees)
+        add(problem, part, f"{pass_} FLOPs/device at N={n}", flops / 1e12, "TFLOP", formula)
     add("fsdp_tp_calcs", "a", f"forward FLOPs/device at N_FSDP = N_TP = {n}",
-        fsdp_tp_forward_flops(layer, n_fsdp=n, n_tp=n) / 1e12, "TFLOP", "6 B D D_FF / (N_FSDP N_TP)")
+        per_device_flops(layer, n_fsdp=n, n_tp=n) / 1e12, "TFLOP", "6 B D D_FF / (N_FSDP N_TP)")
     for hw in (gpu, *extra, tpu):
         tag = f" [{hw.name}]"
         w = hw.link_bytes_per_s
-        add("data_parallel_calcs", "b", f"backward comm at N={n}" + tag,
-            dp_backward_comm_time(layer, n_dp=n, link_bytes_per_s=w) * 1e3, "ms", "12 D D_FF (N-1) / (N W)")
+        # (problem, part, pass, the collective's time, the handout's formula)
+        for problem, part, pass_, seconds, formula in [
+                ("data_parallel_calcs", "b", "backward", dp_backward_comm_time(layer, n_dp=n, link_bytes_per_s=w),
+                 "12 D D_FF (N-1) / (N W)"),
+                ("fsdp_calcs", "b", "forward", fsdp_forward_comm_time(layer, n_fsdp=n, link_bytes_per_s=w),
+                 "6 D D_FF (N-1) / (N W)"),
+                ("fsdp_calcs", "b", "backward", fsdp_backward_comm_time(layer, n_fsdp=n, link_bytes_per_s=w),
+                 "12 D D_FF (N-1) / (N W)"),
+                ("tp_calcs", "c", "forward", tp_forward_comm_time(layer, n_tp=n, link_bytes_per_s=w), "4 B D (N-1) / (N W)"),
+                ("tp_calcs", "c", "backward", tp_backward_comm_time(layer, n_tp=n, link_bytes_per_s=w),
+                 "4 B D (N-1) / (N W)")]:
+            add(problem, part, f"{pass_} comm at N={n}" + tag, seconds * 1e3, "ms", formula)
         add("data_parallel_calcs", "c", "max N_DP" + tag, dp_max_devices(layer, accelerator=hw), "devices",
             "1 + B W / C")
-        add("fsdp_calcs", "b", f"forward comm at N={n}" + tag,
-            fsdp_forward_comm_time(layer, n_fsdp=n, link_bytes_per_s=w) * 1e3, "ms", "6 D D_FF (N-1) / (N W)")
-        add("fsdp_calcs", "b", f"backward comm at N={n}" + tag,
-            fsdp_backward_comm_time(layer, n_fsdp=n, link_bytes_per_s=w) * 1e3, "ms", "12 D D_FF (N-1) / (N W)")
         fs = fsdp_max_devices(layer, accelerator=hw)
         add("fsdp_calcs", "c", "max N_FSDP, forward" + tag, fs["forward"], "devices", "1 + B W / C")
         add("fsdp_calcs", "c", "max N_FSDP, backward" + tag, fs["backward"], "devices", "1 + B W / C")
-        add("tp_calcs", "c", f"forward comm at N={n}" + tag,
-            tp_forward_comm_time(layer, n_tp=n, link_bytes_per_s=w) * 1e3, "ms", "4 B D (N-1) / (N W)")
-        add("tp_calcs", "c", f"backward comm at N={n}" + tag,
-            tp_backward_comm_time(layer, n_tp=n, link_bytes_per_s=w) * 1e3, "ms", "4 B D (N-1) / (N W)")
         tp = tp_max_devices(layer, accelerator=hw)
         add("tp_calcs", "d", "max N_TP, forward" + tag, tp["forward"], "devices", "1 + 3 D_FF W / (2C)")
         add("tp_calcs", "d", "max N_TP, backward" + tag, tp["backward"], "devices", "1 + 3 D_FF W / C")

@@ -36,28 +36,34 @@ from systems.measure.devices import DTYPES, release_memory
 from systems.measure.results import ResultWriter
 from systems.measure.timer import time_fn
 
-# (block_m, block_n, num_warps, num_stages[, extra meta-parameters]); for dK/dV block_m is the
-# streamed query tile and block_n the resident key tile, for dQ block_m is the resident query tile.
-CANDIDATES: dict[str, list[tuple[int, int, int, int]]] = {
-    "fwd": [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3),
-            (128, 128, 8, 2), (128, 32, 4, 4), (64, 32, 4, 4)],
-    "dkdv": [(32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3),
-             (64, 128, 8, 2), (16, 64, 4, 4), (16, 128, 4, 4)],
-    "dq": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (128, 32, 8, 4),
-           (128, 128, 8, 2), (64, 32, 4, 4), (32, 64, 4, 3)],
+
+def _tiles(spec: str) -> list[tuple[int, int, int, int]]:
+    """Candidates written as the notes write them, "rows x cols / warps / stages":
+    "64x128/8/3, 128x64/4/4" -> [(64, 128, 8, 3), (128, 64, 4, 4)]."""
+    out = []
+    for item in spec.split(","):
+        tile, warps, stages = item.strip().split("/")
+        rows, cols = tile.split("x")
+        out.append((int(rows), int(cols), int(warps), int(stages)))
+    return out
+
+
+# Per kernel, (block_m, block_n, num_warps, num_stages[, meta-parameters besides the kernel's
+# tuning.OPTIONS]); for dK/dV block_m is the streamed query tile and block_n the resident key
+# tile, for dQ block_m is the resident query tile.
+CANDIDATES: dict[str, list[tuple]] = {
+    "fwd": _tiles("64x64/4/4, 64x128/4/3, 128x64/8/3, 128x64/4/3, 128x128/8/3, 128x128/8/2, 128x32/4/4, 64x32/4/4"),
+    "dkdv": _tiles("32x64/4/3, 64x64/4/3, 32x128/4/3, 32x128/8/3, 64x128/8/3, 64x128/8/2, 16x64/4/4, 16x128/4/4"),
+    "dq": _tiles("64x64/4/3, 128x64/8/3, 128x64/4/3, 128x32/4/3, 128x32/8/4, 128x128/8/2, 64x32/4/4, 32x64/4/3"),
     # block_m the streamed query tile, block_n the resident key tile (which sets the atomic traffic);
-    # each with the dQ add deferred by one query tile (the kernel's default) or not
-    "atomic": [(64, 128, 8, 3), (64, 128, 8, 3, {"DEFER_DQ_ADD": False}), (64, 64, 4, 3),
-               (64, 64, 4, 3, {"DEFER_DQ_ADD": False}), (64, 128, 8, 2), (64, 128, 8, 4), (32, 128, 8, 3),
-               (128, 64, 8, 3)],
+    # the two leaders also with the dQ add not deferred (the kernel's default defers it by one query tile)
+    "atomic": _tiles("64x128/8/3, 64x64/4/3, 64x128/8/2, 64x128/8/4, 32x128/8/3, 128x64/8/3")
+              + [(64, 128, 8, 3, {"DEFER_DQ_ADD": False}), (64, 64, 4, 3, {"DEFER_DQ_ADD": False})],
     # the TMA-descriptor kernels (same tile meaning as their pointer twins): the pointer winners and
     # the 128x128 tiles and deeper pipelines that TMA loads leave registers for
-    "fwd_tma": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3),
-                (64, 64, 4, 4), (128, 128, 8, 4), (128, 64, 8, 5)],
-    "dkdv_tma": [(64, 128, 8, 3), (64, 128, 8, 4), (128, 128, 8, 2), (32, 128, 8, 4), (64, 64, 4, 3),
-                 (32, 64, 4, 3), (64, 128, 8, 2), (128, 128, 8, 3)],
-    "dq_tma": [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 4, 4), (64, 64, 4, 3),
-               (128, 32, 8, 4), (128, 128, 8, 3), (64, 128, 4, 3)],
+    "fwd_tma": _tiles("128x128/8/3, 128x128/8/2, 128x64/8/3, 128x64/4/4, 64x128/4/3, 64x64/4/4, 128x128/8/4, 128x64/8/5"),
+    "dkdv_tma": _tiles("64x128/8/3, 64x128/8/4, 128x128/8/2, 32x128/8/4, 64x64/4/3, 32x64/4/3, 64x128/8/2, 128x128/8/3"),
+    "dq_tma": _tiles("128x64/8/3, 128x64/8/4, 128x128/8/2, 128x32/4/4, 64x64/4/3, 128x32/8/4, 128x128/8/3, 64x128/4/3"),
 }
 
 SHAPES = [(1, 1024, 64), (1, 4096, 64), (1, 16384, 64), (1, 65536, 64),
@@ -86,12 +92,6 @@ def make_inputs(*, batch: int, seq: int, d: int, dtype: str, device: str = "cuda
     return Inputs(q, k, v, o, lse, do, delta)
 
 
-# each kernel's two tile-size meta-parameters, in the (block_m, block_n) order of CANDIDATES
-# meta-parameters a candidate gets unless its fifth element says otherwise
-DEFAULT_META = {"atomic": {"DEFER_DQ_ADD": True}}
-TILE_NAMES = {"fwd": ("BLOCK_M", "BLOCK_N"), "dkdv": ("BLOCK_M1", "BLOCK_N1"), "dq": ("BLOCK_M2", "BLOCK_N2"),
-              "atomic": ("BLOCK_M3", "BLOCK_N3"), "fwd_tma": ("BLOCK_M", "BLOCK_N"),
-              "dkdv_tma": ("BLOCK_M1", "BLOCK_N1"), "dq_tma": ("BLOCK_M2", "BLOCK_N2")}
 # The model FLOPs (systems.measure.flops, in forward passes) each kernel is credited with: the
 # forward's two products (S = Q K^T, P V) are one forward; the backward's four (dV = P^T dO,
 # dP = dO V^T, dK = dS^T Q, dQ = dS K) are two. The dK/dV kernel produces dV, dP and dK, the dQ
@@ -105,13 +105,13 @@ def launch(kernel: str, x: Inputs, cfg: tuple, *, is_causal: bool = True):
     "atomic" is the whole atomic backward (prep kernel, atomic kernel, cast), which replaces both
     the dQ and the dK/dV kernel; its closure also holds ``dq_acc`` and the ``delta`` it wrote."""
     from systems.attention import flash_triton as ft
+    from systems.attention.flash_triton import tuning
 
-    if kernel not in TILE_NAMES:
-        raise ValueError(f"unknown kernel {kernel!r}; choose one of {list(TILE_NAMES)}")
+    if kernel not in CANDIDATES:
+        raise ValueError(f"unknown kernel {kernel!r}; choose one of {list(CANDIDATES)}")
     bm, bn, warps, stages = cfg[:4]
-    m_name, n_name = TILE_NAMES[kernel]
-    config = {m_name: bm, n_name: bn, "num_warps": warps, "num_stages": stages, **DEFAULT_META.get(kernel, {}),
-              **(cfg[4] if len(cfg) > 4 else {})}
+    config = tuning.config_meta(tuning.tile_config(kernel, bm, bn, warps=warps, stages=stages,
+                                                   **(cfg[4] if len(cfg) > 4 else {})))
     tma = kernel.endswith("_tma")
     if tma and not ft.tma_usable(x.q, x.k, x.v, x.o, x.do):
         raise ValueError(f"{kernel}: these inputs cannot be read through TMA descriptors (see tma_usable)")
@@ -134,6 +134,7 @@ def launch(kernel: str, x: Inputs, cfg: tuple, *, is_causal: bool = True):
 def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_path: str | None = None,
             rep_ms: float = 30) -> list[dict]:
     """Every candidate of every kernel at every shape, plus SDPA flash / cuDNN fwd and bwd."""
+    from systems.attention.flash_triton import tuning
     from systems.bench.flash import time_attention
 
     writer = ResultWriter(out_path) if out_path else None
@@ -157,7 +158,7 @@ def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_pa
             flops = fwd_flops * KERNEL_SHARE[kernel]
             for cfg in cands:
                 row = dict(**shape, kernel=kernel, impl="triton", block_m=cfg[0], block_n=cfg[1],
-                           warps=cfg[2], stages=cfg[3], meta={**DEFAULT_META.get(kernel, {}), **(cfg[4:] or [{}])[0]},
+                           warps=cfg[2], stages=cfg[3], meta={**tuning.OPTIONS.get(kernel, {}), **(cfg[4:] or [{}])[0]},
                            status="ok")
                 try:
                     fn = launch(kernel, x, cfg)

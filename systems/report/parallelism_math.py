@@ -249,7 +249,7 @@ def section8_answers(*, layer: pm.FFNLayer, hws: list[pm.Accelerator], example_n
             f"ring's ${latex(sym['ring_all_reduce'])}$ ({ring:.0f}x at $N = {n}$).",
         ("data_parallel_calcs", "a"):
             f"${latex(sym['dp_backward_flops'])}$: the backward's six matmuls of $2BDD_{{FF}}$ FLOPs each run on "
-            f"$B/N_{{DP}}$ rows. {numbers}: {pm.dp_backward_flops(layer, n_dp=n) / 1e12:.3g} TFLOP per device.",
+            f"$B/N_{{DP}}$ rows. {numbers}: {pm.per_device_flops(layer, backward=True, n_dp=n) / 1e12:.3g} TFLOP per device.",
         ("data_parallel_calcs", "b"):
             f"${latex(sym['dp_backward_comm'])}$: one ring all-reduce of $dW_1, dW_2, dW_3$ ($6DD_{{FF}}$ bytes in FP16), "
             f"independent of $B$. {numbers}: "
@@ -261,7 +261,7 @@ def section8_answers(*, layer: pm.FFNLayer, hws: list[pm.Accelerator], example_n
         ("fsdp_calcs", "a"):
             f"Forward ${latex(sym['fsdp_forward_flops'])}$, backward ${latex(sym['fsdp_backward_flops'])}$: data "
             f"parallelism's math on a batch shard, the weights being gathered first. {numbers}: "
-            f"{pm.fsdp_forward_flops(layer, n_fsdp=n) / 1e12:.3g} and {pm.fsdp_backward_flops(layer, n_fsdp=n) / 1e12:.3g} "
+            f"{pm.per_device_flops(layer, n_fsdp=n) / 1e12:.3g} and {pm.per_device_flops(layer, backward=True, n_fsdp=n) / 1e12:.3g} "
             "TFLOP per device.",
         ("fsdp_calcs", "b"):
             f"Forward ${latex(sym['fsdp_forward_comm'])}$ (all-gather $W_1, W_2, W_3$), backward "
@@ -276,7 +276,7 @@ def section8_answers(*, layer: pm.FFNLayer, hws: list[pm.Accelerator], example_n
         ("tp_calcs", "b"):
             f"Forward ${latex(sym['tp_forward_flops'])}$, backward ${latex(sym['tp_backward_flops'])}$: all $B$ rows, "
             f"$D_{{FF}}/N_{{TP}}$ of the hidden width in each of the three (forward) and six (backward) matmuls. "
-            f"{numbers}: {pm.tp_forward_flops(layer, n_tp=n) / 1e12:.3g} and {pm.tp_backward_flops(layer, n_tp=n) / 1e12:.3g} "
+            f"{numbers}: {pm.per_device_flops(layer, n_tp=n) / 1e12:.3g} and {pm.per_device_flops(layer, backward=True, n_tp=n) / 1e12:.3g} "
             "TFLOP per device.",
         ("tp_calcs", "c"):
             f"Forward ${latex(sym['tp_forward_comm'])}$ (all-reduce the partial sums $y^{{(i)}}$, one $(B, D)$ tensor), "
@@ -293,7 +293,7 @@ def section8_answers(*, layer: pm.FFNLayer, hws: list[pm.Accelerator], example_n
                 f"{pm.tp_max_devices(layer, accelerator=hw)['forward']:.1f}" for hw in hws) + ".",
         ("fsdp_tp_calcs", "a"):
             f"${latex(sym['fsdp_tp_forward_flops'])}$: the batch split $N_{{FSDP}}$ ways, the hidden width $N_{{TP}}$ "
-            f"ways. {numbers} on both axes: {pm.fsdp_tp_forward_flops(layer, n_fsdp=n, n_tp=n) / 1e12:.3g} TFLOP per device.",
+            f"ways. {numbers} on both axes: {pm.per_device_flops(layer, n_fsdp=n, n_tp=n) / 1e12:.3g} TFLOP per device.",
         ("fsdp_tp_calcs", "b"):
             f"$\\max\\left({latex(sym['fsdp_tp_comm_fsdp_axis'])},\\ {latex(sym['fsdp_tp_comm_tp_axis'])}\\right)$: the "
             "FSDP axis all-gathers each TP shard of the weights, the TP axis all-reduces $y$ for this FSDP shard's rows, and "
@@ -355,16 +355,16 @@ def crossover_figure(kind: str, *, layer: pm.FFNLayer, hws: list[pm.Accelerator]
         c, w = hw.flops_per_s, hw.link_bytes_per_s
         if kind == "dp":
             bound = pm.dp_max_devices(layer, accelerator=hw)
-            crossover_panel(ax, compute=lambda n: pm.dp_backward_flops(layer, n_dp=n) / c,
+            crossover_panel(ax, compute=lambda n: pm.per_device_flops(layer, backward=True, n_dp=n) / c,
                             comm=lambda n: pm.dp_backward_comm_time(layer, n_dp=n, link_bytes_per_s=w), bound=bound,
                             n_max=3 * bound, title=f"DP / FSDP backward, {hw.name}", n_points=n_points)
             continue
         bounds = pm.tp_max_devices(layer, accelerator=hw)
-        ns = crossover_panel(ax, compute=lambda n: pm.tp_forward_flops(layer, n_tp=n) / c,
+        ns = crossover_panel(ax, compute=lambda n: pm.per_device_flops(layer, n_tp=n) / c,
                              comm=lambda n: pm.tp_forward_comm_time(layer, n_tp=n, link_bytes_per_s=w),
                              bound=bounds["forward"], n_max=3 * bounds["backward"], title=f"TP forward and backward, {hw.name}",
                              n_points=n_points, comm_label="communication (TP: fwd = bwd)")
-        ax.plot(ns, [pm.tp_backward_flops(layer, n_tp=n) / c * 1e3 for n in ns], ":", label="compute (backward)")
+        ax.plot(ns, [pm.per_device_flops(layer, backward=True, n_tp=n) / c * 1e3 for n in ns], ":", label="compute (backward)")
         mark_crossover(ax, bounds["backward"], f"backward N = {bounds['backward']:.1f}", color="tab:red")
         ax.legend(fontsize=8)
     fig.suptitle(f"8B FFN, B = {layer.batch_tokens:,.0f} tokens")
@@ -379,7 +379,7 @@ def batch_crossover_figure(*, layer: pm.FFNLayer, hw: pm.Accelerator, example_n:
     batches = np.linspace(256, 4 * layer.batch_tokens, n_points)
     c, w = hw.flops_per_s, hw.link_bytes_per_s
     at = lambda b: pm.FFNLayer(batch_tokens=b, d_model=layer.d_model, d_ff=layer.d_ff)  # noqa: E731
-    ax.plot(batches, [pm.dp_backward_flops(at(b), n_dp=example_n) / c * 1e3 for b in batches], label="DP compute (backward)")
+    ax.plot(batches, [pm.per_device_flops(at(b), backward=True, n_dp=example_n) / c * 1e3 for b in batches], label="DP compute (backward)")
     ax.plot(batches, [pm.dp_backward_comm_time(layer, n_dp=example_n, link_bytes_per_s=w) * 1e3] * len(batches),
             label="DP all-reduce (fixed)")
     ax.plot(batches, [pm.tp_forward_comm_time(at(b), n_tp=example_n, link_bytes_per_s=w) * 1e3 for b in batches],

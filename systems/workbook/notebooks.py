@@ -20,6 +20,7 @@ What a run guarantees:
 from __future__ import annotations
 
 import ast
+import contextlib
 import fcntl
 import json
 import os
@@ -206,6 +207,23 @@ def check_commit(*, profile: str, allow_dirty: bool) -> None:
                             "HEAD: commit them first, or pass --allow-dirty (which is stamped on every row)")
 
 
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """``values`` in os.environ while the run's kernels start (they inherit it), and what was there
+    before put back after: a later run in this process (a test, a JupyterLab session) must not
+    stamp this run's commit or --allow-dirty."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def run_notebooks(*, only: list[str] | None = None, profile: str = "auto", out_dir: str | Path | None = None,
                   parameters: dict | None = None, keep_going: bool = True, report: bool = True,
                   progress: bool = True, allow_dirty: bool = False) -> list[NotebookRun]:
@@ -221,17 +239,17 @@ def run_notebooks(*, only: list[str] | None = None, profile: str = "auto", out_d
         raise WorkbookError(f"the full profile of {', '.join(need)} needs a CUDA GPU and this machine has none; "
                             "run --profile smoke")
     check_commit(profile=profile, allow_dirty=allow_dirty)
-    if allow_dirty:
-        os.environ["WORKBOOK_ALLOW_DIRTY"] = "1"  # the kernels inherit it and stamp it on every row
-    # the commit is read once, before anything runs: the notebooks then write tracked files (their
-    # executed copies, results, figures), which would make a later read say "+dirty"
+    # what the kernels inherit and stamp on every row: --allow-dirty, and the commit, read once
+    # before anything runs (the notebooks then write tracked files, their executed copies, results
+    # and figures, which would make a later read say "+dirty"); a commit stated already is kept
+    stated = {"WORKBOOK_ALLOW_DIRTY": "1"} if allow_dirty else {}
     commit = git_commit()
-    if commit != "unknown":
-        os.environ.setdefault("WORKBOOK_GIT_COMMIT", commit)
+    if commit != "unknown" and not os.environ.get("WORKBOOK_GIT_COMMIT"):
+        stated["WORKBOOK_GIT_COMMIT"] = commit
     out = Path(out_dir).resolve() if out_dir else default_out_dir(profile)
     check_out_dir(out)
     runs: list[NotebookRun] = []
-    with OutDirLock(out):
+    with OutDirLock(out), _environment(stated):
         for i, path in enumerate(paths, 1):
             if n_gpus < need[path.stem]:
                 why = f"its full profile needs {need[path.stem]} GPUs, this machine has {n_gpus}"

@@ -6,7 +6,6 @@ scanning for the first N where communication outlasts computation."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
@@ -148,17 +147,17 @@ def test_per_device_flops_dp_fsdp_tp(n):
     x = torch.randn(B, D, dtype=torch.float64)
     # DP and FSDP devices run the whole layer on B / N rows
     fwd, bwd = _fwd_bwd_flops(x[: B // n], w1, w2, w3)
-    assert bwd == pm.dp_backward_flops(layer, n_dp=n)
-    assert fwd == pm.fsdp_forward_flops(layer, n_fsdp=n)
-    assert bwd == pm.fsdp_backward_flops(layer, n_fsdp=n)
+    assert bwd == pm.per_device_flops(layer, backward=True, n_dp=n)
+    assert fwd == pm.per_device_flops(layer, n_fsdp=n)
+    assert bwd == pm.per_device_flops(layer, backward=True, n_fsdp=n)
     # a TP device runs all B rows on a D_FF / N slice of W1, W2 (columns) and W3 (rows)
     k = DFF // n
     fwd, bwd = _fwd_bwd_flops(x, w1[:, :k], w2[:, :k], w3[:k])
-    assert fwd == pm.tp_forward_flops(layer, n_tp=n)
-    assert bwd == pm.tp_backward_flops(layer, n_tp=n)
+    assert fwd == pm.per_device_flops(layer, n_tp=n)
+    assert bwd == pm.per_device_flops(layer, backward=True, n_tp=n)
     # FSDP + TP: B / N_FSDP rows on a D_FF / N_TP slice
     fwd, _ = _fwd_bwd_flops(x[: B // n], w1[:, : DFF // 2], w2[:, : DFF // 2], w3[: DFF // 2])
-    assert fwd == pm.fsdp_tp_forward_flops(layer, n_fsdp=n, n_tp=2)
+    assert fwd == pm.per_device_flops(layer, n_fsdp=n, n_tp=2)
 
 
 def test_tp_backward_equations_match_autograd():
@@ -239,19 +238,19 @@ def test_device_bounds_by_scanning(hw):
     layer = pm.FFNLayer(batch_tokens=4096 if hw.name != "toy" else 2000, d_model=512, d_ff=1536)
     c, w = hw.flops_per_s, hw.link_bytes_per_s
     cases = {
-        "dp": (lambda n: pm.dp_backward_flops(layer, n_dp=n) / c,
+        "dp": (lambda n: pm.per_device_flops(layer, backward=True, n_dp=n) / c,
                lambda n: pm.dp_backward_comm_time(layer, n_dp=n, link_bytes_per_s=w),
                pm.dp_max_devices(layer, accelerator=hw)),
-        "fsdp_fwd": (lambda n: pm.fsdp_forward_flops(layer, n_fsdp=n) / c,
+        "fsdp_fwd": (lambda n: pm.per_device_flops(layer, n_fsdp=n) / c,
                      lambda n: pm.fsdp_forward_comm_time(layer, n_fsdp=n, link_bytes_per_s=w),
                      pm.fsdp_max_devices(layer, accelerator=hw)["forward"]),
-        "fsdp_bwd": (lambda n: pm.fsdp_backward_flops(layer, n_fsdp=n) / c,
+        "fsdp_bwd": (lambda n: pm.per_device_flops(layer, backward=True, n_fsdp=n) / c,
                      lambda n: pm.fsdp_backward_comm_time(layer, n_fsdp=n, link_bytes_per_s=w),
                      pm.fsdp_max_devices(layer, accelerator=hw)["backward"]),
-        "tp_fwd": (lambda n: pm.tp_forward_flops(layer, n_tp=n) / c,
+        "tp_fwd": (lambda n: pm.per_device_flops(layer, n_tp=n) / c,
                    lambda n: pm.tp_forward_comm_time(layer, n_tp=n, link_bytes_per_s=w),
                    pm.tp_max_devices(layer, accelerator=hw)["forward"]),
-        "tp_bwd": (lambda n: pm.tp_backward_flops(layer, n_tp=n) / c,
+        "tp_bwd": (lambda n: pm.per_device_flops(layer, backward=True, n_tp=n) / c,
                    lambda n: pm.tp_backward_comm_time(layer, n_tp=n, link_bytes_per_s=w),
                    pm.tp_max_devices(layer, accelerator=hw)["backward"]),
     }
@@ -268,7 +267,7 @@ def test_fsdp_tp_optima_by_grid_search():
     best_ov, best_se = (0.0, None), (0.0, None)
     for nf in np.linspace(1, 12, 441):
         for nt in np.linspace(1, 16, 601):
-            compute = pm.fsdp_tp_forward_flops(layer, n_fsdp=nf, n_tp=nt) / c
+            compute = pm.per_device_flops(layer, n_fsdp=nf, n_tp=nt) / c
             t = pm.fsdp_tp_forward_comm_times(layer, n_fsdp=nf, n_tp=nt, link_bytes_per_s=w)
             if t["overlapped"] <= compute and nf * nt > best_ov[0]:
                 best_ov = (nf * nt, (nf, nt))
@@ -301,7 +300,7 @@ def test_sympy_derivations_agree_with_closed_forms():
         expected = {
             "ring_all_reduce": pm.ring_all_reduce_time(size_bytes=1e6, n=n, link_bytes_per_s=w),
             "alternate_ring_all_reduce": pm.alternate_ring_all_reduce_time(size_bytes=1e6, n=n, link_bytes_per_s=w),
-            "dp_backward_flops": pm.dp_backward_flops(layer, n_dp=n),
+            "dp_backward_flops": pm.per_device_flops(layer, backward=True, n_dp=n),
             "dp_backward_comm": pm.dp_backward_comm_time(layer, n_dp=n, link_bytes_per_s=w),
             "fsdp_forward_comm": pm.fsdp_forward_comm_time(layer, n_fsdp=n, link_bytes_per_s=w),
             "fsdp_backward_comm": pm.fsdp_backward_comm_time(layer, n_fsdp=n, link_bytes_per_s=w),
@@ -311,7 +310,7 @@ def test_sympy_derivations_agree_with_closed_forms():
             "fsdp_max_n_backward": pm.fsdp_max_devices(layer, accelerator=hw)["backward"],
             "tp_max_n_forward": pm.tp_max_devices(layer, accelerator=hw)["forward"],
             "tp_max_n_backward": pm.tp_max_devices(layer, accelerator=hw)["backward"],
-            "fsdp_tp_forward_flops": pm.fsdp_tp_forward_flops(layer, n_fsdp=3.0, n_tp=5.0),
+            "fsdp_tp_forward_flops": pm.per_device_flops(layer, n_fsdp=3.0, n_tp=5.0),
             "fsdp_tp_comm_fsdp_axis": pm.fsdp_tp_forward_comm_times(layer, n_fsdp=3.0, n_tp=5.0,
                                                                     link_bytes_per_s=w)["fsdp"],
             "fsdp_tp_comm_tp_axis": pm.fsdp_tp_forward_comm_times(layer, n_fsdp=3.0, n_tp=5.0,

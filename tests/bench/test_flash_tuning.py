@@ -109,6 +109,27 @@ def test_source_hash_follows_the_kernels_and_their_configs():
 
 
 @needs_triton
+def test_candidates_are_configs_of_their_kernels():
+    """Every candidate becomes a config of its own kernel: its two tile names, power-of-two tiles
+    (tl.arange needs them), the kernel's default options unless the candidate overrides them."""
+    from systems.attention.flash_triton import tuning
+    from systems.bench import flash_tuning
+
+    assert flash_tuning._tiles("64x128/8/3, 16x32/4/1") == [(64, 128, 8, 3), (16, 32, 4, 1)]
+    for kernel, candidates in flash_tuning.CANDIDATES.items():
+        assert len(set(map(repr, candidates))) == len(candidates), f"{kernel}: a candidate listed twice"
+        rows, cols = tuning.TILE_NAMES[kernel.removesuffix("_tma")]
+        for m, n, warps, stages, *extra in candidates:
+            meta = tuning.config_meta(tuning.tile_config(kernel, m, n, warps=warps, stages=stages, **(extra or [{}])[0]))
+            assert (meta[rows], meta[cols], meta["num_warps"], meta["num_stages"]) == (m, n, warps, stages)
+            assert m & (m - 1) == 0 and n & (n - 1) == 0, (kernel, m, n)
+            options = {**tuning.OPTIONS.get(kernel, {}), **(extra or [{}])[0]}
+            assert {k: meta[k] for k in options} == options
+    with pytest.raises(ValueError, match="unknown kernel 'fwd_typo'"):
+        tuning.tile_config("fwd_typo", 64, 64, warps=4, stages=3)
+
+
+@needs_triton
 def test_plan_store_round_trip_and_key(tmp_path):
     from systems.attention.flash_triton import tuning
 

@@ -75,6 +75,7 @@ def test_full_profile_without_a_gpu_is_an_error(monkeypatch, tmp_path, capsys):
 def test_full_profile_refuses_a_dirty_tree_unless_allowed(monkeypatch, tmp_path):
     from systems.workbook import notebooks as runner
 
+    monkeypatch.delenv("WORKBOOK_GIT_COMMIT", raising=False)  # else the stated commit is trusted
     monkeypatch.setattr(runner, "tree_is_dirty", lambda: True)
     with pytest.raises(workbook.WorkbookError, match="--allow-dirty"):
         runner.check_commit(profile="full", allow_dirty=False)
@@ -140,15 +141,29 @@ def test_ci_runs_the_readme_test_command():
 
 def test_the_run_states_its_commit_before_the_notebooks_write(monkeypatch, tmp_path):
     """The kernels stamp the commit the run started at, not one made "+dirty" by the executed
-    notebooks, results and figures the run itself writes into a checkout."""
+    notebooks, results and figures the run itself writes into a checkout; and, with --allow-dirty,
+    that flag. Neither outlives the run: a later run in the same process must not inherit them."""
     import os
 
     from systems.workbook import notebooks as runner
 
-    # a copy of the environment, so the variable the run sets does not leak into later tests
-    environ = {k: v for k, v in os.environ.items() if k != "WORKBOOK_GIT_COMMIT"}
-    monkeypatch.setattr(os, "environ", environ)
+    monkeypatch.delenv("WORKBOOK_GIT_COMMIT", raising=False)
+    monkeypatch.delenv("WORKBOOK_ALLOW_DIRTY", raising=False)
+    seen = []
+
+    def fake_run(*args, **kwargs):  # what a kernel started now would inherit
+        seen.append({k: os.environ.get(k) for k in ("WORKBOOK_GIT_COMMIT", "WORKBOOK_ALLOW_DIRTY")})
+        return runner.NotebookRun("01_benchmarking", True, 0.0, None)
+
     monkeypatch.setattr(runner, "git_commit", lambda: "0123456789ab")
-    monkeypatch.setattr(runner, "run_notebook", lambda *a, **k: runner.NotebookRun("01_benchmarking", True, 0.0, None))
+    monkeypatch.setattr(runner, "run_notebook", fake_run)
+    workbook.run_notebooks(only=["01"], profile="smoke", out_dir=tmp_path, progress=False, report=False,
+                           allow_dirty=True)
     workbook.run_notebooks(only=["01"], profile="smoke", out_dir=tmp_path, progress=False, report=False)
-    assert environ["WORKBOOK_GIT_COMMIT"] == "0123456789ab"
+    assert seen == [{"WORKBOOK_GIT_COMMIT": "0123456789ab", "WORKBOOK_ALLOW_DIRTY": "1"},
+                    {"WORKBOOK_GIT_COMMIT": "0123456789ab", "WORKBOOK_ALLOW_DIRTY": None}]
+    assert "WORKBOOK_GIT_COMMIT" not in os.environ and "WORKBOOK_ALLOW_DIRTY" not in os.environ
+    # a commit the caller states (a tree copied to a GPU machine) is the one the kernels get
+    monkeypatch.setenv("WORKBOOK_GIT_COMMIT", "fedcba987654")
+    workbook.run_notebooks(only=["01"], profile="smoke", out_dir=tmp_path, progress=False, report=False)
+    assert seen[-1]["WORKBOOK_GIT_COMMIT"] == "fedcba987654"

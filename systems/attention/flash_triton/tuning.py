@@ -47,9 +47,31 @@ def seq_bucket(n: int) -> int:
 # ----------------------------------------------------------------------------- autotune configs
 
 
-def _cfg(**kw) -> triton.Config:
-    warps, stages = kw.pop("warps"), kw.pop("stages")
-    return triton.Config(kw, num_warps=warps, num_stages=stages)
+# The two tile sizes of each kernel, in the order the tables below give them: (rows, cols). For
+# dK/dV the rows are the streamed query tile and the cols the resident key tile; for dQ the rows
+# are the resident query tile. A *_tma kernel takes its pointer twin's names.
+TILE_NAMES = {"fwd": ("BLOCK_M", "BLOCK_N"), "dkdv": ("BLOCK_M1", "BLOCK_N1"), "dq": ("BLOCK_M2", "BLOCK_N2"),
+              "atomic": ("BLOCK_M3", "BLOCK_N3")}
+# Options every config of a kernel carries unless told otherwise (the atomic entry below says why).
+OPTIONS = {"atomic": {"DEFER_DQ_ADD": True}}
+
+
+def tile_config(kernel: str, rows: int, cols: int, *, warps: int, stages: int, **options) -> triton.Config:
+    """One config of ``kernel``: its two tiles (TILE_NAMES), the kernel's OPTIONS overridden by
+    ``options``, and its warps and pipeline stages."""
+    base = kernel.removesuffix("_tma")
+    if base not in TILE_NAMES:
+        raise ValueError(f"unknown kernel {kernel!r}; choose one of {sorted(TILE_NAMES)} (or their *_tma twins)")
+    row_name, col_name = TILE_NAMES[base]
+    return triton.Config({row_name: rows, col_name: cols, **OPTIONS.get(base, {}), **options}, num_warps=warps,
+                         num_stages=stages)
+
+
+def _table(tiles: dict[str, dict[str, list[tuple[int, int, int, int]]]]) -> dict[str, dict[str, list[triton.Config]]]:
+    """(rows, cols, num_warps, num_stages) per kernel and dtype family, as triton.Configs."""
+    return {kernel: {family: [tile_config(kernel, m, n, warps=warps, stages=stages) for m, n, warps, stages in table]
+                     for family, table in families.items()}
+            for kernel, families in tiles.items()}
 
 
 def autotuning() -> bool:
@@ -67,57 +89,24 @@ def autotuning() -> bool:
 # Under the interpreter there is one small config each: multi-config autotuning benchmarks
 # on a GPU (it fails without a driver), and 16-row tiles exercise the tile loops at tiny sizes.
 if INTERPRETING:
-    CONFIGS = {
-        "fwd": {"half": [_cfg(BLOCK_M=16, BLOCK_N=16, warps=4, stages=1)], "fp32": []},
-        "dkdv": {"half": [_cfg(BLOCK_M1=16, BLOCK_N1=32, warps=4, stages=1)], "fp32": []},
-        "dq": {"half": [_cfg(BLOCK_M2=32, BLOCK_N2=16, warps=4, stages=1)], "fp32": []},
-        "atomic": {"half": [_cfg(BLOCK_M3=16, BLOCK_N3=32, DEFER_DQ_ADD=True, warps=4, stages=1)], "fp32": []},
-    }
-elif not autotuning():
-    # one config every dtype and head dim fits (fp32 included)
-    CONFIGS = {
-        "fwd": {"half": [_cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=2)], "fp32": []},
-        "dkdv": {"half": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2)], "fp32": []},
-        "dq": {"half": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2)], "fp32": []},
-        "atomic": {"half": [_cfg(BLOCK_M3=32, BLOCK_N3=64, DEFER_DQ_ADD=True, warps=4, stages=2)], "fp32": []},
-    }
+    CONFIGS = _table({"fwd": {"half": [(16, 16, 4, 1)], "fp32": []}, "dkdv": {"half": [(16, 32, 4, 1)], "fp32": []},
+                      "dq": {"half": [(32, 16, 4, 1)], "fp32": []}, "atomic": {"half": [(16, 32, 4, 1)], "fp32": []}})
+elif not autotuning():  # one config every dtype and head dim fits (fp32 included)
+    CONFIGS = _table({"fwd": {"half": [(64, 64, 4, 2)], "fp32": []}, "dkdv": {"half": [(32, 64, 4, 2)], "fp32": []},
+                      "dq": {"half": [(64, 32, 4, 2)], "fp32": []}, "atomic": {"half": [(32, 64, 4, 2)], "fp32": []}})
 else:
-    CONFIGS = {
-        "fwd": {
-            "half": [_cfg(BLOCK_M=64, BLOCK_N=128, warps=4, stages=3),
-                     _cfg(BLOCK_M=128, BLOCK_N=64, warps=8, stages=3),
-                     _cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=4)],
-            "fp32": [_cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=3),
-                     _cfg(BLOCK_M=64, BLOCK_N=32, warps=4, stages=2)],
-        },
-        "dkdv": {
-            "half": [_cfg(BLOCK_M1=64, BLOCK_N1=64, warps=4, stages=3),
-                     _cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=3),
-                     _cfg(BLOCK_M1=64, BLOCK_N1=128, warps=8, stages=3)],
-            "fp32": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2),
-                     _cfg(BLOCK_M1=32, BLOCK_N1=32, warps=4, stages=2)],
-        },
-        "dq": {
-            "half": [_cfg(BLOCK_M2=128, BLOCK_N2=64, warps=8, stages=3),
-                     _cfg(BLOCK_M2=128, BLOCK_N2=32, warps=4, stages=3),
-                     _cfg(BLOCK_M2=64, BLOCK_N2=64, warps=4, stages=3)],
-            "fp32": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2),
-                     _cfg(BLOCK_M2=32, BLOCK_N2=32, warps=4, stages=2)],
-        },
+    CONFIGS = _table({
+        "fwd": {"half": [(64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)], "fp32": [(64, 64, 4, 3), (64, 32, 4, 2)]},
+        "dkdv": {"half": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3)], "fp32": [(32, 64, 4, 2), (32, 32, 4, 2)]},
+        "dq": {"half": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)], "fp32": [(64, 32, 4, 2), (32, 32, 4, 2)]},
         # The atomic backward's key tile (BLOCK_N3) sets its atomic traffic: every key tile adds
         # n_q x d fp32 into dQ, so a head moves about n_q * n_k / 2 / BLOCK_N3 * d * 4 bytes of
         # atomics when causal. Hence no 16-bit config below 64 keys. On an H100 at the
         # leaderboard shape (notes entry 4) 64x128/8 warps and 64x64/4 warps led; 32-row query
         # tiles (whose dQ dot runs on mma.sync: wgmma needs 64 rows) ran 1.2-1.3x slower and
         # 128-row ones 1.3-2x; deferring the dQ add by one query tile took 3% and 7% off the
-        # two leaders, so every config here defers it.
-        "atomic": {
-            "half": [_cfg(BLOCK_M3=64, BLOCK_N3=128, DEFER_DQ_ADD=True, warps=8, stages=3),
-                     _cfg(BLOCK_M3=64, BLOCK_N3=64, DEFER_DQ_ADD=True, warps=4, stages=3),
-                     _cfg(BLOCK_M3=64, BLOCK_N3=128, DEFER_DQ_ADD=True, warps=8, stages=4)],
-            "fp32": [_cfg(BLOCK_M3=32, BLOCK_N3=64, DEFER_DQ_ADD=True, warps=4, stages=2),
-                     _cfg(BLOCK_M3=32, BLOCK_N3=32, DEFER_DQ_ADD=True, warps=4, stages=2)],
-        },
+        # two leaders, so every config here defers it (OPTIONS).
+        "atomic": {"half": [(64, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 4)], "fp32": [(32, 64, 4, 2), (32, 32, 4, 2)]},
         # The TMA kernels: the streamed tiles are copied into shared memory by the TMA engine instead
         # of by every thread's address arithmetic and loads, which leaves registers for larger tiles.
         # systems.bench.flash_tuning's search over 8 candidates each on an H100 (leaderboard shape, notes
@@ -127,25 +116,10 @@ else:
         # (or 128-key) tile that wins at 64k with d=128. Two, not more, because with the TMA
         # kernels beside the pointer ones every config is one more compile per head dim and dtype
         # in notebook 06's sweep, which has to fit its time budget.
-        "fwd_tma": {
-            "half": [_cfg(BLOCK_M=64, BLOCK_N=128, warps=4, stages=3),
-                     _cfg(BLOCK_M=128, BLOCK_N=64, warps=8, stages=3)],
-            "fp32": [_cfg(BLOCK_M=64, BLOCK_N=64, warps=4, stages=3),
-                     _cfg(BLOCK_M=64, BLOCK_N=32, warps=4, stages=2)],
-        },
-        "dkdv_tma": {
-            "half": [_cfg(BLOCK_M1=64, BLOCK_N1=64, warps=4, stages=3),
-                     _cfg(BLOCK_M1=64, BLOCK_N1=128, warps=8, stages=3)],
-            "fp32": [_cfg(BLOCK_M1=32, BLOCK_N1=64, warps=4, stages=2),
-                     _cfg(BLOCK_M1=32, BLOCK_N1=32, warps=4, stages=2)],
-        },
-        "dq_tma": {
-            "half": [_cfg(BLOCK_M2=64, BLOCK_N2=64, warps=4, stages=3),
-                     _cfg(BLOCK_M2=128, BLOCK_N2=32, warps=4, stages=3)],
-            "fp32": [_cfg(BLOCK_M2=64, BLOCK_N2=32, warps=4, stages=2),
-                     _cfg(BLOCK_M2=32, BLOCK_N2=32, warps=4, stages=2)],
-        },
-    }
+        "fwd_tma": {"half": [(64, 128, 4, 3), (128, 64, 8, 3)], "fp32": [(64, 64, 4, 3), (64, 32, 4, 2)]},
+        "dkdv_tma": {"half": [(64, 64, 4, 3), (64, 128, 8, 3)], "fp32": [(32, 64, 4, 2), (32, 32, 4, 2)]},
+        "dq_tma": {"half": [(64, 64, 4, 3), (128, 32, 4, 3)], "fp32": [(64, 32, 4, 2), (32, 32, 4, 2)]},
+    })
 
 if not autotuning():  # one config each: the TMA kernels run their pointer twins' tiles
     CONFIGS.update({f"{k}_tma": CONFIGS[k] for k in ("fwd", "dkdv", "dq")})
