@@ -379,6 +379,107 @@ def smoke_grid() -> SweepConfig:
                        impls={"fp32": ("flash_pytorch", "naive", "sdpa")}, warmup_ms=2, rep_ms=10)
 
 
+# ----------------------------------------------------------------------------- compiling ahead
+
+
+@dataclass(frozen=True)
+class WarmCall:
+    """One forward + backward of ``impl`` whose kernels ``prewarm`` compiles ahead: q is ``shape_q``,
+    k and v have ``n_k`` rows (contiguous, as check_errors and time_attention make them)."""
+    impl: str
+    dtype: str
+    shape_q: tuple[int, ...]
+    n_k: int
+    causal: bool
+
+    def kernels_key(self) -> tuple:
+        """What decides which kernels a Triton call compiles besides the variant: the dot
+        precision, head dim, causality, and the lengths' integer specialisation (a multiple of 16
+        or not) and side of TMA_MIN_SEQ. Calls sharing it share most of their compiles, so they
+        go to one process: two processes compiling one kernel would waste a core."""
+        from systems.attention.flash_triton import TMA_MIN_SEQ
+
+        n_q = self.shape_q[-2]
+        # launch.py's rule for the default kernels: TMA above TMA_MIN_SEQ, for 16-bit inputs only
+        tma_side = max(n_q, self.n_k) > TMA_MIN_SEQ and self.dtype != "fp32"
+        return (dot_of(self.impl, self.dtype), self.shape_q[-1], self.causal, n_q % 16 == 0, self.n_k % 16 == 0,
+                tma_side)
+
+
+def check_warm_calls(*, impls: tuple[str, ...], dtypes: tuple[str, ...], cases=CHECK_CASES) -> list[WarmCall]:
+    """The Triton calls of check_rows(impls, dtypes, cases)."""
+    return [WarmCall(impl, dtype, tuple(shape_q), n_k, causal)
+            for impl, dtype, (shape_q, n_k, causal) in itertools.product(impls, dtypes, cases)
+            if impl in TRITON_VARIANTS]
+
+
+def sweep_warm_calls(cfg: SweepConfig) -> list[WarmCall]:
+    """Calls that compile every kernel the sweep's Triton points will: per (dtype, Triton impl, d),
+    the shortest length of each kernels_key class in the grid (all its lengths compile the same
+    kernels; the autotuner's candidates depend on the dtype and d, not the length)."""
+    calls = {}
+    for dtype, d, seq, impl in cfg.points():
+        if impl in TRITON_VARIANTS:
+            call = WarmCall(impl, dtype, (cfg.batch, cfg.heads, seq, d), seq, cfg.is_causal)
+            calls.setdefault((impl, dtype, call.kernels_key()), call)  # points() runs lengths in increasing order
+    return list(calls.values())
+
+
+def prewarm(calls: list[WarmCall], *, device: str = "cuda", processes: int | None = None,
+            timeout_s: float = 300.0) -> dict:
+    """Compile ahead, in parallel processes, the kernels ``calls`` will need, so that this process
+    finds them in Triton's (and inductor's) on-disk caches instead of compiling them one after
+    another: a cold notebook 06 on an H100 spent most of its budget in compiles. Each worker runs
+    its calls' forward + backward once and exits. Its autotuner picks tiles on a shared, busy GPU,
+    so those picks are thrown away (the workers' FLASH_TRITON_CACHE_DIR is a temporary directory):
+    this process still autotunes every key itself, with the compiles already done.
+
+    Returns the calls, workers and seconds, and the calls that failed with their output's tail (a
+    failure here is not a result: the check and the sweep still run, and report their own)."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from systems.attention.flash_triton.tuning import CACHE_ENV
+
+    jobs: dict[tuple, list[WarmCall]] = {}
+    for call in calls:
+        jobs.setdefault(call.kernels_key() if call.impl in TRITON_VARIANTS else (call.impl,), []).append(call)
+    workers = max(1, min(len(jobs), processes or max(1, (os.cpu_count() or 2) - 1)))
+    start = time.perf_counter()
+    failed: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="flash_prewarm_") as plans:
+        env = {**os.environ, CACHE_ENV: plans}
+
+        def run(job: list[WarmCall]) -> None:
+            spec = json.dumps([asdict(c) for c in job])
+            cmd = [sys.executable, "-m", "systems.bench.flash", "--warm", spec, "--device", device]
+            try:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+                tail = None if proc.returncode == 0 else (proc.stdout + proc.stderr)[-800:]
+            except subprocess.TimeoutExpired:
+                tail = f"timed out after {timeout_s:g} s"
+            if tail is not None:
+                failed.append(dict(calls=[asdict(c) for c in job], error=tail))
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(run, jobs.values()))
+    return dict(calls=len(calls), jobs=len(jobs), workers=workers, seconds=time.perf_counter() - start,
+                failed=failed)
+
+
+def run_warm_calls(calls: list[WarmCall], *, device: str) -> None:
+    """A prewarm worker's work: one forward + backward per call."""
+    for call in calls:
+        fn = get_impl(call.impl)
+        gen = torch.Generator(device=device).manual_seed(0)
+        shape_k = (*call.shape_q[:-2], call.n_k, call.shape_q[-1])
+        q, k, v = (torch.randn(s, device=device, generator=gen, dtype=DTYPES[call.dtype]).requires_grad_()
+                   for s in (call.shape_q, shape_k, shape_k))
+        fn(q, k, v, call.causal).sum().backward()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # ----------------------------------------------------------------------------- the dot precision of fp32
 
 
@@ -500,7 +601,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=list(DTYPES), help="dtypes to check")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help=f"JSON-lines results (default under {DEFAULT_OUT_ROOT}/flash/)")
+    parser.add_argument("--warm", default=None, metavar="JSON",
+                        help="a prewarm worker: run these WarmCalls (a JSON list) once and exit")
     args = parser.parse_args(argv)
+    if args.warm is not None:
+        try:
+            calls = [WarmCall(**{**c, "shape_q": tuple(c["shape_q"])}) for c in json.loads(args.warm)]
+        except (ValueError, TypeError, KeyError) as exc:
+            parser.error(f"--warm takes a JSON list of WarmCall fields ({exc})")
+        run_warm_calls(calls, device=args.device)
+        return 0
     stem = "check" if args.check else f"sweep_{args.grid}"
     writer = ResultWriter(args.out or f"{DEFAULT_OUT_ROOT}/flash/06_flash_attention_{stem}.jsonl")
     if args.check:

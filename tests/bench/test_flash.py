@@ -134,3 +134,36 @@ def test_interpreter_check_runs_the_triton_kernels(tmp_path):
     assert [r["impl"] for r in rows] == ["triton"] * len(flash.CHECK_CASES)
     # the interpreter's dots are numpy fp32: exact to rounding, and L is saved for the backward
     assert all(r["worst"] < 1e-5 and r["saves_lse"] for r in rows), rows
+
+
+def test_sweep_warm_calls_cover_each_kernel_class_once():
+    cfg = flash.SweepConfig(seq_lens=(128, 256, 8192, 16384), head_dims=(16, 32), dtypes=("bf16", "fp32"),
+                            impls={"bf16": ("triton", "naive"), "fp32": ("triton", "triton_tf32x3", "sdpa_flash")})
+    calls = flash.sweep_warm_calls(cfg)
+    # bf16 switches to the TMA kernels above TMA_MIN_SEQ (4096): its shortest length on each side;
+    # fp32 never does, so one length; the PyTorch and SDPA baselines compile nothing of ours
+    want = {("triton", "bf16", d, s) for d in (16, 32) for s in (128, 8192)}
+    want |= {(impl, "fp32", d, 128) for impl in ("triton", "triton_tf32x3") for d in (16, 32)}
+    assert {(c.impl, c.dtype, c.shape_q[-1], c.shape_q[-2]) for c in calls} == want
+    assert len(calls) == len(want)
+
+
+def test_check_warm_calls_are_the_checks_triton_calls():
+    calls = flash.check_warm_calls(impls=("flash_pytorch", "triton"), dtypes=("fp32",))
+    assert [(c.impl, c.shape_q, c.n_k, c.causal) for c in calls] == [
+        ("triton", tuple(q), n_k, causal) for q, n_k, causal in flash.CHECK_CASES]
+
+
+def test_prewarm_runs_its_calls_in_workers_and_reports_failures():
+    # on a CPU the workers run PyTorch implementations: the mechanism (workers, grouping, errors)
+    # is what this checks; that compiles land in Triton's cache needs a GPU
+    ok = [flash.WarmCall("naive", "fp32", (1, 1, 16, 8), 16, True),
+          flash.WarmCall("flash_pytorch", "fp32", (1, 1, 16, 8), 16, True)]
+    report = flash.prewarm(ok, device="cpu", processes=2)
+    assert report["failed"] == [] and report["calls"] == 2 and report["jobs"] == 2 and report["workers"] == 2
+    bad = flash.WarmCall("naive", "fp32", (1, 1, 16, 8), 8, True)  # more queries than keys: naive refuses
+    report = flash.prewarm([*ok, bad], device="cpu", processes=2)
+    assert len(report["failed"]) == 1
+    # the failing call shares its job with the other naive call (one job per implementation here)
+    assert [c["n_k"] for c in report["failed"][0]["calls"]] == [16, 8]
+    assert "ValueError" in report["failed"][0]["error"]

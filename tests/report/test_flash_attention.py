@@ -120,3 +120,12 @@ def test_code_answers_come_from_the_checks():
     assert "defaults to `False`" in answers[("flash_forward", "c")] and "0 hold our bound" in answers[("flash_forward", "c")]
     assert set(report.forward_answers(table[table.impl != "triton"], triton_where="x")) == {("flash_forward", "a")}
     assert "worst error 1.0e-06 over 2 cases" in report.backward_answer(table)
+
+
+def test_prewarm_line_states_the_run_and_its_first_failure():
+    ok = dict(calls=36, jobs=25, workers=15, seconds=61.4, failed=[])
+    assert report.prewarm_line(ok).startswith("Compiled ahead: 36 forward + backward calls in 25 jobs over 15")
+    assert "61 s" in report.prewarm_line(ok) and "failed" not in report.prewarm_line(ok)
+    bad = {**ok, "failed": [dict(calls=[], error="Traceback ...\nRuntimeError: out of resources\n")]}
+    assert "1 job(s) failed" in report.prewarm_line(bad)
+    assert report.prewarm_line(bad).endswith("RuntimeError: out of resources")

@@ -84,7 +84,7 @@ def autotuning() -> bool:
 # and its ieee dots run on CUDA cores, so smaller tiles win and big ones spill). The lists are
 # short on purpose: each config costs a compile per (head dim, dtype, causal). The 16-bit ones
 # are the winners of systems.bench.flash_tuning's 8 candidates per kernel on an H100 (bf16, causal,
-# seq 1k-64k x d 64/128 and the leaderboard shape; results/06_flash_attention_tuning.jsonl):
+# seq 1k-64k x d 64/128 and the leaderboard shape; results/experiments/06_flash_attention_tuning.jsonl):
 # 64-row tiles win up to 16k, 128-row query tiles (and 64x128 dK/dV tiles) at 64k with d=128.
 # Under the interpreter there is one small config each: multi-config autotuning benchmarks
 # on a GPU (it fails without a driver), and 16-row tiles exercise the tile loops at tiny sizes.
@@ -110,7 +110,7 @@ else:
         # The TMA kernels: the streamed tiles are copied into shared memory by the TMA engine instead
         # of by every thread's address arithmetic and loads, which leaves registers for larger tiles.
         # systems.bench.flash_tuning's search over 8 candidates each on an H100 (leaderboard shape, notes
-        # entry 5, results/06_flash_tma_tuning.jsonl) found the larger ones slower: 128x128 over 8
+        # entry 5, results/experiments/06_flash_tma_tuning.jsonl) found the larger ones slower: 128x128 over 8
         # warps lost by 9% (fwd), 12% (dK/dV) and 12% (dQ) to 64-row tiles with 4 warps. So each list
         # holds two: the search's winner at the leaderboard shape, and the pointer kernel's 128-row
         # (or 128-key) tile that wins at 64k with d=128. Two, not more, because with the TMA
