@@ -434,12 +434,21 @@ def prewarm(calls: list[WarmCall], *, device: str = "cuda", processes: int | Non
     so those picks are thrown away (the workers' FLASH_TRITON_CACHE_DIR is a temporary directory):
     this process still autotunes every key itself, with the compiles already done.
 
+    Triton's cache directory is pinned in this process's environment (TRITON_CACHE_DIR, where
+    unset, to Triton's default): the first torch.compile here would otherwise point it at
+    inductor's own cache (inductor sets it where unset), and every compile after that would miss
+    what the workers left. That happened to the first H100 run of notebook 06 with prewarm.
+
     Returns the calls, workers and seconds, and the calls that failed with their output's tail (a
     failure here is not a result: the check and the sweep still run, and report their own)."""
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
+    import triton
+
     from systems.attention.flash_triton.tuning import CACHE_ENV
+
+    os.environ.setdefault("TRITON_CACHE_DIR", triton.knobs.cache.dir)
 
     jobs: dict[tuple, list[WarmCall]] = {}
     for call in calls:

@@ -3,6 +3,7 @@ model-FLOP rates, the statuses a point can end in, the time budget, the one corr
 and the ratio summaries (pure pandas)."""
 
 import math
+import os
 
 import pandas as pd
 import pytest
@@ -167,3 +168,17 @@ def test_prewarm_runs_its_calls_in_workers_and_reports_failures():
     # the failing call shares its job with the other naive call (one job per implementation here)
     assert [c["n_k"] for c in report["failed"][0]["calls"]] == [16, 8]
     assert "ValueError" in report["failed"][0]["error"]
+
+
+def test_prewarm_pins_tritons_cache_directory(monkeypatch):
+    # inductor points TRITON_CACHE_DIR at its own cache where it is unset; pinned, this process
+    # keeps reading the directory the workers compiled into
+    import triton
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    default = triton.knobs.cache.dir
+    flash.prewarm([], device="cpu")
+    assert os.environ["TRITON_CACHE_DIR"] == default
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/tmp/chosen")
+    flash.prewarm([], device="cpu")
+    assert os.environ["TRITON_CACHE_DIR"] == "/tmp/chosen"
