@@ -462,11 +462,7 @@ def prewarm(calls: list[WarmCall], *, device: str = "cuda", processes: int | Non
         def run(job: list[WarmCall]) -> None:
             spec = json.dumps([asdict(c) for c in job])
             cmd = [sys.executable, "-m", "systems.bench.flash", "--warm", spec, "--device", device]
-            try:
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-                tail = None if proc.returncode == 0 else (proc.stdout + proc.stderr)[-800:]
-            except subprocess.TimeoutExpired:
-                tail = f"timed out after {timeout_s:g} s"
+            tail = run_leaving_nothing(cmd, env=env, timeout_s=timeout_s)
             if tail is not None:
                 failed.append(dict(calls=[asdict(c) for c in job], error=tail))
 
@@ -474,6 +470,30 @@ def prewarm(calls: list[WarmCall], *, device: str = "cuda", processes: int | Non
             list(pool.map(run, jobs.values()))
     return dict(calls=len(calls), jobs=len(jobs), workers=workers, seconds=time.perf_counter() - start,
                 failed=failed)
+
+
+def run_leaving_nothing(cmd: list[str], *, env: dict, timeout_s: float) -> str | None:
+    """Run ``cmd`` in its own session and, once it has exited or timed out, kill whatever is left
+    in that session: a worker killed mid-compile must not leave its compilers (ptxas, inductor's
+    compile workers) competing for the CPU with the timed process. None when it succeeded, else
+    its output's tail."""
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        tail = None if proc.returncode == 0 else out[-800:]
+    except subprocess.TimeoutExpired:
+        tail = f"timed out after {timeout_s:g} s"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # nothing left in the session
+            pass
+        if proc.poll() is None:
+            proc.wait()
+    return tail
 
 
 def run_warm_calls(calls: list[WarmCall], *, device: str) -> None:

@@ -4,6 +4,7 @@ and the ratio summaries (pure pandas)."""
 
 import math
 import os
+import time
 
 import pandas as pd
 import pytest
@@ -182,3 +183,26 @@ def test_prewarm_pins_tritons_cache_directory(monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", "/tmp/chosen")
     flash.prewarm([], device="cpu")
     assert os.environ["TRITON_CACHE_DIR"] == "/tmp/chosen"
+
+
+def test_a_worker_leaves_nothing_running(tmp_path):
+    # the worker starts a child that would outlive it; once the worker is done, the child is gone
+    pid_file = tmp_path / "child.pid"
+    cmd = ["sh", "-c", f"sleep 60 >/dev/null 2>&1 & echo $! > {pid_file}"]
+    assert flash.run_leaving_nothing(cmd, env=dict(os.environ), timeout_s=30) is None
+    child = int(pid_file.read_text())
+    deadline = time.time() + 5
+    while time.time() < deadline and _alive(child):
+        time.sleep(0.05)
+    assert not _alive(child)
+    failing = flash.run_leaving_nothing(["sh", "-c", "echo boom; exit 3"], env=dict(os.environ), timeout_s=30)
+    assert failing is not None and "boom" in failing
+    assert "timed out" in flash.run_leaving_nothing(["sleep", "5"], env=dict(os.environ), timeout_s=0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a killed orphan may linger as a zombie until init reaps it
