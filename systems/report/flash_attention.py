@@ -35,8 +35,8 @@ def _ratio(x: float) -> str:
 def prewarm_line(report: dict) -> str:
     """One sentence on systems.bench.flash.prewarm's compiles ahead of the timed process."""
     text = (f"Compiled ahead: {report['calls']} forward + backward calls in {report['jobs']} jobs over "
-            f"{report['workers']} worker processes took {report['seconds']:.0f} s; this process found those kernels "
-            "in Triton's cache and autotuned every key itself.")
+            f"{report['workers']} worker processes took {report['seconds']:.0f} s, leaving their compiles in Triton's "
+            "on-disk cache; the timings below autotune every key in this process.")
     if report["failed"]:
         text += (f" {len(report['failed'])} job(s) failed there (the check and the sweep below report their own "
                  f"errors); the first: {report['failed'][0]['error'].strip().splitlines()[-1]}")
