@@ -394,16 +394,15 @@ class WarmCall:
 
     def kernels_key(self) -> tuple:
         """What decides which kernels a Triton call compiles besides the variant: the dot
-        precision, head dim, causality, and the lengths' integer specialisation (a multiple of 16
-        or not) and side of TMA_MIN_SEQ. Calls sharing it share most of their compiles, so they
-        go to one process: two processes compiling one kernel would waste a core."""
-        from systems.attention.flash_triton import TMA_MIN_SEQ
+        precision, head dim, causality, the lengths' integer specialisation (a multiple of 16 or
+        not) and whether the default variant runs the TMA kernels there. Calls sharing it share
+        most of their compiles, so they go to one process: two processes compiling one kernel
+        would waste a core."""
+        from systems.attention.flash_triton import auto_prefers_tma
 
         n_q = self.shape_q[-2]
-        # launch.py's rule for the default kernels: TMA above TMA_MIN_SEQ, for 16-bit inputs only
-        tma_side = max(n_q, self.n_k) > TMA_MIN_SEQ and self.dtype != "fp32"
         return (dot_of(self.impl, self.dtype), self.shape_q[-1], self.causal, n_q % 16 == 0, self.n_k % 16 == 0,
-                tma_side)
+                auto_prefers_tma(max(n_q, self.n_k), DTYPES[self.dtype]))
 
 
 def check_warm_calls(*, impls: tuple[str, ...], dtypes: tuple[str, ...], cases=CHECK_CASES) -> list[WarmCall]:

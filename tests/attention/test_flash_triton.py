@@ -737,3 +737,12 @@ def test_gpu_triton_rejects_mismatched_inputs():
         FlashAttentionTriton.apply(q, q, q.half(), True)
     with pytest.raises(ValueError, match="device"):
         FlashAttentionTriton.apply(q, q, q.cpu(), True)
+
+
+def test_auto_prefers_tma_only_for_long_16_bit_inputs():
+    # one rule, shared by the launch path and notebook 06's prewarm plan
+    from systems.attention.flash_triton import TMA_MIN_SEQ, auto_prefers_tma
+
+    assert auto_prefers_tma(TMA_MIN_SEQ + 1, torch.bfloat16) and auto_prefers_tma(TMA_MIN_SEQ + 1, torch.float16)
+    assert not auto_prefers_tma(TMA_MIN_SEQ, torch.bfloat16)
+    assert not auto_prefers_tma(4 * TMA_MIN_SEQ, torch.float32)

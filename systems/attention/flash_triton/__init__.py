@@ -25,6 +25,7 @@ from systems.attention.flash_triton.launch import (
     TMA_MIN_SEQ,
     FlashVariant,
     LaunchPath,
+    auto_prefers_tma,
     clear_tuned_plans,
     dot_precision,
     flash_backward_triton,
@@ -49,7 +50,8 @@ def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is
     return FlashAttentionTriton.apply(q, k, v, is_causal, variant)
 
 
-__all__ = ["FP32_DOTS", "FlashAttentionTriton", "FlashVariant", "LaunchPath", "TMA_MIN_SEQ", "clear_tuned_plans",
+__all__ = ["FP32_DOTS", "FlashAttentionTriton", "FlashVariant", "LaunchPath", "TMA_MIN_SEQ", "auto_prefers_tma",
+           "clear_tuned_plans",
            "dot_precision", "flash_attention_triton", "flash_backward_triton", "flash_forward_triton", "launch_atomic",
            "launch_backward_atomic", "launch_bwd_prep", "launch_dkdv", "launch_dq", "launch_forward", "launch_path",
            "tma_usable", "tuned_plans"]

@@ -119,11 +119,15 @@ def _major_capability(index) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+def auto_prefers_tma(longest: int, dtype: torch.dtype) -> bool:
+    """Whether "auto" picks the TMA kernels for inputs whose longest sequence is ``longest``: where
+    TMA was measured faster, 16-bit inputs (fp32 was not measured) longer than TMA_MIN_SEQ."""
+    return longest > TMA_MIN_SEQ and dtype != torch.float32
+
+
 def _wants_tma(choice: str, tensors: tuple[torch.Tensor, ...]) -> bool:
     if choice == "auto":
-        # where TMA was measured faster: 16-bit inputs (fp32 was not measured) of long sequences
-        long = max(t.shape[-2] for t in tensors) > TMA_MIN_SEQ
-        choice = "tma" if long and tensors[0].dtype != torch.float32 else "pointer"
+        choice = "tma" if auto_prefers_tma(max(t.shape[-2] for t in tensors), tensors[0].dtype) else "pointer"
     return choice == "tma" and tma_usable(*tensors)
 
 
