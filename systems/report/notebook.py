@@ -72,8 +72,9 @@ def setup(*, name: str, profile: str, out_dir: str | Path, handout: str = DEFAUL
     ctx.answers = ResultWriter(ctx.result_path("deliverables"))
     if show_env:
         keys = ["gpu", "driver", "torch", "triton", "cuda", "git_commit", "date"]
+        # A CPU run has no driver or CUDA version; leaving them out reads better than "None".
         md(f"**Run:** profile `{profile}`, {handout} handout, on {ctx.gpu}; "
-           + ", ".join(f"{k} `{ctx.env.get(k)}`" for k in keys[1:]))
+           + ", ".join(f"{k} `{ctx.env[k]}`" for k in keys[1:] if ctx.env.get(k) is not None))
     return ctx
 
 

@@ -194,6 +194,28 @@ def report_handout(notebooks: list) -> str:
     return DEFAULT_HANDOUT
 
 
+_HANDOUT_DIR = re.compile(r"handout-(\d{4})")
+
+
+def companion_reports(out_dir: Path, handout: str) -> dict[str, Path]:
+    """The other handouts' reports, found by the README layout: the default handout's outputs at
+    the repository root, each other handout's under ``handout-YYYY/`` beside them. Only reports
+    that exist are returned, so a checkout without the other run links to nothing."""
+    out_dir = Path(out_dir)
+    root = out_dir.parent if _HANDOUT_DIR.fullmatch(out_dir.name) else out_dir
+    candidates = {DEFAULT_HANDOUT: root / "writeup" / "report.html"}
+    for sibling in sorted(root.glob("handout-[0-9][0-9][0-9][0-9]")):
+        candidates[_HANDOUT_DIR.fullmatch(sibling.name).group(1)] = sibling / "writeup" / "report.html"
+    return {h: path for h, path in sorted(candidates.items()) if h != handout and path.is_file()}
+
+
+def _handout_line(out_dir: Path, handout: str, report_dir: Path) -> str:
+    others = companion_reports(out_dir, handout)
+    links = "; ".join(f"the {h} handout's report: [{os.path.relpath(path, report_dir)}]"
+                      f"({os.path.relpath(path, report_dir)})" for h, path in others.items())
+    return f"This report answers the {handout} handout." + (f" See also {links}." if links else "")
+
+
 def build_report(out_dir: Path, *, handout: str | None = None) -> Path:
     """Concatenate every executed notebook under out_dir/writeup/executed into writeup/report.html,
     headed by the deliverables index of ``handout`` (default: the handout the notebooks ran with)
@@ -214,6 +236,7 @@ def build_report(out_dir: Path, *, handout: str | None = None) -> Path:
     report = nbformat.v4.new_notebook()
     report.cells.append(nbformat.v4.new_markdown_cell(
         "# LLM training-systems workbook: report\n\n"
+        + _handout_line(out_dir, handout, report_dir) + "\n\n"
         + deliverables_index(out_dir, handout, failed=failed, executed=set(notebooks)) + "\n\n"
         + provenance(out_dir, handout, list(notebooks)) + "\n\n"
         + "Notebooks: " + " · ".join(f"[{stem}](#{stem})" for stem in notebooks)))

@@ -96,3 +96,21 @@ def test_an_executed_notebook_without_recorded_answers_is_flagged(tmp_path):
     html = workbook.build_report(tmp_path, handout="2026").read_text()
     assert "from a run that recorded no answers: re-run it" in html
     assert 'href="#03_mixed_precision"' in html
+
+
+def test_each_handout_report_links_the_other_by_the_readme_layout(tmp_path):
+    from systems.workbook.html import companion_reports
+
+    cell = nbformat.v4.new_markdown_cell("text")
+    _executed(tmp_path, "01_x", [cell])
+    assert companion_reports(tmp_path, "2026") == {}  # no 2025 run beside it: no link
+    main = workbook.build_report(tmp_path, handout="2026")
+    assert "This report answers the 2026 handout." in main.read_text() and "See also" not in main.read_text()
+
+    other = tmp_path / "handout-2025"
+    _executed(other, "01_x", [cell])
+    old = workbook.build_report(other, handout="2025")
+    assert companion_reports(tmp_path, "2026") == {"2025": old}
+    assert companion_reports(other, "2025") == {"2026": main}
+    assert "../handout-2025/writeup/report.html" in workbook.build_report(tmp_path, handout="2026").read_text()
+    assert "../../writeup/report.html" in old.read_text()

@@ -1,0 +1,81 @@
+"""systems.report.notebook: the context every notebook sets up, its answer records, and the table
+formatting the report's tables go through."""
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from systems.report import notebook as nb
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_setup_makes_folders_and_names_the_run_without_missing_fields(tmp_path, capsys):
+    ctx = nb.setup(name="01_benchmarking", profile="smoke", out_dir=tmp_path, handout="2025")
+    assert ctx.figures.is_dir() and ctx.results.is_dir()
+    assert ctx.result_path("timings") == tmp_path / "results" / "01_benchmarking_timings.jsonl"
+    line = capsys.readouterr().out
+    assert line.startswith("**Run:** profile `smoke`, 2025 handout")
+    # On this CPU machine driver and CUDA are None; the line leaves them out instead of printing None.
+    assert "None" not in line
+    assert f"torch `{ctx.env['torch']}`" in line
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"profile": "fast", "handout": "2026"}, "profile"),
+    ({"profile": "smoke", "handout": "2024"}, "2024"),
+])
+def test_setup_rejects_bad_parameters_by_name(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        nb.setup(name="01_benchmarking", out_dir=tmp_path, **kwargs)
+
+
+def test_answer_and_not_run_are_recorded_under_the_index_anchor(tmp_path, capsys):
+    ctx = nb.setup(name="01_benchmarking", profile="smoke", out_dir=tmp_path, handout="2026", show_env=False)
+    nb.answer(ctx, "benchmarking_script", "b", "forward 1 ms")
+    nb.not_run(ctx, "benchmarking_script", "c", "smoke profile")
+    rows = _rows(ctx.result_path("deliverables"))
+    assert [(r["problem"], r["part"], r["status"], r["reason"]) for r in rows] == [
+        ("benchmarking_script", "b", "answered", None),
+        ("benchmarking_script", "c", "not run", "smoke profile"),
+    ]
+    out = capsys.readouterr().out
+    # The rendered anchor is the one the row carries, so the index's link lands on the answer.
+    assert f'<a id="{rows[0]["anchor"]}"></a>' in out and "forward 1 ms" in out
+
+
+def test_a_misspelt_problem_fails_in_the_notebook(tmp_path):
+    ctx = nb.setup(name="01_benchmarking", profile="smoke", out_dir=tmp_path, show_env=False)
+    with pytest.raises(KeyError, match="benchmarking_scrip"):
+        nb.answer(ctx, "benchmarking_scrip", "b", "x")
+
+
+def test_format_table_formats_each_column_for_reading():
+    df = pd.DataFrame({
+        "context": [128, 2048, 16384],                # integers: separators, never "2.05e+03"
+        "ms": [1.234, 12.5, 150.0],                   # typical value 12.5: one decimal
+        "error": [1e-6, 3e-7, float("nan")],          # all tiny: scientific, NaN as a dash
+        "label": ["a", None, "c"],
+        "fits": [True, False, True],
+    })
+    out = nb.format_table(df)
+    assert list(out["context"]) == ["128", "2,048", "16,384"]
+    assert list(out["ms"]) == ["1.2", "12.5", "150.0"]
+    assert list(out["error"]) == ["1.00e-06", "3.00e-07", "—"]
+    assert list(out["label"]) == ["a", "—", "c"]
+    assert list(out["fits"]) == ["yes", "no", "yes"]
+
+
+def test_format_table_explicit_formats_win_and_missing_stays_a_dash():
+    df = pd.DataFrame({"ratio": [1.13456, None]})
+    out = nb.format_table(df, {"ratio": "{:.2f}x"})
+    assert list(out["ratio"]) == ["1.13x", "—"]
+
+
+def test_an_all_missing_numeric_column_is_dashes():
+    df = pd.DataFrame({"x": [math.nan, math.nan]})
+    assert list(nb.format_table(df)["x"]) == ["—", "—"]
