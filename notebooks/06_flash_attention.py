@@ -48,7 +48,7 @@ start = time.perf_counter()
 # %%
 writer = ResultWriter(ctx.result_path("check"))
 checks = [(("flash_pytorch",), ("fp32",)), (("triton", "triton_pytorch_bwd"), ("bf16",)),
-          (("triton", "triton_tf32x3"), ("fp32",))]  # (implementations, dtypes) of the full profile
+          (("triton", "triton_ieee"), ("fp32",))]  # (implementations, dtypes) of the full profile
 if ctx.full:
     calls = [c for impls, dtypes in checks for c in flash.check_warm_calls(impls=impls, dtypes=dtypes)]
     nb.md(report.prewarm_line(flash.prewarm([*calls, *flash.sweep_warm_calls(flash.full_profile_grid())])))
@@ -73,8 +73,9 @@ nb.answer(ctx, "flash_backward", "", report.backward_answer(check))
 # Batch 1, causal, every power of two from 128 to 65536 x d 16, 32, 64, 128 x bf16 and fp32
 # (smoke: two lengths and head dims, fp32, on the CPU). Each pass is timed by
 # `systems.measure.timer.time_fn` (`triton.testing.do_bench` on a GPU): medians, with our p10 and
-# p90, over at least 3 timed calls. fp32 times our kernels twice: with the default dots (torch's
-# fp32 matmul setting; each row records the precision it ran) and with tf32x3 (`FlashVariant(fp32_dot=...)`).
+# p90, over at least 3 timed calls. fp32 times our kernels twice: with the default dots (tf32x3,
+# or TF32 where torch allows it; each row records the precision it ran) and with IEEE fp32 dots
+# (`FlashVariant(fp32_dot="ieee")`).
 # **TFLOP/s are model FLOPs** (`systems.measure.flops`): matmuls only, causal attention counts the
 # pairs its mask keeps, the backward is 2x the forward, and FlashAttention's recomputed Q K^T is
 # not counted (naive attention computes the full score matrix: about twice the work counted).

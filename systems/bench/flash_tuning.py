@@ -66,6 +66,16 @@ CANDIDATES: dict[str, list[tuple]] = {
     "dq_tma": _tiles("128x64/8/3, 128x64/8/4, 128x128/8/2, 128x32/4/4, 64x64/4/3, 128x32/8/4, 128x128/8/3, 64x128/4/3"),
 }
 
+# fp32 tiles hold twice the bytes of 16-bit ones, and with the default tf32x3 dots every product is
+# three TF32 tensor-core products; the tuning tables' fp32 entries were chosen when fp32 ran IEEE
+# dots on the CUDA cores, so these candidates surround them (smaller tiles give a batch-1 head more
+# CTAs, larger ones fewer reloads)
+FP32_CANDIDATES: dict[str, list[tuple]] = {
+    "fwd": _tiles("64x64/4/3, 64x32/4/2, 32x64/4/2, 32x32/4/2, 64x64/8/2, 128x32/8/2, 64x128/8/2, 128x64/8/2"),
+    "dkdv": _tiles("32x64/4/2, 32x32/4/2, 64x64/4/2, 16x64/4/2, 32x128/8/2, 64x64/8/2, 64x32/4/2, 16x32/4/2"),
+    "dq": _tiles("64x32/4/2, 32x32/4/2, 64x64/4/2, 32x64/4/2, 128x32/8/2, 64x64/8/2, 16x32/4/2, 128x64/8/2"),
+}
+
 SHAPES = [(1, 1024, 64), (1, 4096, 64), (1, 16384, 64), (1, 65536, 64),
           (1, 1024, 128), (1, 4096, 128), (1, 16384, 128), (1, 65536, 128),
           (16, 16384, 64)]  # (batch, seq, head dim); the last is the leaderboard shape
@@ -134,7 +144,7 @@ def launch(kernel: str, x: Inputs, cfg: tuple, *, is_causal: bool = True):
 def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_path: str | None = None,
             rep_ms: float = 30) -> list[dict]:
     """Every candidate of every kernel at every shape, plus SDPA flash / cuDNN fwd and bwd."""
-    from systems.attention.flash_triton import tuning
+    from systems.attention.flash_triton import dot_precision, tuning
     from systems.bench.flash import time_attention
 
     writer = ResultWriter(out_path) if out_path else None
@@ -149,7 +159,7 @@ def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_pa
     for batch, seq, d in shapes:
         shape = dict(batch=batch, seq=seq, d=d, dtype=dtype)
         fwd_flops = flop_count.attention_flops(batch=batch, heads=1, n_q=seq, n_k=seq, d=d, causal=True)
-        for impl in ("sdpa_flash", "sdpa_cudnn"):
+        for impl in ("naive",) if dtype == "fp32" else ("sdpa_flash", "sdpa_cudnn"):  # SDPA's take no fp32
             r = time_attention(impl, batch=batch, heads=1, seq=seq, d=d, dtype=dtype, rep_ms=rep_ms)
             emit(dict(**shape, kernel="baseline", impl=impl, status=r["status"], fwd_ms=r.get("fwd_ms"),
                       bwd_ms=r.get("bwd_ms"), e2e_ms=r.get("e2e_ms")))
@@ -157,7 +167,8 @@ def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_pa
         for kernel, cands in candidates.items():
             flops = fwd_flops * KERNEL_SHARE[kernel]
             for cfg in cands:
-                row = dict(**shape, kernel=kernel, impl="triton", block_m=cfg[0], block_n=cfg[1],
+                row = dict(**shape, kernel=kernel, impl="triton", dot=dot_precision(DTYPES[dtype]),
+                           block_m=cfg[0], block_n=cfg[1],
                            warps=cfg[2], stages=cfg[3], meta={**tuning.OPTIONS.get(kernel, {}), **(cfg[4:] or [{}])[0]},
                            status="ok")
                 try:
@@ -422,7 +433,8 @@ def _shape_arg(text: str) -> tuple[int, int, int, int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/flash/06_flash_attention_tuning.jsonl")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                        help="fp32: the exploration times FP32_CANDIDATES with the default (tf32x3) dots")
     parser.add_argument("--rep-ms", type=float, default=30)
     parser.add_argument("--host-overhead", action="store_true",
                         help="only measure the host time per call of each path (see host_overhead)")
@@ -434,8 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", action="append", type=_shape_arg, metavar="B,H,SEQ,D",
                         help="a point to measure (repeatable); default: COMPARE_SHAPES for --compare-backward, "
                              "SHAPES for the exploration (where B x H is the batch)")
-    parser.add_argument("--kernels", default=",".join(CANDIDATES),
-                        help=f"comma-separated kernels whose candidates the exploration times, of {list(CANDIDATES)}")
+    parser.add_argument("--kernels", default=None,
+                        help=f"comma-separated kernels whose candidates the exploration times, of {list(CANDIDATES)} "
+                             f"(fp32: of {list(FP32_CANDIDATES)}); default: all")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("the exploration times GPU kernels and needs CUDA")
@@ -454,12 +467,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['path']:>20} seq {row['seq']:6d} d {row['d']:3d}: host {row['host_us_per_call']:8.1f} us, "
                   f"wall {row['wall_us_per_call']:8.1f} us per call")
         return 0
-    kernels = args.kernels.split(",")
-    unknown = sorted(set(kernels) - set(CANDIDATES))
+    table = FP32_CANDIDATES if args.dtype == "fp32" else CANDIDATES
+    kernels = args.kernels.split(",") if args.kernels else list(table)
+    unknown = sorted(set(kernels) - set(table))
     if unknown:
-        parser.error(f"unknown kernels {unknown}; choose from {list(CANDIDATES)}")
+        parser.error(f"unknown kernels {unknown} for {args.dtype}; choose from {list(table)}")
     shapes = [(b * h, seq, d) for b, h, seq, d in args.shape] if args.shape else SHAPES
-    rows = explore(shapes=shapes, candidates={k: CANDIDATES[k] for k in kernels}, dtype=args.dtype,
+    rows = explore(shapes=shapes, candidates={k: table[k] for k in kernels}, dtype=args.dtype,
                    out_path=args.out, rep_ms=args.rep_ms)
     for (kernel, batch, seq, d), (cfg, ms) in sorted(best_configs(rows).items(),
                                                      key=lambda kv: (kv[0][0], kv[0][3], kv[0][1], kv[0][2])):

@@ -85,7 +85,8 @@ def forward_answers(table: pd.DataFrame, *, triton_where: str) -> dict[tuple[str
         "`systems.attention.flash_triton.FlashAttentionTriton`: the forward kernel (`flash_fwd_kernel`, launch "
         "grid (query tiles, batch), one loop over key tiles) behind an autograd Function. Checked "
         f"{triton_where}: {_worst(table, 'triton')}"
-        + (f"; with tf32x3 dots: {_worst(table, 'triton_tf32x3')}" if (tri.impl == "triton_tf32x3").any() else "")
+        + "".join(f"; `{impl}`: {_worst(table, impl)}" for impl in tri.impl.unique()
+                  if impl not in ("triton", "triton_pytorch_bwd"))
         + f"; L saved in {int(tri['saves_lse'].sum())} of {len(tri)} cases.")
     default = inspect.signature(FlashAttentionTriton.forward).parameters["is_causal"].default
     causal = tri[tri["causal"]]
@@ -258,27 +259,31 @@ def fp32_answer(sweep: pd.DataFrame, *, ceilings: list[dict], kernels: pd.DataFr
                          "full score matrix they compute.")
     naive_dot = dots.get("naive")
     naive_tf32 = kernels is not None and bool(kernels["tf32"].any())
-    ieee = next((i for i in ("triton", "triton_ieee") if dots.get(i) == "ieee" and i in long), None)
+    ours_by_dot = {dot: impl for impl, dot in dots.items() if impl.startswith("triton") and impl in long}
+    ieee, x3 = ours_by_dot.get("ieee"), ours_by_dot.get("tf32x3")
     if ieee is not None:
         mine = fp[(fp.impl == ieee) & (fp.seq >= long_from)]["e2e_tflops"].max()
         slower = float(np.exp(np.log((long[ieee] / long["naive"]).dropna()).mean())) > 1
         if naive_dot == "ieee" and not naive_tf32:
-            parts.append("Both sides multiply in IEEE fp32 on the CUDA cores (neither runs a TF32 product)"
+            parts.append(f"With `{ieee}` both sides multiply in IEEE fp32 on the CUDA cores (neither runs a TF32 "
+                         "product)"
                          + (", and ours is the slower: cuBLAS's fp32 GEMM is tuned for them while our `ieee` dots "
                             "are Triton's scalar FMA loop (tests/attention/test_flash_triton.py compiles them: no "
                             "tensor-core instruction)" if slower else "") + ".")
         if "ieee" in ceiling:
             parts.append(f"Our `ieee` kernels reach at most {mine:.3g} TFLOP/s of model FLOPs end to end, against "
                          f"the {ceiling['ieee']:.3g} TFLOP/s cuBLAS's fp32 matmul reaches alone.")
-    if "triton_tf32x3" in long:
-        best = fp[(fp.impl == "triton_tf32x3") & (fp.seq >= long_from)]["e2e_tflops"].max()
-        text = (f"tf32x3 moves our products onto the tensor cores (three TF32 products per fp32 one; its accuracy "
-                f"is checked above): up to {best:.3g} TFLOP/s")
+    if x3 is not None:
+        best = fp[(fp.impl == x3) & (fp.seq >= long_from)]["e2e_tflops"].max()
+        text = (f"tf32x3 (`{x3}`) moves our products onto the tensor cores (three TF32 products per fp32 one; its "
+                f"accuracy is checked above): up to {best:.3g} TFLOP/s")
         if ieee is not None:
-            r = (long["triton_tf32x3"] / long[ieee]).dropna()
+            r = (long[x3] / long[ieee]).dropna()
             text += f", {_ratio(float(np.exp(np.log(r).mean())))} the `ieee` kernels' time (geometric mean)"
-        parts.append(text + ". Our fp32 default stays torch's own setting (`fp32_dot='auto'`: IEEE unless TF32 is "
-                            "allowed) until these numbers are weighed.")
+        parts.append(text + ".")
+    if "triton" in dots:
+        parts.append(f"Our default (`triton`) ran {dots['triton']} dots on fp32 inputs in this run "
+                     "(`FlashVariant.fp32_dot='auto'`: tf32x3 unless torch allows TF32 for fp32 matmuls).")
     return " ".join(parts)
 
 

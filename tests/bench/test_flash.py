@@ -140,12 +140,12 @@ def test_interpreter_check_runs_the_triton_kernels(tmp_path):
 
 def test_sweep_warm_calls_cover_each_kernel_class_once():
     cfg = flash.SweepConfig(seq_lens=(128, 256, 8192, 16384), head_dims=(16, 32), dtypes=("bf16", "fp32"),
-                            impls={"bf16": ("triton", "naive"), "fp32": ("triton", "triton_tf32x3", "sdpa_flash")})
+                            impls={"bf16": ("triton", "naive"), "fp32": ("triton", "triton_ieee", "sdpa_flash")})
     calls = flash.sweep_warm_calls(cfg)
     # bf16 switches to the TMA kernels above TMA_MIN_SEQ (4096): its shortest length on each side;
     # fp32 never does, so one length; the PyTorch and SDPA baselines compile nothing of ours
     want = {("triton", "bf16", d, s) for d in (16, 32) for s in (128, 8192)}
-    want |= {(impl, "fp32", d, 128) for impl in ("triton", "triton_tf32x3") for d in (16, 32)}
+    want |= {(impl, "fp32", d, 128) for impl in ("triton", "triton_ieee") for d in (16, 32)}
     assert {(c.impl, c.dtype, c.shape_q[-1], c.shape_q[-2]) for c in calls} == want
     assert len(calls) == len(want)
 

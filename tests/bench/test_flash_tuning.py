@@ -116,7 +116,8 @@ def test_candidates_are_configs_of_their_kernels():
     from systems.bench import flash_tuning
 
     assert flash_tuning._tiles("64x128/8/3, 16x32/4/1") == [(64, 128, 8, 3), (16, 32, 4, 1)]
-    for kernel, candidates in flash_tuning.CANDIDATES.items():
+    tables = [*flash_tuning.CANDIDATES.items(), *flash_tuning.FP32_CANDIDATES.items()]
+    for kernel, candidates in tables:
         assert len(set(map(repr, candidates))) == len(candidates), f"{kernel}: a candidate listed twice"
         rows, cols = tuning.TILE_NAMES[kernel.removesuffix("_tma")]
         for m, n, warps, stages, *extra in candidates:

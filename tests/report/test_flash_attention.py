@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 
 def _row(impl, dtype, d, seq, e2e, *, status="ok", dot=None, error=None):
     row = dict(impl=impl, dtype=dtype, d=d, seq=seq, batch=1, heads=1, causal=True, status=status, error=error,
-               dot=dot or (dtype if dtype != "fp32" else ("tf32x3" if impl == "triton_tf32x3" else "ieee")))
+               dot=dot or (dtype if dtype != "fp32" else {"triton": "tf32x3"}.get(impl, "ieee")))
     if status == "ok":
         for p, share in (("fwd", 0.3), ("bwd", 0.7), ("e2e", 1.0)):
             row.update({f"{p}_ms": e2e * share, f"{p}_p10_ms": e2e * share * 0.9, f"{p}_p90_ms": e2e * share * 1.1,
@@ -29,7 +29,7 @@ def sweep():
         for d in (64, 128):
             rows += [_row("triton", "bf16", d, seq, 1.0 * scale), _row("naive", "bf16", d, seq, 3.0 * scale),
                      _row("sdpa_cudnn", "bf16", d, seq, 1.2 * scale)]
-            rows += [_row("triton", "fp32", d, seq, 4.0 * scale), _row("triton_tf32x3", "fp32", d, seq, 1.0 * scale),
+            rows += [_row("triton", "fp32", d, seq, 1.0 * scale), _row("triton_ieee", "fp32", d, seq, 4.0 * scale),
                      _row("naive", "fp32", d, seq, 2.0 * scale)]
     rows.append(_row("triton", "bf16", 64, 65536, 500.0))
     rows.append(_row("naive", "bf16", 64, 65536, 0, status="oom", error="CUDA out of memory"))
@@ -39,7 +39,7 @@ def sweep():
 
 def test_latency_table_orders_ours_first_and_keeps_every_point(sweep):
     table = report.latency_table(sweep, "e2e", ours="triton")
-    assert list(table.columns[:3]) == ["triton ms", "triton_tf32x3 ms", "naive ms"]  # ours, our variants, baselines
+    assert list(table.columns[:3]) == ["triton ms", "triton_ieee ms", "naive ms"]  # ours, our variants, baselines
     assert table.loc[("bf16", 64, 1024), "naive / triton"] == pytest.approx(3.0)
     assert table.loc[("bf16", 64, 1024), "triton p10"] == pytest.approx(0.9)
     # seq 65536: only ours ran; its line stays, the others' cells are empty
@@ -73,8 +73,10 @@ def test_benchmark_answer_reads_the_rows(sweep):
     # bf16: ours 3x faster than naive at every common point; naive ran out of memory at 65536
     assert "faster than `naive` end to end at 4 of 4 points" in text and "3x (d = 64)" in text
     assert "did not run at 1 points from seq 65536 (oom" in text
-    # fp32 (IEEE): naive / ours = 0.5: ours slower everywhere
-    assert "at 0 of 4 points" in text and "ours is slower at 4 points, seq 1024-4096" in text
+    # fp32, our default (tf32x3): naive / ours = 2 everywhere; with IEEE dots 0.5: slower everywhere
+    assert text.count("faster than `naive` end to end at 4 of 4 points") == 2 and "2x (d = 128)" in text
+    ieee = report.benchmark_answer(sweep, ours="triton_ieee", device="NVIDIA H100", handout="2026")
+    assert "at 0 of 4 points" in ieee and "ours is slower at 4 points, seq 1024-4096" in ieee
     assert "one H100" in report.benchmark_answer(sweep, ours="triton", device="x", handout="2025")
 
 
@@ -83,14 +85,15 @@ def test_fp32_answer_says_what_the_data_say(sweep):
     kernels = pd.DataFrame([dict(name="sm90_xmma_gemm_f32f32_f32f32_f32_nn", category="matmul", calls=6, ms=2.0,
                                  tf32=False, seq=4096, d=64)])
     text = report.fp32_answer(sweep, ceilings=ceilings, kernels=kernels, long_from=1024)
-    assert "`triton` takes 2x naive's end-to-end time" in text and "`triton_tf32x3` takes 0.5x" in text
+    assert "`triton_ieee` takes 2x naive's end-to-end time" in text and "`triton` takes 0.5x" in text
     assert "51 TFLOP/s in ieee, 410 TFLOP/s in tf32" in text
-    assert "Both sides multiply in IEEE fp32" in text and "ours is the slower" in text
-    assert "0.25x the `ieee` kernels' time" in text
+    assert "With `triton_ieee` both sides multiply in IEEE fp32" in text and "ours is the slower" in text
+    assert "tf32x3 (`triton`)" in text and "0.25x the `ieee` kernels' time" in text
+    assert "Our default (`triton`) ran tf32x3 dots" in text
     # 4096^2 pairs x 64 x 2 matmuls x 2 FLOPs, x 3 for forward + backward, over 2 ms
     assert f"{3 * 4 * 4096 * 4096 * 64 / 2e-3 / 1e12:.3g} TFLOP/s of the full score matrix" in text
     tf32 = report.fp32_answer(sweep, ceilings=ceilings, kernels=kernels.assign(tf32=True), long_from=1024)
-    assert "Both sides multiply in IEEE fp32" not in tf32 and "with TF32 in their names" in tf32
+    assert "both sides multiply in IEEE fp32" not in tf32 and "with TF32 in their names" in tf32
 
 
 def test_sdpa_and_leaderboard_answers_label_our_targets():

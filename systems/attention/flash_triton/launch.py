@@ -57,8 +57,8 @@ TMA_MIN_SEQ = 4096
 @dataclass(frozen=True)
 class FlashVariant:
     """Which kernels run, and how they multiply fp32 inputs. The default, "auto" for all three, is
-    what measured fastest on the H100 for 16-bit inputs (docs/flash_attention_notes.md, entries 4
-    and 5) and torch's own fp32 matmul setting; every other choice stays selectable so they can be
+    what measured fastest on the H100 (docs/flash_attention_notes.md: entries 4 and 5 for 16-bit
+    inputs, entry 7 for fp32's tf32x3 dots); every other choice stays selectable so they can be
     timed side by side.
 
     forward: "pointer" (tiles loaded through pointers), "tma" (the streamed tiles read through TMA
@@ -71,8 +71,8 @@ class FlashVariant:
     fp32_dot: how the kernels' dots multiply fp32 inputs (16-bit inputs always run their own
     tensor-core dots): "ieee" (fp32 products on the CUDA cores), "tf32x3" (each operand split into
     a TF32 high and low part, three TF32 tensor-core products: near-fp32 accuracy), "tf32" (one
-    TF32 product: 10 mantissa bits), or "auto" (torch's setting for fp32 matmuls: "tf32" where
-    torch.backends.cuda.matmul.allow_tf32 is on, else "ieee"; "ieee" under the interpreter).
+    TF32 product: 10 mantissa bits), or "auto" ("tf32" where torch.backends.cuda.matmul.allow_tf32
+    is on, else "tf32x3"; "ieee" under the interpreter and before sm_80: ``dot_precision``).
     """
     forward: Forward = "auto"
     backward: Backward = "auto"
@@ -360,15 +360,25 @@ def _launch(kernel: TunedKernel, grid, args: tuple, meta: dict, config: dict | N
 # ----------------------------------------------------------------------------- launchers
 
 
+@functools.cache
+def _has_tf32() -> bool:
+    """Whether the current GPU's tensor cores take TF32 (compute capability 8.0 and later)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+
+
 def dot_precision(dtype: torch.dtype, fp32_dot: str = "auto") -> str:
     """The input_precision the kernels' tl.dot calls get for inputs of ``dtype`` under
     FlashVariant.fp32_dot: 16-bit inputs "ieee" (ignored by their tensor-core dots); fp32 inputs
-    ``fp32_dot``, where "auto" follows torch's global matmul setting (TF32 only when the user
-    allowed it; "ieee" under the interpreter)."""
+    ``fp32_dot``. "auto" is "tf32" where the user allowed TF32 for torch's fp32 matmuls
+    (torch.backends.cuda.matmul.allow_tf32), else "tf32x3": near-fp32 products on the tensor cores,
+    which notes entry 7 measured at 0.38x the time of "ieee" dots (a scalar FMA loop) with errors
+    within 1.5x of theirs; "ieee" under the interpreter and on GPUs without TF32."""
     if dtype != torch.float32:
         return "ieee"
     if fp32_dot == "auto":
-        return "tf32" if not INTERPRETING and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        if INTERPRETING or not _has_tf32():
+            return "ieee"
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
     check_choice("fp32_dot", fp32_dot, FP32_DOTS)
     return fp32_dot
 

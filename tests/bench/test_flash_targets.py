@@ -1,0 +1,90 @@
+"""systems.bench.flash_targets: the interleaved protocol, the per-round ratios and the verdicts,
+with a fake timer whose times are known (the real one needs a GPU and SDPA's cuDNN backend)."""
+
+import json
+
+import pytest
+
+from systems.bench import flash_targets as ft
+from systems.measure.results import ResultWriter
+
+# ms per pass of each implementation; ours is slower than cuDNN in round 1 only (a host hiccup)
+BASE = {"triton": 1.0, "sdpa_cudnn": 1.0, "sdpa_flash": 2.0, "naive": 1.5}
+
+
+def fake_timer(calls):
+    def timer(impl, *, batch, heads, seq, d, dtype, **kw):
+        calls.append((impl, heads, seq, d, dtype))
+        rnd = sum(1 for c in calls if c == calls[-1]) - 1  # how many times this point ran before
+        slow = 1.5 if impl == "triton" and rnd == 1 else 1.0
+        scale = seq / 1024
+        return dict(impl=impl, batch=batch, heads=heads, seq=seq, d=d, dtype=dtype, status="ok",
+                    **{f"{p}_ms": BASE[impl] * scale * slow * (2.0 if p == "bwd" else 1.0) for p in ft.PASSES})
+    return timer
+
+
+SHAPES = dict(bf16_shapes=((16, 16384, 64), (1, 1024, 64)), fp32_shapes=((1, 2048, 64),))
+
+
+def test_rounds_interleave_and_rotate_the_implementations(tmp_path):
+    calls = []
+    writer = ResultWriter(tmp_path / "t.jsonl")
+    rows = ft.measure(rounds=3, timer=fake_timer(calls), writer=writer, progress=None, **SHAPES)
+    per_round = len(calls) // 3
+    assert per_round == 2 * 3 + 1 * 2  # two bf16 shapes x 3 impls, one fp32 shape x 2
+    # each round visits every shape before the next round starts, each shape's impls back to back
+    assert [c[0] for c in calls[:3]] == ["triton", "sdpa_cudnn", "sdpa_flash"]
+    assert [c[0] for c in calls[per_round:per_round + 3]] == ["sdpa_cudnn", "sdpa_flash", "triton"]
+    assert [r["round"] for r in rows] == [0] * per_round + [1] * per_round + [2] * per_round
+    written = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert len(written) == len(rows) and written[0]["shape"] == [16, 16384, 64]  # written as measured
+
+
+def test_ratios_are_taken_within_a_round_and_the_median_ignores_one_bad_round():
+    rows = ft.measure(rounds=3, timer=fake_timer([]), progress=None, **SHAPES)
+    table = ft.ratios(rows)
+    cell = next(c for c in table if c["shape"] == (16, 16384, 64) and c["baseline"] == "sdpa_cudnn"
+                and c["pass_"] == "e2e")
+    assert cell["rounds"] == 3 and cell["ratio"] == pytest.approx(1.0)  # rounds 0 and 2: 1.0; round 1: 1.5
+    assert cell["low"] == pytest.approx(1.0) and cell["high"] == pytest.approx(1.5)
+    assert cell["ours_ms"] == pytest.approx(16.0)
+    flash = next(c for c in table if c["shape"] == (1, 1024, 64) and c["baseline"] == "sdpa_flash")
+    assert flash["ratio"] == pytest.approx(0.5)
+    naive = next(c for c in table if c["dtype"] == "fp32")
+    assert naive["baseline"] == "naive" and naive["ratio"] == pytest.approx(1.0 / 1.5)
+
+
+def test_verdicts_need_every_shape_measured_and_within_the_limit():
+    rows = ft.measure(rounds=3, timer=fake_timer([]), progress=None, **SHAPES)
+    verdicts = {v["target"]: v for v in ft.verdicts(ft.ratios(rows))}
+    assert verdicts["leaderboard fwd+bwd"]["met"]  # 1.00 <= 1.00
+    assert not verdicts["leaderboard fwd+bwd, stretch"]["met"]  # 1.00 > 0.95
+    assert verdicts["backward at seq >= 4096"]["shapes"] == 1  # only the 16384 shape is in this table
+    assert verdicts["fp32 fwd+bwd at seq >= 1024"]["met"] and verdicts["fp32 fwd+bwd at seq >= 1024"]["worst"] < 1
+    # a target whose shape did not run is not met
+    missing = ft.verdicts(ft.ratios([r for r in rows if r["shape"] != [1, 1024, 64]]))
+    assert not next(v for v in missing if v["target"] == "short sequence fwd+bwd")["met"]
+    # a point that failed (no time) leaves the target unmet, not silently met
+    failed = [dict(r, e2e_ms=None) if r["impl"] == "triton" and r["shape"] == [1, 1024, 64] else r for r in rows]
+    short = next(v for v in ft.verdicts(ft.ratios(failed)) if v["target"] == "short sequence fwd+bwd")
+    assert short["measured"] == 0 and not short["met"]
+
+
+def test_the_printed_table_names_every_shape_and_target():
+    rows = ft.measure(rounds=2, timer=fake_timer([]), progress=None, **SHAPES)
+    table = ft.ratios(rows)
+    text = ft.format_table(table, ft.verdicts(table))
+    assert "(16, 16384, 64)" in text and "(1, 2048, 64)" in text
+    assert "leaderboard fwd+bwd" in text and "NOT met" in text and "ours, not the handout's" in text
+
+
+def test_bad_rounds_fail_early():
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        ft.measure(rounds=0, timer=fake_timer([]), progress=None)
+
+
+def test_warm_calls_cover_each_kernel_class_once():
+    pytest.importorskip("triton")
+    calls = ft.warm_calls()
+    keys = [c.kernels_key() for c in calls]
+    assert len(keys) == len(set(keys)) and {c.dtype for c in calls} == {"bf16", "fp32"}
