@@ -71,9 +71,9 @@ CANDIDATES: dict[str, list[tuple]] = {
 # dots on the CUDA cores, so these candidates surround them (smaller tiles give a batch-1 head more
 # CTAs, larger ones fewer reloads)
 FP32_CANDIDATES: dict[str, list[tuple]] = {
-    "fwd": _tiles("64x64/4/3, 64x32/4/2, 32x64/4/2, 32x32/4/2, 64x64/8/2, 128x32/8/2, 64x128/8/2, 128x64/8/2"),
-    "dkdv": _tiles("32x64/4/2, 32x32/4/2, 64x64/4/2, 16x64/4/2, 32x128/8/2, 64x64/8/2, 64x32/4/2, 16x32/4/2"),
-    "dq": _tiles("64x32/4/2, 32x32/4/2, 64x64/4/2, 32x64/4/2, 128x32/8/2, 64x64/8/2, 16x32/4/2, 128x64/8/2"),
+    "fwd": _tiles("64x64/4/3, 64x32/4/2, 32x64/4/2, 32x32/4/2, 64x64/8/2, 32x64/4/3, 32x128/4/2, 16x64/4/2"),
+    "dkdv": _tiles("32x64/4/2, 32x32/4/2, 64x32/4/2, 16x32/4/2, 32x32/4/3, 32x32/2/2, 64x32/8/2, 32x16/4/2"),
+    "dq": _tiles("64x32/4/2, 32x32/4/2, 32x64/4/2, 16x32/4/2, 16x64/4/2, 32x32/4/3, 64x64/8/2, 32x16/4/2"),
 }
 
 SHAPES = [(1, 1024, 64), (1, 4096, 64), (1, 16384, 64), (1, 65536, 64),

@@ -96,9 +96,14 @@ elif not autotuning():  # one config every dtype and head dim fits (fp32 include
                       "dq": {"half": [(64, 32, 4, 2)], "fp32": []}, "atomic": {"half": [(32, 64, 4, 2)], "fp32": []}})
 else:
     CONFIGS = _table({
-        "fwd": {"half": [(64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)], "fp32": [(64, 64, 4, 3), (64, 32, 4, 2)]},
+        # fp32 (tf32x3 dots by default): systems.bench.flash_tuning --dtype fp32 on an H100 at d = 128, seq
+        # 2k-16k (results/experiments/06_flash_fp32_tuning.jsonl, notes entry 9): 32x64 forward tiles ran
+        # 2.2-2.5x faster than the 64x32 ones, 64x64 ran out of shared memory; dQ's 64-row tiles were
+        # the slowest, 16x32 and 32x64 the fastest up to 8k, 32x32 at 16k
+        "fwd": {"half": [(64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)], "fp32": [(32, 64, 4, 2), (64, 64, 4, 3)]},
         "dkdv": {"half": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3)], "fp32": [(32, 64, 4, 2), (32, 32, 4, 2)]},
-        "dq": {"half": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)], "fp32": [(64, 32, 4, 2), (32, 32, 4, 2)]},
+        "dq": {"half": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
+               "fp32": [(16, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2)]},
         # The atomic backward's key tile (BLOCK_N3) sets its atomic traffic: every key tile adds
         # n_q x d fp32 into dQ, so a head moves about n_q * n_k / 2 / BLOCK_N3 * d * 4 bytes of
         # atomics when causal. Hence no 16-bit config below 64 keys. On an H100 at the
