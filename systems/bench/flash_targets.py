@@ -105,8 +105,8 @@ def ratios(rows: list[dict], *, ours: str = "triton") -> list[dict]:
     keys = list(dict.fromkeys((r["dtype"], tuple(r["shape"])) for r in rows))  # the order they ran
     out = []
     for dtype, shape in keys:
-        baselines = [i for i in dict.fromkeys(r["impl"] for r in rows if (r["dtype"], tuple(r["shape"])) == (dtype, shape))
-                     if i != ours]
+        here = [r["impl"] for r in rows if (r["dtype"], tuple(r["shape"])) == (dtype, shape)]
+        baselines = [i for i in dict.fromkeys(here) if i != ours]
         for base in baselines:
             for p in PASSES:
                 per_round = []

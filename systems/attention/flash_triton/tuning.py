@@ -80,8 +80,8 @@ def autotuning() -> bool:
     return not INTERPRETING and os.environ.get("FLASH_TRITON_AUTOTUNE", "1") != "0"
 
 
-# Per kernel: configs for 16-bit inputs and for fp32 inputs (fp32 tiles hold twice the bytes
-# and its ieee dots run on CUDA cores, so smaller tiles win and big ones spill). The lists are
+# Per kernel: configs for 16-bit inputs and for fp32 inputs (fp32 tiles hold twice the bytes, so
+# smaller tiles win and big ones spill or overflow shared memory). The lists are
 # short on purpose: each config costs a compile per (head dim, dtype, causal). The 16-bit ones
 # are the winners of systems.bench.flash_tuning's 8 candidates per kernel on an H100 (bf16, causal,
 # seq 1k-64k x d 64/128 and the leaderboard shape; results/experiments/06_flash_attention_tuning.jsonl):
@@ -96,14 +96,20 @@ elif not autotuning():  # one config every dtype and head dim fits (fp32 include
                       "dq": {"half": [(64, 32, 4, 2)], "fp32": []}, "atomic": {"half": [(32, 64, 4, 2)], "fp32": []}})
 else:
     CONFIGS = _table({
-        # fp32 (tf32x3 dots by default): systems.bench.flash_tuning --dtype fp32 on an H100 at d = 128, seq
-        # 2k-16k (results/experiments/06_flash_fp32_tuning.jsonl, notes entry 9): 32x64 forward tiles ran
-        # 2.2-2.5x faster than the 64x32 ones, 64x64 ran out of shared memory; dQ's 64-row tiles were
-        # the slowest, 16x32 and 32x64 the fastest up to 8k, 32x32 at 16k
-        "fwd": {"half": [(64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)], "fp32": [(32, 64, 4, 2), (64, 64, 4, 3)]},
-        "dkdv": {"half": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3)], "fp32": [(32, 64, 4, 2), (32, 32, 4, 2)]},
+        # fp32 (tf32x3 dots by default): two searches of systems.bench.flash_tuning --dtype fp32 on an
+        # H100, d = 128 at seq 2k-16k and d = 64 / 128 at 4k, d = 64 at 16k
+        # (results/experiments/06_flash_fp32_tuning*.jsonl, notes entry 9). Small query tiles win: a
+        # batch-1 head at 4k has too few 64-row tiles to fill 132 SMs. Each list holds the winners:
+        # the forward's 32x64 (2 and 3 stages: d = 128 long, d = 64) and 16x64 (d = 128 at 4k: 0.19 ms
+        # against the 64x32 it had, 0.69); dK/dV's 32x32 (d = 128 long), 64x32 over 8 warps (4k) and
+        # over 4 (d = 64 at 16k); dQ's 16x64 (4k), 32x64 (d = 64 long) and 32x32 (d = 128 long).
+        # 64x64 fp32 tiles run out of shared memory at d = 128.
+        "fwd": {"half": [(64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
+                "fp32": [(32, 64, 4, 2), (32, 64, 4, 3), (16, 64, 4, 2)]},
+        "dkdv": {"half": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3)],
+                 "fp32": [(32, 32, 4, 2), (64, 32, 8, 2), (64, 32, 4, 2)]},
         "dq": {"half": [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3)],
-               "fp32": [(16, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2)]},
+               "fp32": [(16, 64, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2)]},
         # The atomic backward's key tile (BLOCK_N3) sets its atomic traffic: every key tile adds
         # n_q x d fp32 into dQ, so a head moves about n_q * n_k / 2 / BLOCK_N3 * d * 4 bytes of
         # atomics when causal. Hence no 16-bit config below 64 keys. On an H100 at the
