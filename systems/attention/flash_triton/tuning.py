@@ -124,8 +124,9 @@ else:
         # entry 5, results/experiments/06_flash_tma_tuning.jsonl) found the larger ones slower: 128x128 over 8
         # warps lost by 9% (fwd), 12% (dK/dV) and 12% (dQ) to 64-row tiles with 4 warps. So each list
         # held two: the search's winner at the leaderboard shape, and the pointer kernel's 128-row
-        # (or 128-key) tile that wins at 64k with d=128 (every config is one more compile per head dim
-        # and dtype in notebook 06's sweep, which has to fit its time budget). The same search at d = 128 ((16, 16384, 128) and (1, 65536, 128), notes entry 11,
+        # (or 128-key) tile that wins at 64k with d=128 (every config is one more compile per head
+        # dim and dtype in notebook 06's sweep, which has to fit its time budget). The same search
+        # at d = 128 ((16, 16384, 128) and (1, 65536, 128), notes entry 11,
         # results/experiments/06_flash_tma_d128_tuning.jsonl) added the forward's 128x128 over 8 warps
         # (7-8% faster there than the 128x64 before it) and dQ's 128x64 over 8 warps and 64x128 over 4
         # (12% and 6% faster than 64x64), in place of the 128x32 dQ tile, the slowest there.
