@@ -412,16 +412,20 @@ def check_warm_calls(*, impls: tuple[str, ...], dtypes: tuple[str, ...], cases=C
             if impl in TRITON_VARIANTS]
 
 
+def distinct_warm_calls(calls) -> list[WarmCall]:
+    """The Triton calls among ``calls`` that compile something new: the shortest of each (impl,
+    dtype, kernels_key) class (all its lengths compile the same kernels; the autotuner's
+    candidates depend on the dtype and d, not the length)."""
+    distinct = {}
+    for call in sorted((c for c in calls if c.impl in TRITON_VARIANTS), key=lambda c: c.shape_q[-2]):
+        distinct.setdefault((call.impl, call.dtype, call.kernels_key()), call)
+    return list(distinct.values())
+
+
 def sweep_warm_calls(cfg: SweepConfig) -> list[WarmCall]:
-    """Calls that compile every kernel the sweep's Triton points will: per (dtype, Triton impl, d),
-    the shortest length of each kernels_key class in the grid (all its lengths compile the same
-    kernels; the autotuner's candidates depend on the dtype and d, not the length)."""
-    calls = {}
-    for dtype, d, seq, impl in cfg.points():
-        if impl in TRITON_VARIANTS:
-            call = WarmCall(impl, dtype, (cfg.batch, cfg.heads, seq, d), seq, cfg.is_causal)
-            calls.setdefault((impl, dtype, call.kernels_key()), call)  # points() runs lengths in increasing order
-    return list(calls.values())
+    """Calls that compile every kernel the sweep's Triton points will (distinct_warm_calls)."""
+    return distinct_warm_calls(WarmCall(impl, dtype, (cfg.batch, cfg.heads, seq, d), seq, cfg.is_causal)
+                               for dtype, d, seq, impl in cfg.points())
 
 
 def prewarm(calls: list[WarmCall], *, device: str = "cuda", processes: int | None = None,

@@ -170,14 +170,11 @@ def format_table(table: list[dict], verdict_rows: list[dict]) -> str:
 
 def warm_calls(*, bf16_shapes=BF16_SHAPES, fp32_shapes=FP32_SHAPES) -> list:
     """The Triton calls whose kernels systems.bench.flash.prewarm compiles before round one."""
-    from systems.bench.flash import WarmCall
+    from systems.bench.flash import WarmCall, distinct_warm_calls
 
-    calls = {}
-    for dtype, shapes in (("bf16", bf16_shapes), ("fp32", fp32_shapes)):
-        for bh, seq, d in shapes:
-            call = WarmCall("triton", dtype, (1, bh, seq, d), seq, True)
-            calls.setdefault(call.kernels_key(), call)
-    return list(calls.values())
+    return distinct_warm_calls(WarmCall("triton", dtype, (1, bh, seq, d), seq, True)
+                               for dtype, shapes in (("bf16", bf16_shapes), ("fp32", fp32_shapes))
+                               for bh, seq, d in shapes)
 
 
 def main(argv: list[str] | None = None) -> int:
