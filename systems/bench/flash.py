@@ -62,7 +62,6 @@ SKIPPED_MEMORY = "skipped (memory)"
 TRITON_VARIANTS = {"triton": {}, "triton_split": dict(forward="pointer", backward="split"),
                    "triton_atomic": dict(forward="pointer", backward="atomic"),
                    "triton_tma": dict(forward="tma", backward="tma"),
-                   "triton_atomic_tma": dict(forward="tma", backward="atomic_tma"),
                    "triton_tf32x3": dict(fp32_dot="tf32x3"), "triton_ieee": dict(fp32_dot="ieee"),
                    "triton_pytorch_bwd": dict(backward="pytorch")}
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}

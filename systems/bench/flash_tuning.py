@@ -9,8 +9,8 @@ kernel, candidate) as it goes.
 
     python -m systems.bench.flash_tuning --out build/flash/06_flash_attention_tuning.jsonl
 
-``--compare-backward`` instead checks the Triton variants ("split", "atomic", the TMA-descriptor
-forward + split pair, and the TMA-descriptor atomic backward with bulk reduce-adds) against a float64 reference (systems.bench.flash.check_errors), then times them
+``--compare-backward`` instead checks the Triton variants ("split", "atomic" and the TMA-descriptor
+forward + split pair) against a float64 reference (systems.bench.flash.check_errors), then times them
 through the public function (forward, backward, forward + backward) and as bare kernel launches,
 next to SDPA cuDNN and SDPA flash in the same process (``--paths`` picks a subset):
 
@@ -59,9 +59,6 @@ CANDIDATES: dict[str, list[tuple]] = {
     # the two leaders also with the dQ add not deferred (the kernel's default defers it by one query tile)
     "atomic": _tiles("64x128/8/3, 64x64/4/3, 64x128/8/2, 64x128/8/4, 32x128/8/3, 128x64/8/3")
               + [(64, 128, 8, 3, {"DEFER_DQ_ADD": False}), (64, 64, 4, 3, {"DEFER_DQ_ADD": False})],
-    # the atomic backward through descriptors, its dQ adds as bulk reduce-adds: the same candidates
-    "atomic_tma": _tiles("64x128/8/3, 64x64/4/3, 64x128/8/2, 64x128/8/4, 32x128/8/3, 128x64/8/3")
-                  + [(64, 128, 8, 3, {"DEFER_DQ_ADD": False}), (64, 64, 4, 3, {"DEFER_DQ_ADD": False})],
     # the TMA-descriptor kernels (same tile meaning as their pointer twins): the pointer winners and
     # the 128x128 tiles and deeper pipelines that TMA loads leave registers for
     "fwd_tma": _tiles("128x128/8/3, 128x128/8/2, 128x64/8/3, 128x64/4/4, 64x128/4/3, 64x64/4/4, 128x128/8/4, 128x64/8/5"),
@@ -109,8 +106,7 @@ def make_inputs(*, batch: int, seq: int, d: int, dtype: str, device: str = "cuda
 # forward's two products (S = Q K^T, P V) are one forward; the backward's four (dV = P^T dO,
 # dP = dO V^T, dK = dS^T Q, dQ = dS K) are two. The dK/dV kernel produces dV, dP and dK, the dQ
 # kernel dQ (the S and dP each recomputes are not counted), the atomic backward all four.
-KERNEL_SHARE = {"fwd": 1.0, "dkdv": 1.5, "dq": 0.5, "atomic": 2.0, "fwd_tma": 1.0, "dkdv_tma": 1.5, "dq_tma": 0.5,
-                "atomic_tma": 2.0}
+KERNEL_SHARE = {"fwd": 1.0, "dkdv": 1.5, "dq": 0.5, "atomic": 2.0, "fwd_tma": 1.0, "dkdv_tma": 1.5, "dq_tma": 0.5}
 
 
 def launch(kernel: str, x: Inputs, cfg: tuple, *, is_causal: bool = True):
@@ -142,7 +138,7 @@ def launch(kernel: str, x: Inputs, cfg: tuple, *, is_causal: bool = True):
     dk, dv = torch.empty_like(x.k), torch.empty_like(x.v)
     dq_acc = torch.empty(x.q.shape, device=x.q.device, dtype=torch.float32)
     return lambda: ft.launch_backward_atomic(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq_acc, dq, dk, dv, is_causal,
-                                             config=config, tma=tma)
+                                             config=config)
 
 
 def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_path: str | None = None,
@@ -236,13 +232,12 @@ COMPARE_SHAPES = [(1, 16, 16384, 64), (1, 1, 4096, 64), (1, 1, 16384, 64), (1, 1
 # (q shape, n_keys, causal) checked before any timing: several heads at d 64, and d 128; both
 # compile the kernels the timings use (a case with a new head dim would cost its own compiles)
 CHECK_CASES = [((2, 3, 1000, 64), 1000, True), ((2, 1024, 128), 1024, True)]
-COMPARE_PATHS = ("triton_split", "triton_atomic", "triton_tma", "triton_atomic_tma", "sdpa_cudnn", "sdpa_flash")
+COMPARE_PATHS = ("triton_split", "triton_atomic", "triton_tma", "sdpa_cudnn", "sdpa_flash")
 # each Triton path's bare launches, as time_backwards names them: the backward as one closure, then
 # its launches one by one ("triton_tma" also times both forwards, its change being in the forward too)
 KERNEL_ROWS = {"triton_split": ("kernels_split", ("part_dq", "part_dkdv")),
                "triton_atomic": ("kernels_atomic", ("part_prep", "part_atomic", "part_cast")),
-               "triton_tma": ("kernels_tma", ("part_fwd", "part_fwd_tma", "part_dq_tma", "part_dkdv_tma")),
-               "triton_atomic_tma": ("kernels_atomic_tma", ("part_atomic_tma",))}
+               "triton_tma": ("kernels_tma", ("part_fwd", "part_fwd_tma", "part_dq_tma", "part_dkdv_tma"))}
 PASS_NAMES = ("fwd", "bwd", "e2e")
 
 
@@ -313,12 +308,9 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
             ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma)
             ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma)
 
-        def atomic_tma():
-            ft.launch_backward_atomic(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq_acc, dq, dk, dv, True, tma=tma)
-
         # and each launch on its own (the atomic kernel re-adds into dq_acc: the sums grow, the time does not)
         closures = {
-            "kernels_split": split, "kernels_atomic": atomic, "kernels_tma": split_tma, "kernels_atomic_tma": atomic_tma,
+            "kernels_split": split, "kernels_atomic": atomic, "kernels_tma": split_tma,
             "part_dq": lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True),
             "part_dkdv": lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True),
             "part_prep": lambda: ft.launch_bwd_prep(x.o, x.do, delta, dq_acc),
@@ -328,8 +320,6 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
             "part_fwd_tma": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True, tma=tma),
             "part_dq_tma": lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma),
             "part_dkdv_tma": lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma),
-            "part_atomic_tma": lambda: ft.launch_atomic(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, dq_acc, True,
-                                                        tma=tma),
         }
         wanted = [KERNEL_ROWS[p][0] for p in paths if p in KERNEL_ROWS]
         wanted += [part for p in paths if p in KERNEL_ROWS for part in KERNEL_ROWS[p][1]]

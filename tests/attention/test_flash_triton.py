@@ -68,8 +68,7 @@ INTERP_CASES = [
 ]
 
 
-# atomic_tma under the interpreter: descriptor loads, per-thread atomic adds (it has no bulk reduce-add)
-INTERP_BACKWARDS = ("split", "atomic", "atomic_tma")
+INTERP_BACKWARDS = ("split", "atomic")
 # the kernels the TMA variant runs, as tuned_plans names them
 TMA_KERNELS = {"fwd_tma", "dq_tma", "dkdv_tma"}
 
@@ -92,17 +91,16 @@ def test_interp_triton_matches_reference(shape_q, n_k, dtype, causal, backward):
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
-@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma-loads"])
 @pytest.mark.parametrize("defer", [True, False], ids=["deferred-add", "immediate-add"])
 @pytest.mark.parametrize("shape_q,n_k,causal,tiles", [
     ((2, 45, 24), 77, True, (32, 16)),  # query tiles taller than key tiles: a key tile's diagonal in one
     ((2, 50, 16), 37, False, (32, 16)),  # a ragged last key tile (37 = 2 x 16 + 5) meets every query
     ((1, 64, 16), 64, True, (16, 64)),  # one key tile spans four query tiles of its diagonal
 ])
-def test_interp_atomic_backward_other_tiles(shape_q, n_k, causal, tiles, defer, tma):
+def test_interp_atomic_backward_other_tiles(shape_q, n_k, causal, tiles, defer):
     """The atomic backward launched with explicit tiles, unlike the one config the public path runs
-    under the interpreter, with its dQ add deferred by one query tile or not, its Q and dO read
-    through pointers or descriptors, against the split backward's dQ, dK, dV."""
+    under the interpreter, with its dQ add deferred by one query tile or not, against the split
+    backward's dQ, dK, dV."""
     from systems.attention import flash_triton as ft
 
     gen = torch.Generator().manual_seed(n_k)
@@ -114,7 +112,7 @@ def test_interp_atomic_backward_other_tiles(shape_q, n_k, causal, tiles, defer, 
     dq_acc = torch.empty_like(q)  # fp32 inputs: the accumulator is dQ itself
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     config = dict(BLOCK_M3=tiles[0], BLOCK_N3=tiles[1], DEFER_DQ_ADD=defer, num_warps=4, num_stages=1)
-    ft.launch_backward_atomic(q, k, v, o, do, lse, delta, dq_acc, dq_acc, dk, dv, causal, config=config, tma=tma)
+    ft.launch_backward_atomic(q, k, v, o, do, lse, delta, dq_acc, dq_acc, dk, dv, causal, config=config)
     torch.testing.assert_close(delta, (o * do).sum(-1), rtol=0, atol=1e-5)  # the prep kernel's D
     # fp32 throughout: the two backwards sum the same products in different orders
     for got, ref in zip((dq_acc, dk, dv), want):
@@ -171,7 +169,6 @@ def test_interp_default_takes_tma_above_its_threshold():
     assert ft.FlashVariant(forward="tma").forward_tma(short) and not ft.FlashVariant(forward="pointer").forward_tma(long)
     assert ft.FlashVariant(backward="tma").backward_tma(short)
     assert not any(ft.FlashVariant(backward=b).backward_tma(long) for b in ("split", "atomic", "pytorch"))
-    assert ft.FlashVariant(backward="atomic_tma").backward_tma(short)  # at any length, as "tma"
     ft.clear_tuned_plans()
     run_and_compare(ft.FlashAttentionTriton.apply, (2, 37, 16), 37, torch.float32, True, "cpu", tol=1e-5)
     assert not _tma_kernels_ran(torch.float32)
@@ -204,7 +201,6 @@ def test_interp_triton_pytorch_backward_path():
 @pytest.mark.parametrize("forward,backward,kernels", [
     ("pointer", "split", {"fwd", "dq", "dkdv"}),
     ("pointer", "atomic", {"fwd", "atomic"}),  # prep: no autotuner
-    ("pointer", "atomic_tma", {"fwd", "atomic_tma"}),
     ("tma", "tma", TMA_KERNELS),
 ])
 def test_interp_second_call_launches_the_stored_plan(forward, backward, kernels):
@@ -257,7 +253,7 @@ def test_interp_triton_rejects_bad_inputs():
         FlashAttentionTriton.apply(y, y, y, False)
     from systems.attention.flash_triton import FlashVariant, flash_backward_triton
 
-    with pytest.raises(ValueError, match="backward must be one of auto, split, tma, atomic, atomic_tma, pytorch"):
+    with pytest.raises(ValueError, match="backward must be one of auto, split, tma, atomic, pytorch"):
         FlashVariant(backward="cuda-graphs")
     with pytest.raises(ValueError, match="forward must be one of auto, pointer, tma"):
         FlashVariant(forward="triton_tma")  # an old forward= name, not a variant's
@@ -467,32 +463,6 @@ def test_atomic_kernel_compiles_for_h100(defer):
 
 
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
-@pytest.mark.parametrize("defer", [True, False])
-def test_atomic_tma_kernel_adds_dq_with_bulk_reduce(defer):
-    """The TMA atomic kernel compiled for sm_90 with TMA_ADD: its dQ adds are TMA bulk
-    reduce-adds of whole tiles (cp.reduce.async.bulk.tensor ... add) and no thread issues an
-    atomic of its own, its Q and dO loads are bulk copies, the dots run on wgmma, nothing spills."""
-    import re
-
-    from systems.attention.flash_triton.kernels import flash_bwd_atomic_tma_kernel
-    from systems.testing import compile_ptx_for_h100
-
-    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "dO": "*bf16", "L": "*fp32", "Delta": "*fp32",
-                "dK": "*bf16", "dV": "*bf16", "DQ_ACC": "*fp32"}
-    scalars = {"n_q": "i32", "n_k": "i32", "qk_scale": "fp32", "sm_scale": "fp32", "SEQ_BUCKET": "i32"}
-    constexprs = dict(HEAD_DIM=64, BLOCK_D=64, IS_CAUSAL=True, INPUT_PRECISION="ieee", BLOCK_M3=64, BLOCK_N3=128,
-                      DEFER_DQ_ADD=defer, TMA_ADD=True)
-    signature = {**pointers, **scalars, **{name: "constexpr" for name in constexprs}}
-    ptx = compile_ptx_for_h100(flash_bwd_atomic_tma_kernel, signature=signature, constexprs=constexprs,
-                               aligned_args=tuple(range(len(pointers))) + (9, 10), num_warps=8)
-    reduces = [line for line in ptx.splitlines() if "cp.reduce.async.bulk.tensor" in line]
-    assert reduces and all(".add" in line for line in reduces), reduces[:4]
-    assert not re.findall(r"\b(?:red|atom)\.global", ptx)  # (cp.async...shared.global is a load)
-    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
-    assert "st.local" not in ptx
-
-
-@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
 @pytest.mark.parametrize("kernel,tiles", [
     ("flash_fwd_tma_kernel", dict(BLOCK_M=128, BLOCK_N=128)),
     ("flash_bwd_dq_tma_kernel", dict(BLOCK_M2=128, BLOCK_N2=64)),
@@ -589,19 +559,6 @@ def test_gpu_triton_atomic_backward_matches_reference(shape_q, n_k, causal, dtyp
     variant = FlashVariant(backward="atomic")
     run_and_compare(lambda q, k, v, c: flash_attention_triton(q, k, v, c, variant=variant),
                     shape_q, n_k, dtype, causal, "cuda", tol=GPU_TOL[dtype])
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("shape_q,n_k,causal,dtype", ATOMIC_GPU_PARAMS)
-def test_gpu_triton_atomic_tma_backward_matches_reference(shape_q, n_k, causal, dtype):
-    from systems.attention import flash_triton as ft
-
-    # as the pointer atomics: the bulk reduce-adds sum the same fp32 tiles, in another order
-    variant = ft.FlashVariant(forward="pointer", backward="atomic_tma")
-    run_and_compare(lambda q, k, v, c: ft.flash_attention_triton(q, k, v, c, variant=variant),
-                    shape_q, n_k, dtype, causal, "cuda", tol=GPU_TOL[dtype])
-    assert _tma_kernels_ran(dtype) == {"atomic_tma"}  # and not the pointer fallback
 
 
 # the TMA variant on the same shapes in bf16 (d 16, 32, 64, 80 and 128: every one a multiple of 8,

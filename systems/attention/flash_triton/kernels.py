@@ -13,11 +13,10 @@ What makes them fast:
   seven matmuls); and one "atomic" kernel over key tiles that also adds each query tile's dS K
   into an fp32 dQ buffer with atomics (five matmuls), between a small kernel that writes D and
   zeroes that buffer and a cast of it.
-- each of the forward, dQ, dK/dV and atomic program bodies takes a TMA constexpr, behind two
-  kernels (pointer and TMA twins): with it, the tiles streamed through the inner loops (K, V in the
-  forward and dQ; Q, dO in dK/dV and the atomic kernel) are read through device-side tensor
-  descriptors (Hopper's TMA engine; out-of-range rows and columns read as zeros), and the atomic
-  kernel's dQ adds become TMA bulk reduce-adds of whole tiles (TMA_ADD).
+- each of the forward, dQ and dK/dV program bodies takes a TMA constexpr, behind two kernels
+  (pointer and TMA twins): with it, the tiles streamed through the inner loops (K, V in the
+  forward and dQ; Q, dO in dK/dV) are read through device-side tensor descriptors (Hopper's TMA
+  engine; out-of-range rows and columns read as zeros).
 
 Causal convention (the same as ``naive_attention`` and ``flash_pytorch``): query i sees keys
 j <= i + (n_keys - n_queries); causal with n_queries > n_keys is rejected.
@@ -402,44 +401,27 @@ def flash_bwd_prep_kernel(O, dO, Delta, DQ_ACC, n_q, HEAD_DIM: tl.constexpr, BLO
 
 
 @triton.jit
-def _add_dq(DQ_dst, row0, rows, dq, n_q, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-            CHECK_ROWS: tl.constexpr, TMA_ADD: tl.constexpr):
-    """Add a (rows, BLOCK_D) fp32 tile of dQ starting at row0 into the buffer: through a tensor
-    descriptor (TMA_ADD: the tile goes to shared memory and one thread issues a bulk reduce-add,
-    which clips rows past n_q and columns past HEAD_DIM by itself), or with per-thread atomics."""
-    if TMA_ADD:
-        if row0 < n_q:  # a tile wholly past the end (the deferred add's first carry) adds nothing
-            DQ_dst.atomic_add([row0, 0], dq)
-    else:
-        _atomic_add_rows(DQ_dst + rows[:, None] * HEAD_DIM + offs_d[None, :], dq, rows, n_q, offs_d, HEAD_DIM,
-                         BLOCK_D, CHECK_ROWS)
-
-
-@triton.jit
-def _atomic_query_loop(dk, dv, dq_prev, start_prev, k, v, Q_src, dO_src, L_bh, D_bh, DQ_dst, offs_n, offs_d, n_q,
-                       n_k, offset, qk_scale, lo, hi, BLOCK_M3: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _atomic_query_loop(dk, dv, dq_prev, rows_prev, k, v, Q_bh, dO_bh, L_bh, D_bh, DQ_bh, offs_n, offs_d, n_q, n_k,
+                       offset, qk_scale, lo, hi, BLOCK_M3: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK_D: tl.constexpr, MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                       CHECK_ROWS: tl.constexpr, DEFER_DQ_ADD: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                       TMA: tl.constexpr, TMA_ADD: tl.constexpr):
-    """_dkdv_query_loop's five matmuls over query tiles [lo, hi), plus dQ += dS K added into DQ_dst
+                       CHECK_ROWS: tl.constexpr, DEFER_DQ_ADD: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """_dkdv_query_loop's five matmuls over query tiles [lo, hi), plus dQ += dS K added into DQ_bh
     (fp32, unscaled) with atomics: each query tile's dQ gets one add per key tile that sees it.
 
     MASK: the causal mask (when IS_CAUSAL) and the key bound. Keys past n_k load as zeros, so
     their rows of dS K vanish, but their P = exp2(0 - L) can overflow to inf when L is very
     negative and inf * 0 is nan; the masked loop runs wherever such keys meet real queries.
-    Query rows past n_q load as zeros (their dS is 0) and their adds are masked off (or clipped).
+    Query rows past n_q load as zeros (their dS is 0) and their atomics are masked off.
 
-    DEFER_DQ_ADD: a tile's dQ part (dq_prev, from row start_prev) is added at the next iteration,
-    once that iteration's S^T dot is issued, instead of right after its own dot, which the adds
-    would have to wait for. On an H100 this took 3-7% off the pointer atomics (notes entry 4).
-    The caller adds the last one.
-    Q_src, dO_src: base pointers, or tensor descriptors when TMA; DQ_dst: the dQ buffer's base
-    pointer, or its descriptor when TMA_ADD."""
+    DEFER_DQ_ADD: a tile's dQ part (dq_prev, rows_prev) is added at the next iteration, once that
+    iteration's S^T dot is issued, instead of right after its own dot, which the adds would have
+    to wait for. On an H100 this took 3-7% off (notes entry 4). The caller adds the last one."""
     offs_mb = tl.arange(0, BLOCK_M3)
     for start_m in range(lo, hi, BLOCK_M3):
         rows = start_m + offs_mb
-        q = _load_tile(Q_src, start_m, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS, TMA)
-        do = _load_tile(dO_src, start_m, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS, TMA)
+        q_tile = rows[:, None] * HEAD_DIM + offs_d[None, :]
+        q = _load_rows(Q_bh + q_tile, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+        do = _load_rows(dO_bh + q_tile, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS)
         if CHECK_ROWS:
             lse = tl.load(L_bh + rows, mask=rows < n_q, other=0.0)
             delta = tl.load(D_bh + rows, mask=rows < n_q, other=0.0)
@@ -448,7 +430,8 @@ def _atomic_query_loop(dk, dv, dq_prev, start_prev, k, v, Q_src, dO_src, L_bh, D
             delta = tl.load(D_bh + rows)
         s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
         if DEFER_DQ_ADD:  # before s_t's first use, so the adds are issued while its dot runs
-            _add_dq(DQ_dst, start_prev, start_prev + offs_mb, dq_prev, n_q, offs_d, HEAD_DIM, BLOCK_D, True, TMA_ADD)
+            _atomic_add_rows(DQ_bh + rows_prev[:, None] * HEAD_DIM + offs_d[None, :], dq_prev, rows_prev, n_q,
+                             offs_d, HEAD_DIM, BLOCK_D, True)
         s_t = s_t * qk_scale  # S^T in base 2
         if MASK:
             keep = offs_n[:, None] < n_k
@@ -463,22 +446,20 @@ def _atomic_query_loop(dk, dv, dq_prev, start_prev, k, v, Q_src, dO_src, L_bh, D
         dq = tl.dot(tl.trans(ds_t), k, input_precision=INPUT_PRECISION)  # this key tile's part of dS K
         if DEFER_DQ_ADD:
             dq_prev = dq
-            start_prev = start_m
+            rows_prev = rows
         else:
-            _add_dq(DQ_dst, start_m, rows, dq, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS, TMA_ADD)
-    return dk, dv, dq_prev, start_prev
+            _atomic_add_rows(DQ_bh + q_tile, dq, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+    return dk, dv, dq_prev, rows_prev
 
 
 @triton.jit
-def _atomic_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, qk_scale, sm_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr, BLOCK_M3: tl.constexpr, BLOCK_N3: tl.constexpr,
-                    DEFER_DQ_ADD: tl.constexpr, TMA: tl.constexpr, TMA_ADD: tl.constexpr):
+def flash_bwd_atomic_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
+                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                             INPUT_PRECISION: tl.constexpr, BLOCK_M3: tl.constexpr, BLOCK_N3: tl.constexpr,
+                             DEFER_DQ_ADD: tl.constexpr):
     """Grid (key tiles, batch). One program owns dK and dV of one key tile, as the dK/dV kernel,
     and adds its share of dQ into DQ_ACC (zeroed, with D written, by the prep kernel). Key tile 0
-    sees the most query tiles when causal, so the natural order is already longest-first.
-    TMA: Q and dO stream through tensor descriptors; TMA_ADD: the dQ adds go through one (a bulk
-    reduce-add per tile instead of every thread's atomics; the interpreter has no such op)."""
+    sees the most query tiles when causal, so the natural order is already longest-first."""
     tile = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     n0 = tile * BLOCK_N3
@@ -491,10 +472,10 @@ def _atomic_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, qk_scale, s
     dv = tl.zeros([BLOCK_N3, BLOCK_D], dtype=tl.float32)
     # the deferred add's carry starts as a tile of rows past n_q: its add is masked off entirely
     dq_prev = tl.zeros([BLOCK_M3, BLOCK_D], dtype=tl.float32)
-    start_prev = n_q
-    Q_src = _streamed(Q + bh * n_q * HEAD_DIM, n_q, HEAD_DIM, BLOCK_M3, BLOCK_D, TMA)
-    dO_src = _streamed(dO + bh * n_q * HEAD_DIM, n_q, HEAD_DIM, BLOCK_M3, BLOCK_D, TMA)
-    DQ_dst = _streamed(DQ_ACC + bh * n_q * HEAD_DIM, n_q, HEAD_DIM, BLOCK_M3, BLOCK_D, TMA_ADD)
+    rows_prev = n_q + tl.arange(0, BLOCK_M3)
+    Q_bh = Q + bh * n_q * HEAD_DIM
+    dO_bh = dO + bh * n_q * HEAD_DIM
+    DQ_bh = DQ_ACC + bh * n_q * HEAD_DIM
     L_bh = L + bh * n_q
     D_bh = Delta + bh * n_q
 
@@ -504,48 +485,30 @@ def _atomic_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, qk_scale, s
         # the query tiles that see part of this key tile, masked (padding keys are never seen by
         # a real query past them, so the unmasked loops below need no key bound)
         lo_diag, lo = _diagonal_query_tiles(n0, offset, BLOCK_M3, BLOCK_N3)
-        dk, dv, dq_prev, start_prev = _atomic_query_loop(
-            dk, dv, dq_prev, start_prev, k, v, Q_src, dO_src, L_bh, D_bh, DQ_dst, offs_n, offs_d, n_q, n_k, offset,
+        dk, dv, dq_prev, rows_prev = _atomic_query_loop(
+            dk, dv, dq_prev, rows_prev, k, v, Q_bh, dO_bh, L_bh, D_bh, DQ_bh, offs_n, offs_d, n_q, n_k, offset,
             qk_scale, lo_diag, tl.minimum(lo, n_q),
-            BLOCK_M3, HEAD_DIM, BLOCK_D, True, True, True, DEFER_DQ_ADD, INPUT_PRECISION, TMA, TMA_ADD)
+            BLOCK_M3, HEAD_DIM, BLOCK_D, True, True, True, DEFER_DQ_ADD, INPUT_PRECISION)
     else:
         # a ragged last key tile meets every query: all of them through the masked loop
         lo = tl.where(n0 + BLOCK_N3 > n_k, n_q, 0)
-        dk, dv, dq_prev, start_prev = _atomic_query_loop(
-            dk, dv, dq_prev, start_prev, k, v, Q_src, dO_src, L_bh, D_bh, DQ_dst, offs_n, offs_d, n_q, n_k, offset,
+        dk, dv, dq_prev, rows_prev = _atomic_query_loop(
+            dk, dv, dq_prev, rows_prev, k, v, Q_bh, dO_bh, L_bh, D_bh, DQ_bh, offs_n, offs_d, n_q, n_k, offset,
             qk_scale, 0, lo,
-            BLOCK_M3, HEAD_DIM, BLOCK_D, True, False, True, DEFER_DQ_ADD, INPUT_PRECISION, TMA, TMA_ADD)
+            BLOCK_M3, HEAD_DIM, BLOCK_D, True, False, True, DEFER_DQ_ADD, INPUT_PRECISION)
     # the query tiles that see all of this key tile: unmasked, unchecked; then a ragged tail
-    dk, dv, dq_prev, start_prev = _atomic_query_loop(
-        dk, dv, dq_prev, start_prev, k, v, Q_src, dO_src, L_bh, D_bh, DQ_dst, offs_n, offs_d, n_q, n_k, offset,
+    dk, dv, dq_prev, rows_prev = _atomic_query_loop(
+        dk, dv, dq_prev, rows_prev, k, v, Q_bh, dO_bh, L_bh, D_bh, DQ_bh, offs_n, offs_d, n_q, n_k, offset,
         qk_scale, lo, n_q_full,
-        BLOCK_M3, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, False, DEFER_DQ_ADD, INPUT_PRECISION, TMA, TMA_ADD)
-    dk, dv, dq_prev, start_prev = _atomic_query_loop(
-        dk, dv, dq_prev, start_prev, k, v, Q_src, dO_src, L_bh, D_bh, DQ_dst, offs_n, offs_d, n_q, n_k, offset,
+        BLOCK_M3, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, False, DEFER_DQ_ADD, INPUT_PRECISION)
+    dk, dv, dq_prev, rows_prev = _atomic_query_loop(
+        dk, dv, dq_prev, rows_prev, k, v, Q_bh, dO_bh, L_bh, D_bh, DQ_bh, offs_n, offs_d, n_q, n_k, offset,
         qk_scale, tl.maximum(lo, n_q_full), n_q,
-        BLOCK_M3, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, True, DEFER_DQ_ADD, INPUT_PRECISION, TMA, TMA_ADD)
+        BLOCK_M3, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, True, DEFER_DQ_ADD, INPUT_PRECISION)
     if DEFER_DQ_ADD:  # the last query tile's add
-        _add_dq(DQ_dst, start_prev, start_prev + tl.arange(0, BLOCK_M3), dq_prev, n_q, offs_d, HEAD_DIM, BLOCK_D,
-                True, TMA_ADD)
+        _atomic_add_rows(DQ_bh + rows_prev[:, None] * HEAD_DIM + offs_d[None, :], dq_prev, rows_prev, n_q,
+                         offs_d, HEAD_DIM, BLOCK_D, True)
 
     dk = dk * sm_scale  # dQ's sm_scale is applied by the cast that follows this kernel
     _store_rows(dK + kv_tile, dk.to(dK.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
     _store_rows(dV + kv_tile, dv.to(dV.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
-
-
-@triton.jit
-def flash_bwd_atomic_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
-                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                             INPUT_PRECISION: tl.constexpr, BLOCK_M3: tl.constexpr, BLOCK_N3: tl.constexpr,
-                             DEFER_DQ_ADD: tl.constexpr):
-    _atomic_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D,
-                    IS_CAUSAL, INPUT_PRECISION, BLOCK_M3, BLOCK_N3, DEFER_DQ_ADD, False, False)
-
-
-@triton.jit
-def flash_bwd_atomic_tma_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
-                                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                                 INPUT_PRECISION: tl.constexpr, BLOCK_M3: tl.constexpr, BLOCK_N3: tl.constexpr,
-                                 DEFER_DQ_ADD: tl.constexpr, TMA_ADD: tl.constexpr):
-    _atomic_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D,
-                    IS_CAUSAL, INPUT_PRECISION, BLOCK_M3, BLOCK_N3, DEFER_DQ_ADD, True, TMA_ADD)

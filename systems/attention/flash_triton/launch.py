@@ -42,7 +42,7 @@ from systems.config import check_choice
 # ----------------------------------------------------------------------------- variants
 
 Forward = Literal["auto", "pointer", "tma"]
-Backward = Literal["auto", "split", "tma", "atomic", "atomic_tma", "pytorch"]
+Backward = Literal["auto", "split", "tma", "atomic", "pytorch"]
 Fp32Dot = Literal["auto", "ieee", "tf32x3", "tf32"]
 FORWARDS: tuple[str, ...] = get_args(Forward)
 BACKWARDS: tuple[str, ...] = get_args(Backward)
@@ -66,10 +66,8 @@ class FlashVariant:
     inputs longer than TMA_MIN_SEQ, pointer otherwise).
     backward: "split" (a dQ kernel, then a dK/dV kernel, through pointers), "tma" (the same pair
     through descriptors, as forward "tma"), "auto" (the pair, through descriptors where forward
-    "auto" would be), "atomic" (one kernel over key tiles adding dQ with atomics), "atomic_tma" (that
-    kernel reading Q, dO through descriptors and adding dQ with TMA bulk reduce-adds, where
-    tma_usable says yes; the interpreter, which has no reduce-add, keeps the per-thread atomics),
-    or "pytorch" (flash_pytorch's compiled reference backward on the same saved tensors).
+    "auto" would be), "atomic" (one kernel over key tiles adding dQ with atomics), or "pytorch"
+    (flash_pytorch's compiled reference backward on the same saved tensors).
     fp32_dot: how the kernels' dots multiply fp32 inputs (16-bit inputs always run their own
     tensor-core dots): "ieee" (fp32 products on the CUDA cores), "tf32x3" (each operand split into
     a TF32 high and low part, three TF32 tensor-core products: near-fp32 accuracy), "tf32" (one
@@ -90,9 +88,7 @@ class FlashVariant:
         return _wants_tma(self.forward, tensors)
 
     def backward_tma(self, *tensors: torch.Tensor) -> bool:
-        """Whether the split or the atomic backward reads these tensors through TMA descriptors."""
-        if self.backward == "atomic_tma":
-            return tma_usable(*tensors)
+        """Whether the split backward reads these tensors through TMA descriptors."""
         return self.backward in ("auto", "tma") and _wants_tma(self.backward, tensors)
 
 
@@ -414,8 +410,8 @@ def _contiguous(*tensors: torch.Tensor) -> None:
             raise ValueError(f"flash_triton kernels take contiguous tensors, got strides {t.stride()}")
 
 
-# (pointer kernel, TMA kernel) of the forward, the split pair and the atomic backward, indexed by tma (a bool)
-_FWD, _DQ, _DKDV, _ATOMIC = ((TUNED[name], TUNED[f"{name}_tma"]) for name in ("fwd", "dq", "dkdv", "atomic"))
+# (pointer kernel, TMA kernel) of the forward and the split pair, indexed by tma (a bool)
+_FWD, _DQ, _DKDV = ((TUNED[name], TUNED[f"{name}_tma"]) for name in ("fwd", "dq", "dkdv"))
 
 
 def _pick(twins: tuple[TunedKernel, TunedKernel], tma: bool) -> TunedKernel:
@@ -475,27 +471,20 @@ def launch_bwd_prep(o3, do3, delta, dq_acc) -> None:
 
 
 def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, *, config: dict | None = None,
-                  meta: dict | None = None, tma: bool = False, fp32_dot: str = "auto") -> None:
-    """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D. tma: the
-    TMA kernel (the tensors and dq_acc must pass tma_usable), whose dQ adds are bulk reduce-adds
-    on a GPU and per-thread atomics under the interpreter."""
+                  meta: dict | None = None, fp32_dot: str = "auto") -> None:
+    """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D."""
     batch, n_q, n_k, d = _dims(q3, k3)
     grid = _tile_grid(n_k, "BLOCK_N3", batch)
     args = (q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, n_q, n_k, d ** -0.5 * kernels.LOG2E, d ** -0.5)
-    meta = meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot)
-    if tma:
-        meta = {**meta, "TMA_ADD": not INTERPRETING}
-    _launch(_pick(_ATOMIC, tma), grid, args, meta, config)
+    _launch(TUNED["atomic"], grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
 
 def launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal: bool, *,
-                           config: dict | None = None, meta: dict | None = None, tma: bool = False,
-                           fp32_dot: str = "auto") -> None:
+                           config: dict | None = None, meta: dict | None = None, fp32_dot: str = "auto") -> None:
     """The whole atomic backward: the prep kernel, the atomic kernel, then dQ = sm_scale * dq_acc
     written in dq's dtype (``dq`` may be ``dq_acc`` itself, for fp32 inputs)."""
     launch_bwd_prep(o3, do3, delta, dq_acc)
-    launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal, config=config, meta=meta, tma=tma,
-                  fp32_dot=fp32_dot)
+    launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal, config=config, meta=meta, fp32_dot=fp32_dot)
     torch.mul(dq_acc, q3.shape[-1] ** -0.5, out=dq)  # one elementwise kernel: scale and cast together
 
 
@@ -526,11 +515,10 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
     dk, dv = torch.empty_like(k3), torch.empty_like(v3)
     # one dict for every launch
     meta = _common(q3.shape[-1], max(q3.shape[-2], k3.shape[-2]), q3.dtype, is_causal, variant.fp32_dot)
-    if variant.backward in ("atomic", "atomic_tma"):
+    if variant.backward == "atomic":
         dq_acc = torch.empty(q3.shape, device=q3.device, dtype=torch.float32)
         dq = dq_acc if q3.dtype == torch.float32 else torch.empty_like(q3)
-        launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal, meta=meta,
-                               tma=variant.backward_tma(q3, k3, v3, o3, do3, dq_acc))
+        launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal, meta=meta)
         return dq, dk, dv
     dq = torch.empty_like(q3)
     tma = variant.backward_tma(q3, k3, v3, o3, do3)

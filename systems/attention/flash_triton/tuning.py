@@ -135,14 +135,10 @@ else:
         "dkdv_tma": {"half": [(64, 64, 4, 3), (64, 128, 8, 3)], "fp32": [(32, 64, 4, 2), (32, 32, 4, 2)]},
         "dq_tma": {"half": [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3)],
                    "fp32": [(64, 32, 4, 2), (32, 32, 4, 2)]},
-        # The atomic backward through descriptors (Q, dO loads and the dQ adds as TMA bulk
-        # reduce-adds): not searched yet, so the pointer twin's list
-        "atomic_tma": {"half": [(64, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 4)],
-                       "fp32": [(32, 64, 4, 2), (32, 32, 4, 2)]},
     })
 
 if not autotuning():  # one config each: the TMA kernels run their pointer twins' tiles
-    CONFIGS.update({f"{k}_tma": CONFIGS[k] for k in ("fwd", "dkdv", "dq", "atomic")})
+    CONFIGS.update({f"{k}_tma": CONFIGS[k] for k in ("fwd", "dkdv", "dq")})
 
 _SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KB per block, the rest is Triton's scratch
 # fp32 registers per thread the atomic kernel's dK and dV accumulators may take: a thread has at
@@ -181,22 +177,19 @@ _TILE_ROLES = {
     "dkdv": (["BLOCK_N1", "BLOCK_N1"], ["BLOCK_M1", "BLOCK_M1"]),  # K, V (dK, dV in registers); Q and dO
     "dq": (["BLOCK_M2", "BLOCK_M2"], ["BLOCK_N2", "BLOCK_N2"]),  # Q, dO; K and V
     "atomic": (["BLOCK_N3", "BLOCK_N3"], ["BLOCK_M3", "BLOCK_M3"]),  # K, V; Q and dO
-    # ... plus the fp32 dQ tile the bulk reduce-add reads from shared memory: counted as two
-    # query tiles of the input's dtype (exact for 16-bit inputs, one tile over for fp32)
-    "atomic_tma": (["BLOCK_N3", "BLOCK_N3", "BLOCK_M3", "BLOCK_M3"], ["BLOCK_M3", "BLOCK_M3"]),
 }
 
 
 def _pruner(kernel: str):
     """The config pruner of one kernel's autotuner: its own config lists, its family's tile roles."""
-    resident, streamed = _TILE_ROLES.get(kernel) or _TILE_ROLES[kernel.removesuffix("_tma")]
+    resident, streamed = _TILE_ROLES[kernel.removesuffix("_tma")]
     return functools.partial(_prune, kernel, resident_keys=resident, streamed_keys=streamed)
 
 
-def _prune_atomic(kernel, configs, named_args, **kwargs):
+def _prune_atomic(configs, named_args, **kwargs):
     # shared memory first, then the register rule: the dK and dV accumulators (2 x BLOCK_N3 x
     # BLOCK_D fp32, spread over the block's threads) must leave room for the rest
-    kept = _pruner(kernel)(configs, named_args, **kwargs)
+    kept = _pruner("atomic")(configs, named_args, **kwargs)
     block_d = {**named_args, **kwargs}["BLOCK_D"]
 
     def acc_regs(c):
@@ -252,10 +245,7 @@ TUNED: dict[str, TunedKernel] = {t.name: t for t in (
     _tuned("dkdv_tma", kernels.flash_bwd_dkdv_tma_kernel),
     _tuned("dq", kernels.flash_bwd_dq_kernel),
     _tuned("dq_tma", kernels.flash_bwd_dq_tma_kernel),
-    _tuned("atomic", kernels.flash_bwd_atomic_kernel, functools.partial(_prune_atomic, "atomic"),
-           restore_value=["DQ_ACC"]),
-    _tuned("atomic_tma", kernels.flash_bwd_atomic_tma_kernel, functools.partial(_prune_atomic, "atomic_tma"),
-           restore_value=["DQ_ACC"]),
+    _tuned("atomic", kernels.flash_bwd_atomic_kernel, _prune_atomic, restore_value=["DQ_ACC"]),
 )}
 
 
