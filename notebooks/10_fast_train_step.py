@@ -20,7 +20,8 @@
 # `systems/kernels/` (an LM head + cross-entropy that never materialises the logits; an AdamW that
 # updates p, m and v in one Triton pass), with all of them (`ours_fast`), then with bf16 weights
 # and fp32 masters in the optimizer (`ours_master`: bit-identical to autocast on a CPU), per-block
-# CUDA graphs (`ours_graphs`) and the optimizer inside the backward on a side stream (`*_overlap`).
+# CUDA graphs (`ours_graphs`), Q, K, V and SwiGLU's W1, W3 each computed as one GEMM
+# (`*_fusedproj`), and the optimizer inside the backward on a side stream (`*_overlap`).
 # The variants are data in `systems.bench.train_step.VARIANTS`, the lever comparisons in `LEVERS`.
 # Then the 2026 handout's leaderboard: the 8B model's full step on two GPUs.
 

@@ -16,6 +16,11 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
     attn_impl: str = "naive"  # see systems.attention.BACKENDS
+    # Q, K, V as one (3 d_model, d_model) weight and SwiGLU's W1, W3 as one (2 d_ff, d_model):
+    # one GEMM each instead of three and two, for fewer, larger kernels. Same parameter count,
+    # same arithmetic (up to rounding order), each block initialised as its own Linear; the state
+    # dicts differ (qkv_proj, w13), and systems.model's fuse/unfuse_projections_state_dict convert them.
+    fused_projections: bool = False
     name: str = "custom"
     d_head: int = field(init=False)
 
@@ -24,6 +29,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.fused_projections, bool):
+            raise ValueError(f"fused_projections must be True or False, got {self.fused_projections!r}")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"

@@ -17,20 +17,33 @@ from systems.config import ModelConfig
 
 
 class Linear(nn.Module):
-    """y = x W^T with W shaped (out_features, in_features), no bias."""
+    """y = x W^T with W shaped (out_features, in_features), no bias.
 
-    def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
+    ``stacked``: W stacks that many Linears of the same input, each of out_features / stacked
+    outputs (one GEMM where there were several; the caller chunks y along its last dim). Each
+    block is initialised as its own Linear would be: its std comes from its own fan-out.
+    """
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None, *, stacked: int = 1):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        if not isinstance(stacked, int) or stacked < 1 or out_features % stacked:
+            raise ValueError(f"stacked must be a positive integer dividing out_features ({out_features}), "
+                             f"got {stacked!r}")
+        self.in_features, self.out_features, self.stacked = in_features, out_features, stacked
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        std = math.sqrt(2.0 / (in_features + out_features))
-        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        block_out = out_features // stacked
+        std = math.sqrt(2.0 / (in_features + block_out))
+        # block by block, in order: a stacked Linear draws the values its separate Linears, built
+        # one after another, would (an unstacked one is its own single block)
+        for block in self.weight.chunk(stacked):  # (out, in) -> stacked x (out / stacked, in)
+            nn.init.trunc_normal_(block, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight.T
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        stacked = f", stacked={self.stacked}" if self.stacked > 1 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}{stacked}"
 
 
 class Embedding(nn.Module):
@@ -96,13 +109,19 @@ class RotaryEmbedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with RoPE on q and k. ``cfg.fused_projections``: q, k, v
+    come from one ``qkv_proj`` (its rows: q's, then k's, then v's) instead of three Linears."""
+
     def __init__(self, cfg: ModelConfig, device=None, dtype=None):
         super().__init__()
         d = cfg.d_model
-        self.n_heads, self.attn_impl = cfg.n_heads, cfg.attn_impl
-        self.q_proj = Linear(d, d, device=device, dtype=dtype)
-        self.k_proj = Linear(d, d, device=device, dtype=dtype)
-        self.v_proj = Linear(d, d, device=device, dtype=dtype)
+        self.n_heads, self.attn_impl, self.fused = cfg.n_heads, cfg.attn_impl, cfg.fused_projections
+        if self.fused:
+            self.qkv_proj = Linear(d, 3 * d, device=device, dtype=dtype, stacked=3)
+        else:
+            self.q_proj = Linear(d, d, device=device, dtype=dtype)
+            self.k_proj = Linear(d, d, device=device, dtype=dtype)
+            self.v_proj = Linear(d, d, device=device, dtype=dtype)
         self.output_proj = Linear(d, d, device=device, dtype=dtype)
         self.rope = RotaryEmbedding(cfg.d_head, cfg.context_length, cfg.rope_theta, device=device)
 
@@ -110,23 +129,40 @@ class CausalSelfAttention(nn.Module):
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.unflatten(-1, (self.n_heads, -1)).transpose(-3, -2)  # (b, seq, d) -> (b, h, seq, d_head)
 
-        q = self.rope(heads(self.q_proj(x)), positions)
-        k = self.rope(heads(self.k_proj(x)), positions)
-        v = heads(self.v_proj(x))
+        if self.fused:
+            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # (b, seq, 3d) -> 3 x (b, seq, d) views
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.rope(heads(q), positions)
+        k = self.rope(heads(k), positions)
+        v = heads(v)
         out = get_backend(self.attn_impl)(q, k, v, is_causal=True)  # (b, h, seq, d_head)
         return self.output_proj(out.transpose(-3, -2).flatten(-2))  # (b, h, seq, d_head) -> (b, seq, d)
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
+    """w2(silu(w1 x) * w3 x). ``fused``: w1 and w3 as one ``w13`` (its rows: w1's, then w3's)."""
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None, *, fused: bool = False):
         super().__init__()
-        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
-        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
-        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.fused = fused
+        # one seed gives the fused model the unfused one's attention weights but other FFN weights:
+        # the unfused draws w1, w2, w3, the fused w1 and w3 (as w13), then w2. To start both from
+        # the same weights, convert one's state dict (fuse_projections_state_dict) into the other
+        if fused:
+            self.w13 = Linear(d_model, 2 * d_ff, device=device, dtype=dtype, stacked=2)
+            self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+        else:
+            self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+            self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+            self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.w1(x)
-        return self.w2(gate * torch.sigmoid(gate) * self.w3(x))
+        if self.fused:
+            gate, up = self.w13(x).chunk(2, dim=-1)  # (..., 2 d_ff) -> 2 x (..., d_ff) views
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(gate * torch.sigmoid(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -135,7 +171,7 @@ class TransformerBlock(nn.Module):
         self.ln1 = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
         self.attn = CausalSelfAttention(cfg, device=device, dtype=dtype)
         self.ln2 = RMSNorm(cfg.d_model, cfg.norm_eps, device=device, dtype=dtype)
-        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, device=device, dtype=dtype)
+        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff, device=device, dtype=dtype, fused=cfg.fused_projections)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), positions)
@@ -153,6 +189,7 @@ class TransformerLM(nn.Module):
         # how the blocks run: None runs them one after the other; systems.parallel.checkpoint sets
         # a runner that calls groups of them under activation checkpointing
         self.layer_runner = None
+        self.register_load_state_dict_pre_hook(_check_projection_layout)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """(batch, seq) token ids -> (batch, seq, vocab) logits."""
@@ -177,3 +214,71 @@ class TransformerLM(nn.Module):
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+# ----------------------------------------------------------------------------- projection layouts
+
+# each fused projection (ModelConfig.fused_projections) and the separate ones its rows stack, in order
+STACKED_PROJECTIONS: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "w13": ("w1", "w3")}
+_FUSED_OF = {part: fused for fused, parts in STACKED_PROJECTIONS.items() for part in parts}
+
+
+def _key_parts(key: str) -> tuple[str, str, str]:
+    """"layers.0.attn.q_proj.weight" -> ("layers.0.attn", "q_proj", "weight")."""
+    head, _, leaf = key.rpartition(".")
+    owner, _, name = head.rpartition(".")
+    return owner, name, leaf
+
+
+def _key(owner: str, name: str, leaf: str) -> str:
+    return f"{owner}.{name}.{leaf}" if owner else f"{name}.{leaf}"
+
+
+def fuse_projections_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An unfused model's state dict in the fused layout: each q_proj, k_proj, v_proj weight triple
+    becomes one qkv_proj weight, each w1, w3 pair one w13 (rows stacked in that order, new
+    tensors); every other entry passes through, so a fused state dict comes back as it was. Any
+    dict keyed by parameter names converts (gradients too)."""
+    out = {}
+    for key, value in state.items():
+        owner, name, leaf = _key_parts(key)
+        fused = _FUSED_OF.get(name)
+        if fused is None:
+            out[key] = value
+            continue
+        keys = [_key(owner, part, leaf) for part in STACKED_PROJECTIONS[fused]]
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise ValueError(f"cannot fuse {key}: the state dict lacks {', '.join(missing)}; "
+                             "pass a whole model's state dict")
+        if key == keys[0]:
+            out[_key(owner, fused, leaf)] = torch.cat([state[k] for k in keys])  # n x (out, in) -> (n * out, in)
+    return out
+
+
+def unfuse_projections_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A fused model's state dict in the unfused layout (the inverse of fuse_projections_state_dict):
+    each qkv_proj weight splits into q_proj, k_proj, v_proj and each w13 into w1, w3, as views of
+    the fused tensor; every other entry passes through."""
+    out = {}
+    for key, value in state.items():
+        owner, name, leaf = _key_parts(key)
+        parts = STACKED_PROJECTIONS.get(name)
+        if parts is None:
+            out[key] = value
+            continue
+        for part, block in zip(parts, value.chunk(len(parts))):  # (n * out, in) -> n x (out, in)
+            out[_key(owner, part, leaf)] = block
+    return out
+
+
+def _check_projection_layout(module: TransformerLM, state_dict: dict, prefix: str, *_) -> None:
+    """Loading a state dict of the other projection layout: one line naming the conversion, where
+    torch's own error would list every missing and unexpected key."""
+    fused = module.cfg.fused_projections
+    other = set(_FUSED_OF) if fused else set(STACKED_PROJECTIONS)
+    if any(key.startswith(prefix) and _key_parts(key)[1] in other for key in state_dict):
+        convert = "fuse_projections_state_dict" if fused else "unfuse_projections_state_dict"
+        raise ValueError(f"the state dict has {'un' if fused else ''}fused projections and the model "
+                         f"{'fuses' if fused else 'does not fuse'} them (ModelConfig.fused_projections); "
+                         f"convert it with systems.model.{convert} first")

@@ -246,6 +246,10 @@ class OptimizerSpec:
     kind: str = "ours"  # ours (systems.optim) | fused (Triton) | torch (foreach) | torch_fused
     lr: float = 1e-4
     master_weights: bool = False  # bf16 matmul weights in the model, fp32 masters in the optimizer
+    # with master_weights: the optimizer keeps only each master's low 16 bits, the model's bf16
+    # weight being its high half (MasterWeightAdamW(split_masters=True): 26 bytes per parameter
+    # and step instead of 28, the same arithmetic)
+    split_masters: bool = False
     sharded: bool = False  # ZeRO-1: each rank keeps the state of its share of the parameters
     in_backward: bool = False  # one optimizer per block, stepped inside the backward
 
@@ -253,6 +257,8 @@ class OptimizerSpec:
         check_choice("optimizer", self.kind, OPTIMIZERS)
         if self.master_weights and self.kind != "fused":
             raise ValueError("master_weights is MasterWeightAdamW, a fused optimizer: set kind='fused'")
+        if self.split_masters and not self.master_weights:
+            raise ValueError("split_masters splits MasterWeightAdamW's fp32 masters: set master_weights=True")
         if self.sharded and self.in_backward:
             raise ValueError("a sharded optimizer cannot also step inside the backward: choose one")
 
@@ -292,7 +298,8 @@ def build_optimizer(model: nn.Module, spec: OptimizerSpec, *, blocks: Iterable[n
         low = {id(p) for p in matmul_weights_of(model)}
 
         def make(ps: list[nn.Parameter]):
-            return MasterWeightAdamW(ps, lr=spec.lr, low_precision=[p for p in ps if id(p) in low])
+            return MasterWeightAdamW(ps, lr=spec.lr, low_precision=[p for p in ps if id(p) in low],
+                                     split_masters=spec.split_masters)
     else:
         def make(ps: list[nn.Parameter]):
             return cls(ps, lr=spec.lr, **options)

@@ -1,12 +1,16 @@
 """The Transformer LM: reference parameter counts, causality, RoPE, dtypes through RMSNorm, input
-errors (the attention backends themselves: tests/attention/)."""
+errors, fused projections against the unfused model (the attention backends themselves:
+tests/attention/)."""
+
+import math
 
 import pytest
 import torch
 
 from systems.attention import get_backend
 from systems.config import PRESETS, ModelConfig, get_config
-from systems.model import Embedding, Linear, RMSNorm, RotaryEmbedding, TransformerLM
+from systems.model import (Embedding, Linear, RMSNorm, RotaryEmbedding, TransformerLM, fuse_projections_state_dict,
+                           unfuse_projections_state_dict)
 
 # Counts of the CS336 reference implementation (untied head, no biases, RMSNorm gains only).
 REFERENCE_PARAMS = {"small": 128_625_408, "medium": 423_183_360, "large": 969_411_840,
@@ -146,3 +150,96 @@ def test_model_with_only_matmul_weights_in_fp16_runs():
             module.weight.data = module.weight.data.half()
     logits = model(torch.randint(0, 512, (2, 16)))
     assert logits.dtype == torch.float16 and torch.isfinite(logits.float()).all()
+
+
+# ----------------------------------------------------------------------------- fused projections
+
+
+def _unfused_and_fused(**overrides):
+    """The debug model, and a fused debug model holding the same weights (converted)."""
+    torch.manual_seed(0)
+    unfused = TransformerLM(get_config("debug", **overrides))
+    fused = TransformerLM(get_config("debug", fused_projections=True, **overrides))
+    fused.load_state_dict(fuse_projections_state_dict(unfused.state_dict()))
+    return unfused, fused
+
+
+def test_fused_projections_give_the_unfused_logits_and_gradients():
+    unfused, fused = _unfused_and_fused()
+    tokens = torch.randint(0, 512, (2, 48))
+    targets = torch.randint(0, 512, (2, 48))
+    a, b = unfused(tokens), fused(tokens)
+    # fp32 on both: the same dot products, but a (n, 3d) GEMM may block its reduction otherwise
+    # than three (n, d) ones: a few fp32 ulps per matmul, far below 1e-5 on logits of order 1
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    for logits in (a, b):
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    grads = unfuse_projections_state_dict({n: p.grad for n, p in fused.named_parameters()})
+    want = {n: p.grad for n, p in unfused.named_parameters()}
+    assert grads.keys() == want.keys()
+    for name, grad in want.items():
+        # gradients sum more products than the logits (over batch and sequence too), and x's
+        # gradient comes out of one GEMM instead of three added: 1e-4 relative
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_projection_state_dicts_round_trip_exactly():
+    unfused, fused = _unfused_and_fused()
+    sd, fsd = unfused.state_dict(), fused.state_dict()
+    assert {k for k in fsd if "qkv_proj" in k or "w13" in k} and not {k for k in fsd if ".q_proj" in k or ".w1." in k}
+    for start, there_and_back in ((sd, unfuse_projections_state_dict(fuse_projections_state_dict(sd))),
+                                  (fsd, fuse_projections_state_dict(unfuse_projections_state_dict(fsd)))):
+        assert there_and_back.keys() == start.keys()
+        assert all(torch.equal(there_and_back[k], start[k]) for k in start)
+    # a state dict already in the target layout passes through
+    assert fuse_projections_state_dict(fsd).keys() == fsd.keys()
+    assert unfuse_projections_state_dict(sd).keys() == sd.keys()
+
+
+@pytest.mark.parametrize("size", sorted(PRESETS))
+def test_fused_projections_keep_the_parameter_count(size):
+    cfg = get_config(size, fused_projections=True)
+    with torch.device("meta"):
+        assert TransformerLM(cfg).n_params() == cfg.n_params == get_config(size).n_params
+
+
+def test_each_fused_block_is_initialised_as_its_own_linear():
+    # a trunc_normal_ cut at +-3 std has std * sqrt(1 - 6 phi(3) / (Phi(3) - Phi(-3))) = 0.9866 std
+    cut = math.sqrt(1 - 6 * math.exp(-4.5) / math.sqrt(2 * math.pi) / math.erf(3 / math.sqrt(2)))
+    cfg = get_config("debug", fused_projections=True)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    for layer in model.layers:
+        for weight, blocks in ((layer.attn.qkv_proj.weight, 3), (layer.ffn.w13.weight, 2)):
+            out, fan_in = weight.shape[0] // blocks, weight.shape[1]
+            right = math.sqrt(2 / (fan_in + out)) * cut  # the separate Linear's
+            wrong = math.sqrt(2 / (fan_in + blocks * out)) * cut  # the fused shape's
+            # each block holds >= 64 x 64 = 4096 draws: the sample std's relative error is about
+            # 1/sqrt(2 * 4096) = 1.1%, so 5% passes reliably, and the fused shape's std (0.71 of the
+            # right one for qkv, 0.76 for the debug model's w13) lies far outside it
+            assert abs(wrong / right - 1) > 4 * 0.05
+            for block in weight.detach().chunk(blocks):
+                assert block.std().item() == pytest.approx(right, rel=0.05)
+    # one seed, the same draws as the separate Linears, in order: layer 0's attention (the draws
+    # before it are the same; the fused FFN then draws w1, w3, w2 against the unfused w1, w2, w3)
+    torch.manual_seed(0)
+    unfused = TransformerLM(get_config("debug"))
+    q, k, v = model.layers[0].attn.qkv_proj.weight.chunk(3)
+    attn = unfused.layers[0].attn
+    for block, separate in ((q, attn.q_proj), (k, attn.k_proj), (v, attn.v_proj)):
+        assert torch.equal(block, separate.weight)
+
+
+def test_a_state_dict_of_the_other_layout_is_refused_with_the_conversion_to_use():
+    unfused, fused = _unfused_and_fused()
+    with pytest.raises(ValueError, match="convert it with systems.model.fuse_projections_state_dict"):
+        fused.load_state_dict(unfused.state_dict())
+    with pytest.raises(ValueError, match="convert it with systems.model.unfuse_projections_state_dict"):
+        unfused.load_state_dict(fused.state_dict())
+    partial = {k: v for k, v in unfused.state_dict().items() if not k.endswith("k_proj.weight")}
+    with pytest.raises(ValueError, match="lacks layers.0.attn.k_proj.weight"):
+        fuse_projections_state_dict(partial)
+    with pytest.raises(ValueError, match="fused_projections must be True or False"):
+        get_config("debug", fused_projections="yes")
+    with pytest.raises(ValueError, match="stacked must be a positive integer dividing out_features"):
+        Linear(4, 6, stacked=4)

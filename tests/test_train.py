@@ -8,15 +8,18 @@ subprocess (as tests/kernels/test_fused_adamw.py does). GPU (marked gpu): the si
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
 
 from systems.config import get_config
-from systems.kernels.fused_adamw import FusedAdamW
+from systems.kernels.fused_adamw import LOW_BITS, FusedAdamW
 from systems.model import TransformerLM
 from systems.optim import AdamW, cross_entropy
-from systems.train import OptimizerInBackward, block_groups, priority_stream
+from systems.train import (OptimizerInBackward, OptimizerSpec, block_groups, build_optimizer, matmul_weights_of,
+                           priority_stream)
 from systems.testing import have_triton, interpreting, run_interpreter_cases
 
 INTERPRETING = interpreting()
@@ -215,6 +218,35 @@ def test_state_dict_round_trip_and_remove():
     x, y = batches[0]
     cross_entropy(ours(x), y).backward()
     assert all(torch.equal(p, p0) and p.grad is not None for p, p0 in zip(ours.parameters(), before))
+
+
+def test_split_masters_need_master_weights():
+    with pytest.raises(ValueError, match="set master_weights=True"):
+        OptimizerSpec(kind="fused", split_masters=True)
+
+
+@pytest.mark.skipif(INTERPRETING, reason="the foreach fallback runs for CPU tensors outside the interpreter")
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_split_masters_train_as_fp32_masters(in_backward):
+    # OptimizerSpec.split_masters reaches MasterWeightAdamW (per group inside the backward too):
+    # no fp32 master tensors, the same training as fp32 masters. A master whose update is a tie
+    # rounded down is stored one ulp lower (a handful among these ~140k weights x 4), and later
+    # updates add the same values to both (the moments do not depend on the weights): the
+    # masters agree to about an ulp; the bf16 weights, so the forward and the gradients, exactly
+    cfg, ref, ours = twin_models()
+    batches = random_batches(cfg, steps=3)
+    spec = OptimizerSpec(kind="fused", lr=1e-2, master_weights=True, in_backward=in_backward)
+    ref_opt = build_optimizer(ref, spec)
+    ours_opt = build_optimizer(ours, replace(spec, split_masters=True))
+    optimizers = ours_opt.optimizers if in_backward else [ours_opt]
+    assert not any(o._copies for o in optimizers)
+    assert all(w.dtype == torch.bfloat16 and any(LOW_BITS in o.state.get(w, {}) for o in optimizers)
+               for w in matmul_weights_of(ours))
+    train(ref, ref_opt, batches, autocast=True)
+    train(ours, ours_opt, batches, autocast=True)
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b, a, atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(ours_opt.master_of(b), ref_opt.master_of(a), atol=1e-8, rtol=1e-6, msg=name)
 
 
 def test_priority_stream_is_a_no_op_on_a_cpu():

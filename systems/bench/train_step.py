@@ -14,17 +14,24 @@ cross-entropy, backward, AdamW. Variants are data (``VARIANTS``), each a combina
 - ``master_weights``: the model holds its matmul weights in bf16 and the optimizer
   (``systems.kernels.fused_adamw.MasterWeightAdamW``) the fp32 masters, so autocast casts no
   weight in the forward and no gradient in the backward; the arithmetic stays autocast's;
+- ``split_masters``: with master weights, the optimizer keeps no fp32 master, only its low 16
+  bits beside the model's bf16 weight (its high half): 26 bytes of update traffic per parameter
+  instead of 28, the same arithmetic (``MasterWeightAdamW(split_masters=True)`` says where a
+  rounding tie moves a master by one fp32 ulp);
 - ``compile_mode``: torch.compile's mode for the blocks; ``"reduce-overhead"`` replays each
   block's forward and backward as CUDA graphs, for sizes whose step waits on kernel launches;
 - ``optimizer_in_backward``: that optimizer, one per block (and per module outside the blocks),
   stepped inside the backward on a side CUDA stream as soon as the group's gradients exist
   (``systems.train``), so the memory-bound update overlaps the compute-bound backward;
   ``measure`` then runs the steps on a high-priority stream (``priority_stream``), so the
-  backward's kernels get the SMs first and the updates fill what they leave idle.
+  backward's kernels get the SMs first and the updates fill what they leave idle;
+- ``fused_projections``: the model computes Q, K, V as one GEMM and SwiGLU's W1, W3 as another
+  (``ModelConfig.fused_projections``): fewer, larger matmuls, the same arithmetic. One seed gives
+  it other initial FFN weights than the unfused model, so the two rows' losses differ slightly.
 
-Each variant is data: an implementation, a ``ParallelPlan`` (compiled blocks), an ``OptimizerSpec``
-and a ``StepSpec`` (bf16, the fused or the logits loss), run by the one training step
-(``systems.train.TrainStep``).
+Each variant is data: an implementation and its projections' layout (the model config), a
+``ParallelPlan`` (compiled blocks), an ``OptimizerSpec`` and a ``StepSpec`` (bf16, the fused or the
+logits loss), run by the one training step (``systems.train.TrainStep``).
 
 Timing: CUDA events at each phase's end (``Marks``; no synchronisation inside a step), then
 medians and 10th/90th percentiles over the timed steps; the first step's wall time is reported
@@ -34,7 +41,7 @@ the backward plus whatever the overlapped updates slow it down by, and the "opti
 only the tail: the updates of the last groups to get their gradients (the first block, the
 embeddings) and the wait for the side stream. The step time is the number to compare.
 
-    python -m systems.bench.train_step --model 2.7B --variants hf_llama ours_eager ours_fast ours_master ours_master_overlap
+    python -m systems.bench.train_step --model 2.7B --variants hf_llama ours_eager ours_master ours_master_fusedproj
 """
 
 from __future__ import annotations
@@ -72,17 +79,22 @@ class Variant:
     optimizer_in_backward: bool = False  # per-block optimizer steps overlapped with the backward
     master_weights: bool = False  # bf16 matmul weights in the model, fp32 masters in the optimizer
     compile_mode: str | None = None  # torch.compile mode of the blocks (with compile_blocks)
+    fused_projections: bool = False  # QKV and SwiGLU's W1/W3 as one GEMM each (ModelConfig.fused_projections)
+    split_masters: bool = False  # the fp32 masters as the model's bf16 weight + 16 low bits (with master_weights)
 
     def __post_init__(self) -> None:
         if self.impl not in ("hf", "ours"):
             raise ValueError(f"impl must be 'hf' or 'ours', got {self.impl!r}")
         if self.master_weights and (self.impl != "ours" or self.optimizer != "fused"):
             raise ValueError("master_weights needs impl='ours' and optimizer='fused' (MasterWeightAdamW)")
+        if self.split_masters and not self.master_weights:
+            raise ValueError("split_masters splits the fp32 masters of master_weights: set master_weights=True")
         if self.compile_mode is not None and not self.compile_blocks:
             raise ValueError("compile_mode applies to compiled blocks: set compile_blocks=True")
-        if self.impl == "hf" and (self.compile_blocks or self.fused_loss or self.optimizer_in_backward):
-            raise ValueError("the hf baseline runs as transformers builds it: no compiled blocks, fused loss "
-                             "or optimizer in the backward")
+        if self.impl == "hf" and (self.compile_blocks or self.fused_loss or self.optimizer_in_backward
+                                  or self.fused_projections):
+            raise ValueError("the hf baseline runs as transformers builds it: no compiled blocks, fused loss, "
+                             "optimizer in the backward or fused projections")
 
     def plan(self) -> ParallelPlan:
         return ParallelPlan(compile="blocks" if self.compile_blocks else "none", compile_mode=self.compile_mode)
@@ -90,7 +102,7 @@ class Variant:
     def optimizer_spec(self, *, lr: float) -> OptimizerSpec:
         kind = {"ours": "ours", "fused": "fused", "torch_fused": "torch_fused"}[self.optimizer]
         return OptimizerSpec(kind=kind, lr=lr, master_weights=self.master_weights,
-                             in_backward=self.optimizer_in_backward)
+                             split_masters=self.split_masters, in_backward=self.optimizer_in_backward)
 
     def step_spec(self) -> StepSpec:
         loss = "hf_logits" if self.impl == "hf" else ("fused" if self.fused_loss else "logits")
@@ -106,12 +118,24 @@ VARIANTS: dict[str, Variant] = {
     "ours_overlap": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
                             optimizer_in_backward=True),
     "ours_fused_master": Variant(impl="ours", fused_loss=True, optimizer="fused", master_weights=True),
+    "ours_fused_master_fusedproj": Variant(impl="ours", fused_loss=True, optimizer="fused", master_weights=True,
+                                           fused_projections=True),
+    "ours_fused_master_split": Variant(impl="ours", fused_loss=True, optimizer="fused", master_weights=True,
+                                       split_masters=True),
     "ours_master": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
                            master_weights=True),
+    "ours_master_split": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
+                                 master_weights=True, split_masters=True),
+    "ours_master_fusedproj": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
+                                     master_weights=True, fused_projections=True),
     "ours_master_overlap": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
                                    master_weights=True, optimizer_in_backward=True),
     "ours_graphs": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
                            master_weights=True, compile_mode="reduce-overhead"),
+    "ours_graphs_fusedproj": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
+                                     master_weights=True, compile_mode="reduce-overhead", fused_projections=True),
+    "ours_graphs_split": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
+                                 master_weights=True, compile_mode="reduce-overhead", split_masters=True),
     "ours_graphs_overlap": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
                                    master_weights=True, compile_mode="reduce-overhead", optimizer_in_backward=True),
 }
@@ -125,6 +149,12 @@ LEVERS: tuple[tuple[str, str, str], ...] = (
     ("bf16 weights, fp32 masters in the optimizer", "ours_fused", "ours_fused_master"),
     ("bf16 weights, fp32 masters in the optimizer", "ours_fast", "ours_master"),
     ("CUDA graphs (per block)", "ours_master", "ours_graphs"),
+    ("QKV and W1/W3 as one GEMM each", "ours_fused_master", "ours_fused_master_fusedproj"),
+    ("QKV and W1/W3 as one GEMM each", "ours_master", "ours_master_fusedproj"),
+    ("QKV and W1/W3 as one GEMM each", "ours_graphs", "ours_graphs_fusedproj"),
+    ("split fp32 masters (bf16 weight + 16 low bits)", "ours_fused_master", "ours_fused_master_split"),
+    ("split fp32 masters (bf16 weight + 16 low bits)", "ours_master", "ours_master_split"),
+    ("split fp32 masters (bf16 weight + 16 low bits)", "ours_graphs", "ours_graphs_split"),
     ("optimizer inside the backward", "ours_fast", "ours_overlap"),
     ("optimizer inside the backward", "ours_master", "ours_master_overlap"),
     ("optimizer inside the backward", "ours_graphs", "ours_graphs_overlap"),
@@ -148,12 +178,14 @@ class Plan:
 # timeline shows whether the side-stream updates overlap the backward
 FULL_PLAN = Plan(
     variants={"2.7B": ("hf_llama", "ours_eager", "ours_compiled", "ours_fused", "ours_fast", "ours_master",
-                       "ours_master_overlap"),
-              "xl-2025": ("hf_llama", "ours_eager", "ours_fast", "ours_master", "ours_graphs", "ours_graphs_overlap")},
+                       "ours_master_fusedproj", "ours_master_split", "ours_master_overlap"),
+              "xl-2025": ("hf_llama", "ours_eager", "ours_fast", "ours_master", "ours_graphs", "ours_graphs_fusedproj",
+                          "ours_graphs_split", "ours_graphs_overlap")},
     step=dict(batch_size=4, context_length=512, warmup=5, steps=20), trace=("2.7B", "ours_master_overlap"))
 # CPU: the debug model; compiled variants are left out (inductor's CPU compile dominates a smoke run
 # and needs a C++ toolchain)
-SMOKE_PLAN = Plan(variants={"debug": ("hf_llama", "ours_eager", "ours_fused", "ours_fused_master")},
+SMOKE_PLAN = Plan(variants={"debug": ("hf_llama", "ours_eager", "ours_fused", "ours_fused_master",
+                                       "ours_fused_master_fusedproj", "ours_fused_master_split")},
                   step=dict(batch_size=2, context_length=64, warmup=1, steps=3), trace=("debug", "ours_fused"))
 
 
@@ -171,11 +203,16 @@ class StepConfig(RunConfig):
             raise ValueError(f"unknown variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
         if self.warmup < 1:
             raise ValueError(f"need warmup >= 1 (the first step compiles), got {self.warmup}")
+        if "fused_projections" in self.model_overrides:
+            raise ValueError("fused projections are a variant's lever: choose a *_fusedproj variant instead of "
+                             "model_overrides={'fused_projections': ...}")
         super().__post_init__()
 
     def model_config(self) -> ModelConfig:
-        # every variant attends through SDPA (HF's attn_implementation="sdpa" as well)
-        return dataclasses.replace(super().model_config(), attn_impl="sdpa", context_length=self.context_length)
+        # every variant attends through SDPA (HF's attn_implementation="sdpa" as well); the variant
+        # alone sets the projections' layout, so each row's variant says which one it measured
+        return dataclasses.replace(super().model_config(), attn_impl="sdpa", context_length=self.context_length,
+                                   fused_projections=VARIANTS[self.variant].fused_projections)
 
 
 # ----------------------------------------------------------------------------- building

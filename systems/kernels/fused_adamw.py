@@ -1,7 +1,7 @@
 """Fused AdamW: one Triton kernel launch updates a whole bucket of parameters in one pass.
 
-Layout of this module: helpers (constants, buckets, launch tables, the PyTorch fallback),
-the kernel, then the optimizer class ``FusedAdamW``.
+Layout of this module: helpers (constants, split masters' halves, buckets, launch tables, the
+PyTorch fallback), the kernel, then the optimizer classes ``FusedAdamW`` and ``MasterWeightAdamW``.
 
 The update is ``systems.optim.AdamW``'s, operation for operation (decoupled decay first,
 torch's lerp for the first moment, sqrt and divisions rounded to nearest as torch's are):
@@ -11,11 +11,13 @@ torch's lerp for the first moment, sqrt and divisions rounded to nearest as torc
 
 Per element the kernel reads p, g, m, v once and writes p, m, v (and optionally a bf16/fp16
 copy of the new p) once, in fp32 registers whatever the storage dtypes; the unfused optimizer
-makes eight passes. One launch covers every parameter of a bucket (same device, group,
-step count and dtypes): a table of their addresses is passed to the kernel, and each program
-finds its tensor and block through a block -> tensor map (multi-tensor apply, as apex and
-torch's fused optimizers do), so a model of hundreds of tensors costs a launch or two, not
-hundreds. CPU tensors (outside TRITON_INTERPRET=1) take a torch._foreach_* fallback.
+makes eight passes. A split fp32 master (``MasterWeightAdamW(split_masters=True)``) is read and
+written as its two 16-bit halves, the model's bf16 weight and an int16 low part. One launch
+covers every parameter of a bucket (same device, group, step count and dtypes): a table of
+their addresses is passed to the kernel, and each program finds its tensor and block through a
+block -> tensor map (multi-tensor apply, as apex and torch's fused optimizers do), so a model of
+hundreds of tensors costs a launch or two, not hundreds. CPU tensors (outside
+TRITON_INTERPRET=1) take a torch._foreach_* fallback.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from systems.kernels.blocks import load_f32, store_as
+from systems.kernels.blocks import load, load_f32, store_as
 from systems.measure.devices import triton_interpreting
 from systems.optim import AdamW, adamw_foreach_, advance_state, closure_loss
 
@@ -40,7 +42,10 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 BLOCK = 2048
 NUM_WARPS = 8
 ALIGN_BYTES = 16  # the kernel tells the compiler addresses are 16-byte aligned when they all are
-N_POINTERS = 5  # columns of the address table: param, grad, exp_avg, exp_avg_sq, copy (0 when none)
+# columns of the address table: param, grad, exp_avg, exp_avg_sq, and the copy or, for a split
+# master, its low half (0 when neither; a split master's param column holds its bf16 high half)
+N_POINTERS = 5
+LOW_BITS = "master_low_bits"  # the state key of a split master's low half (int16)
 # the kernels' views of the two (jit'ed code reads module globals only as constexprs)
 _ALIGN_BYTES = tl.constexpr(ALIGN_BYTES)
 _N_POINTERS = tl.constexpr(N_POINTERS)
@@ -48,6 +53,24 @@ _N_POINTERS = tl.constexpr(N_POINTERS)
 
 # ----------------------------------------------------------------------------- helpers
 
+
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp32 tensor as (its bf16 rounding to nearest even, the int16 rest): the bit patterns
+    satisfy ``bits(master) = (bits(high) << 16) + low`` (new contiguous tensors), except that a
+    tie rounded down (low 16 bits 0x8000, even high half), whose rest 0x8000 is one past int16,
+    keeps 0x7FFF: the master one fp32 ulp smaller in magnitude, with the same rounding. The
+    kernel's ``_split_bits`` is the same arithmetic."""
+    bits = master.contiguous().view(torch.int32)
+    # rounding acts on the magnitude bits, laid out for a negative value as for a positive one
+    high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    low = (bits - (high << 16)).clamp_max_(0x7FFF)
+    return high.to(torch.int16).view(torch.bfloat16), low.to(torch.int16)
+
+
+def join_master(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The fp32 tensor whose halves ``split_master`` gave (a new tensor)."""
+    bits = (high.view(torch.int16).to(torch.int32) << 16) + low.to(torch.int32)
+    return bits.view(torch.float32)
 
 
 @dataclass(frozen=True)
@@ -80,15 +103,17 @@ class _Bucket:
     exp_avgs: list[torch.Tensor]
     exp_avg_sqs: list[torch.Tensor]
     copies: list[torch.Tensor] | None  # all or none: whether a copy is written is a compile-time flag
+    lows: list[torch.Tensor] | None  # split masters (all or none): their low halves; params are the high halves
 
 
 def _kernel_applies(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                    copy: torch.Tensor | None) -> bool:
+                    copy: torch.Tensor | None, low: torch.Tensor | None) -> bool:
     # the kernel indexes flat memory, so every tensor must be dense and in row-major order,
-    # and it reads the moments with the parameter's dtype
-    tensors = (p, g, m, v) if copy is None else (p, g, m, v, copy)
+    # and it reads the moments in the master's dtype: the parameter's, or fp32 for a split one
+    master_dtype = p.dtype if low is None else torch.float32
+    tensors = [t for t in (p, g, m, v, copy, low) if t is not None]
     return ((p.is_cuda or triton_interpreting()) and p.dtype in KERNEL_DTYPES and g.dtype in KERNEL_DTYPES
-            and m.dtype == v.dtype == p.dtype and all(t.is_contiguous() for t in tensors))
+            and m.dtype == v.dtype == master_dtype and all(t.is_contiguous() for t in tensors))
 
 
 @dataclass(frozen=True)
@@ -118,9 +143,16 @@ def _address_table(addresses: tuple[int, ...], device: torch.device) -> torch.Te
 
 
 def _foreach_step(bucket: _Bucket) -> None:
-    """The PyTorch fallback: systems.optim.AdamW's multi-tensor update, then the copies."""
-    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(bucket.params, bucket.grads)]
-    adamw_foreach_(bucket.params, grads, bucket.exp_avgs, bucket.exp_avg_sqs, group=bucket.group, step=bucket.step)
+    """The PyTorch fallback: systems.optim.AdamW's multi-tensor update, then the copies (or, for
+    split masters, the update of masters joined for the step, split back into their halves)."""
+    split = bucket.lows is not None
+    masters = [join_master(p, low) for p, low in zip(bucket.params, bucket.lows)] if split else bucket.params
+    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(masters, bucket.grads)]
+    adamw_foreach_(masters, grads, bucket.exp_avgs, bucket.exp_avg_sqs, group=bucket.group, step=bucket.step)
+    if split:
+        halves = [split_master(master) for master in masters]
+        torch._foreach_copy_(bucket.params, [high for high, _ in halves])
+        torch._foreach_copy_(bucket.lows, [low for _, low in halves])
     if bucket.copies is not None:
         torch._foreach_copy_(bucket.copies, bucket.params)
 
@@ -137,10 +169,30 @@ def _pointer(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _join_bits(high, low):
+    """split_master's inverse on int16 halves: the fp32 whose bits are (high << 16) + low."""
+    return ((high.to(tl.int32) << 16) + low.to(tl.int32)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_bits(x):
+    """split_master's arithmetic on a block: (bf16 rounding to nearest even, rest) as int16 bits.
+    Integer arithmetic, not a conversion: the interpreter's fp32 -> bf16 truncates."""
+    bits = x.to(tl.int32, bitcast=True)
+    high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    # the rest is in [-0x8000, 0x8000]; 0x8000 (a tie rounded down) keeps 0x7FFF, one ulp less
+    low = tl.minimum(bits - (high << 16), 0x7FFF)
+    return high.to(tl.int16), low.to(tl.int16)
+
+
+@triton.jit
 def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel,
                  decay, lerp_weight, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps,
-                 HAS_COPY: tl.constexpr, MASKED: tl.constexpr):
-    p = load_f32(p_ptr, offs, numel, MASKED)
+                 HAS_COPY: tl.constexpr, SPLIT: tl.constexpr, MASKED: tl.constexpr):
+    if SPLIT:
+        p = _join_bits(load(p_ptr, offs, numel, MASKED), load(c_ptr, offs, numel, MASKED))
+    else:
+        p = load_f32(p_ptr, offs, numel, MASKED)
     g = load_f32(g_ptr, offs, numel, MASKED)
     m = load_f32(m_ptr, offs, numel, MASKED)
     v = load_f32(v_ptr, offs, numel, MASKED)
@@ -151,7 +203,12 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel,
     # sqrt and divisions rounded to nearest as torch's (tl.sqrt and / may be approximate on GPUs)
     denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p - tl.div_rn(step_size * m, denom)
-    store_as(p_ptr, p, offs, numel, MASKED)
+    if SPLIT:
+        high, low = _split_bits(p)
+        store_as(p_ptr, high, offs, numel, MASKED)
+        store_as(c_ptr, low, offs, numel, MASKED)
+    else:
+        store_as(p_ptr, p, offs, numel, MASKED)
     store_as(m_ptr, m, offs, numel, MASKED)
     store_as(v_ptr, v, offs, numel, MASKED)
     if HAS_COPY:
@@ -162,28 +219,36 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel,
 def _adamw_kernel(Addresses, Numels, FirstBlock, BlockTensor,
                   decay, lerp_weight, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps,
                   PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr,
-                  HAS_COPY: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (blocks of all tensors,). One program: BLOCK elements of one tensor of the bucket."""
+                  HAS_COPY: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (blocks of all tensors,). One program: BLOCK elements of one tensor of the bucket.
+
+    PARAM_DTYPE: the master's dtype, which the moments share. SPLIT (not with HAS_COPY): every
+    master is fp32 split in two int16 halves, the bf16 high half in the param column and the low
+    half in the copy column (``split_master``)."""
     pid = tl.program_id(0)
     t = tl.load(BlockTensor + pid).to(tl.int64)
     numel = tl.load(Numels + t)
     start = (pid - tl.load(FirstBlock + t)) * BLOCK
     row = Addresses + t * _N_POINTERS
-    p_ptr = _pointer(tl.load(row + 0), PARAM_DTYPE, ALIGNED)
     g_ptr = _pointer(tl.load(row + 1), GRAD_DTYPE, ALIGNED)
     m_ptr = _pointer(tl.load(row + 2), PARAM_DTYPE, ALIGNED)
     v_ptr = _pointer(tl.load(row + 3), PARAM_DTYPE, ALIGNED)
-    c_ptr = p_ptr
-    if HAS_COPY:
-        c_ptr = _pointer(tl.load(row + 4), COPY_DTYPE, ALIGNED)
+    if SPLIT:
+        p_ptr = _pointer(tl.load(row + 0), tl.int16, ALIGNED)
+        c_ptr = _pointer(tl.load(row + 4), tl.int16, ALIGNED)
+    else:
+        p_ptr = _pointer(tl.load(row + 0), PARAM_DTYPE, ALIGNED)
+        c_ptr = p_ptr
+        if HAS_COPY:
+            c_ptr = _pointer(tl.load(row + 4), COPY_DTYPE, ALIGNED)
     offs = start + tl.arange(0, BLOCK)
     # full blocks unmasked (the masks of a runtime numel would keep loads scalar), the tail masked
     if start + BLOCK <= numel:
         _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel, decay, lerp_weight, beta2,
-                     one_minus_beta2, step_size, bias_correction2_sqrt, eps, HAS_COPY, False)
+                     one_minus_beta2, step_size, bias_correction2_sqrt, eps, HAS_COPY, SPLIT, False)
     else:
         _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel, decay, lerp_weight, beta2,
-                     one_minus_beta2, step_size, bias_correction2_sqrt, eps, HAS_COPY, True)
+                     one_minus_beta2, step_size, bias_correction2_sqrt, eps, HAS_COPY, SPLIT, True)
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -195,7 +260,9 @@ class FusedAdamW(AdamW):
     ``low_precision_copies`` maps parameters to bf16/fp16 tensors of their shape; after each
     step a copy holds ``param.to(copy.dtype)``, written by the same kernel pass (``attach_copy``
     adds one later). The state (``step``, ``exp_avg``, ``exp_avg_sq``) is laid out as AdamW's,
-    so state dicts move between the two; the copies are not part of the state.
+    so state dicts move between the two; the copies are not part of the state. A parameter whose
+    state also holds ``LOW_BITS`` is the bf16 high half of a split fp32 master (fp32 moments):
+    ``MasterWeightAdamW(split_masters=True)`` makes those.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -228,6 +295,9 @@ class FusedAdamW(AdamW):
                              f"device {param.device}, got {tuple(copy.shape)} on {copy.device}")
         if not copy.is_contiguous():
             raise ValueError("attach_copy: the copy must be contiguous")
+        if LOW_BITS in self.state.get(param, {}):
+            raise ValueError("attach_copy: the parameter is a split master's high half, which has no copies; "
+                             "copy the parameter itself")
         copy.copy_(param)
         self._copies[param] = copy
 
@@ -246,14 +316,15 @@ class FusedAdamW(AdamW):
                 if grad.is_sparse:
                     raise ValueError("FusedAdamW does not support sparse gradients")
                 state = advance_state(self.state[p], p)
-                copy = self._copies.get(p)
-                use_kernel = _kernel_applies(p, grad, state["exp_avg"], state["exp_avg_sq"], copy)
+                copy, low = self._copies.get(p), state.get(LOW_BITS)
+                use_kernel = _kernel_applies(p, grad, state["exp_avg"], state["exp_avg_sq"], copy, low)
                 key = (index, state["step"], p.device, p.dtype, grad.dtype,
-                       copy.dtype if copy is not None else None)
+                       copy.dtype if copy is not None else None, low is not None)
                 buckets = kernel if use_kernel else fallback
                 if key not in buckets:
                     buckets[key] = _Bucket(group=group, step=state["step"], params=[], grads=[],
-                                           exp_avgs=[], exp_avg_sqs=[], copies=[] if copy is not None else None)
+                                           exp_avgs=[], exp_avg_sqs=[], copies=[] if copy is not None else None,
+                                           lows=[] if low is not None else None)
                 b = buckets[key]
                 b.params.append(p)
                 b.grads.append(grad)
@@ -261,13 +332,17 @@ class FusedAdamW(AdamW):
                 b.exp_avg_sqs.append(state["exp_avg_sq"])
                 if copy is not None:
                     b.copies.append(copy)
+                if low is not None:
+                    b.lows.append(low)
         return list(kernel.values()), list(fallback.values())
 
     def _launch(self, bucket: _Bucket, tables: dict, block_maps: dict) -> None:
         p0 = bucket.params[0]
-        copies = bucket.copies if bucket.copies is not None else [None] * len(bucket.params)
+        # the fifth column: the copies or the split masters' low halves (address 0 for neither)
+        fifth = bucket.copies if bucket.copies is not None else bucket.lows
+        fifth = fifth if fifth is not None else [None] * len(bucket.params)
         addresses = tuple(a for p, g, m, v, c in zip(bucket.params, bucket.grads, bucket.exp_avgs,
-                                                     bucket.exp_avg_sqs, copies)
+                                                     bucket.exp_avg_sqs, fifth)
                           for a in (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
                                     c.data_ptr() if c is not None else 0))
         map_key = (p0.device, tuple(p.numel() for p in bucket.params))
@@ -285,8 +360,9 @@ class FusedAdamW(AdamW):
         _adamw_kernel[(block_map.n_blocks,)](
             table, block_map.numels, block_map.first_block, block_map.block_tensor,
             s.decay, s.lerp_weight, s.beta2, s.one_minus_beta2, s.step_size, s.bias_correction2_sqrt, s.eps,
-            PARAM_DTYPE=_TL_DTYPES[p0.dtype], GRAD_DTYPE=_TL_DTYPES[bucket.grads[0].dtype],
-            COPY_DTYPE=_TL_DTYPES[copy_dtype], HAS_COPY=bucket.copies is not None,
+            # the master's dtype is the moments' (a split master's param is its bf16 high half)
+            PARAM_DTYPE=_TL_DTYPES[bucket.exp_avgs[0].dtype], GRAD_DTYPE=_TL_DTYPES[bucket.grads[0].dtype],
+            COPY_DTYPE=_TL_DTYPES[copy_dtype], HAS_COPY=bucket.copies is not None, SPLIT=bucket.lows is not None,
             ALIGNED=all(a % ALIGN_BYTES == 0 for a in addresses), BLOCK=BLOCK, num_warps=NUM_WARPS)
 
     @torch.no_grad()
@@ -324,13 +400,32 @@ class MasterWeightAdamW(FusedAdamW):
     gains, the embedding table) stay fp32 and are updated as FusedAdamW does.
     ``master_of(param)`` gives a parameter's master (for checkpoints); the state dict is
     FusedAdamW's, keyed by the masters' positions in the param groups.
+
+    ``split_masters`` (bf16 only) keeps no fp32 master tensors. An fp32 master's bf16 rounding
+    (to nearest even, as ``master.to(torch.bfloat16)``) is its high 16 bits give or take a carry,
+    and the model's parameter holds it anyway: the optimizer keeps only the signed rest, an int16
+    per element with ``bits(master) = (bits(param) << 16) + low``, in the parameter's state under
+    ``LOW_BITS`` (so state dicts carry it); the param groups hold the model's parameters. The
+    kernel reads the master as its two halves and writes both back: per element it reads 2 + 2
+    (master) + 2 (bf16 gradient) + 8 (moments) bytes and writes 2 + 2 + 8, 26 bytes instead of
+    28. The arithmetic is the fp32 master's, bit for bit, but for one case: a new master whose
+    low 16 bits are 0x8000 and whose rounding goes down (a tie, even high half) would need a rest
+    of +0x8000, one past int16, so it is stored one fp32 ulp smaller in magnitude (low bits
+    0x7FFF), which rounds to the same bf16 value: the model's weight stays exactly the stored
+    master rounded to nearest even, and the stored master is one ulp off the exact update (for
+    about 2^-17 of the elements in a step). The halves come from each parameter's fp32 value at
+    construction, so its state (fp32 moments and the rest) exists from then on; ``master_of``
+    joins the halves into a new tensor.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, *, low_precision: Iterable[torch.Tensor],
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, split_masters: bool = False):
         if dtype not in COPY_DTYPES:
             raise ValueError(f"MasterWeightAdamW: dtype must be one of {COPY_DTYPES}, got {dtype}")
+        if split_masters and dtype != torch.bfloat16:
+            raise ValueError(f"MasterWeightAdamW: split_masters needs dtype=torch.bfloat16 (the high half of "
+                             f"an fp32), got {dtype}")
         params = list(params)
         if params and isinstance(params[0], dict):
             raise ValueError("MasterWeightAdamW takes a flat list of parameters, not param groups")
@@ -338,30 +433,60 @@ class MasterWeightAdamW(FusedAdamW):
         unknown = set(chosen) - {id(p) for p in params}
         if unknown:
             raise ValueError(f"MasterWeightAdamW: {len(unknown)} of the low_precision tensors are not in params")
-        masters: dict[torch.Tensor, torch.Tensor] = {}  # master -> the model's low-precision parameter
-        tensors = []
-        for p in params:
-            if id(p) not in chosen:
-                tensors.append(p)
-                continue
+        for p in chosen.values():
             if p.dtype != torch.float32:
                 raise ValueError(f"MasterWeightAdamW: a low-precision parameter must start in fp32 (its value "
                                  f"becomes the master), got {p.dtype} for shape {tuple(p.shape)}")
-            master = p.detach().clone(memory_format=torch.contiguous_format)
-            p.data = p.data.to(dtype)  # the model's parameter object stays (hooks, module references)
-            masters[master] = p
-            tensors.append(master)
+        masters: dict[torch.Tensor, torch.Tensor] = {}  # master -> the model's low-precision parameter
+        lows: dict[torch.Tensor, torch.Tensor] = {}  # split: the model's parameter -> its master's low half
+        tensors = []
+        # the model's parameter objects stay (hooks, module references): only their data is replaced
+        for p in params:
+            if id(p) not in chosen:
+                tensors.append(p)
+            elif split_masters:
+                p.data, lows[p] = split_master(p.detach())
+                tensors.append(p)
+            else:
+                master = p.detach().clone(memory_format=torch.contiguous_format)
+                p.data = p.data.to(dtype)
+                masters[master] = p
+                tensors.append(master)
         # each master's copy is the model's parameter: FusedAdamW's copy table is the one map kept
         super().__init__(tensors, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          low_precision_copies=masters)
+        for p, low in lows.items():
+            # the moments are the master's, fp32 (advance_state would make them in the parameter's bf16)
+            self.state[p].update({"step": 0, "exp_avg": torch.zeros_like(low, dtype=torch.float32),
+                                  "exp_avg_sq": torch.zeros_like(low, dtype=torch.float32), LOW_BITS: low})
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
         # a master's gradient is its model parameter's (the copy); other parameters carry their own
         return self._copies.get(p, p).grad
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
-        """The fp32 master of a parameter held in low precision (the parameter itself otherwise)."""
+        """The fp32 master of a parameter held in low precision (the parameter itself otherwise);
+        a split master is joined from its halves into a new tensor."""
+        low = self.state[param].get(LOW_BITS) if param in self.state else None
+        if low is not None:
+            return join_master(param.detach(), low)
         return next((master for master, p in self._copies.items() if p is param), param)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        split = [LOW_BITS in self.state.get(p, {}) for p in params]
+        if any(s != (LOW_BITS in state_dict["state"].get(i, {})) for s, i in zip(split, saved_ids)):
+            raise ValueError("MasterWeightAdamW.load_state_dict: the state dict's masters are split where this "
+                             "optimizer's are not, or the reverse: build it with the split_masters it was saved with")
+        super().load_state_dict(state_dict)
+        # torch casts floating-point state to its parameter's dtype, bf16 for a split master: its
+        # fp32 moments and int16 low half are taken again from the saved state, in their own dtypes
+        for p, i, is_split in zip(params, saved_ids, split):
+            if is_split:
+                saved = state_dict["state"][i]
+                self.state[p].update({key: saved[key].to(device=p.device, copy=True)
+                                      for key in ("exp_avg", "exp_avg_sq", LOW_BITS)})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

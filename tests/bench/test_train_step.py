@@ -1,7 +1,9 @@
-"""The fast-training-step variants: same losses and gradients as the reference path, the
-Hugging Face baseline has our architecture's parameters, timing rows, OOM rows, the notebook's plans
-(notebook 10's smoke run: tests/notebooks/test_10_fast_train_step.py)."""
+"""The fast-training-step variants: same losses and gradients as the reference path (fused
+projections: from the same weights, converted), the Hugging Face baseline has our architecture's
+parameters, timing rows, OOM rows, the notebook's plans (notebook 10's smoke run:
+tests/notebooks/test_10_fast_train_step.py)."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ import torch
 from systems.bench import train_step as ts
 from systems.config import get_config
 from systems.measure.results import ResultWriter, read_records
+from systems.model import fuse_projections_state_dict, unfuse_projections_state_dict
 from systems.train import compute_loss
 
 
@@ -71,6 +74,62 @@ def test_master_weights_keep_autocasts_arithmetic():
             torch.testing.assert_close(master, a, atol=0, rtol=0, msg=f"{name} {extra}")
 
 
+_ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("base, fused, device", [
+    ("ours_fused_master", "ours_fused_master_fusedproj", "cpu"),
+    pytest.param("ours_master", "ours_master_fusedproj", "cuda", marks=_ON_GPU),
+    pytest.param("ours_graphs", "ours_graphs_fusedproj", "cuda", marks=_ON_GPU),
+])
+def test_fused_projections_train_as_the_unfused_model_from_the_same_weights(base, fused, device, monkeypatch):
+    # one seed gives the fused model other initial FFN weights (systems.model.SwiGLU), so both
+    # variants start from one unfused model's weights, the fused one's converted; loaded as the
+    # model is built, before the optimizer copies its fp32 masters
+    import systems.model
+
+    torch.manual_seed(0)
+    start = systems.model.TransformerLM(get_config("debug")).state_dict()
+
+    class FromStart(systems.model.TransformerLM):
+        def __init__(self, cfg, **kw):
+            super().__init__(cfg, **kw)
+            self.load_state_dict(fuse_projections_state_dict(start) if cfg.fused_projections else start)
+
+    monkeypatch.setattr(systems.model, "TransformerLM", FromStart)
+    losses_ref, params_ref = _steps(ts.VARIANTS[base], device=device)
+    losses, params = _steps(ts.VARIANTS[fused], device=device)
+    # bf16 matmuls: a (n, 3d) GEMM may round an output to the neighbouring bf16 value where three
+    # (n, d) ones did not, and x's gradient is rounded once out of one GEMM instead of three
+    # times, added; the first loss agrees to the bit (CPU and H100), and a few flipped roundings
+    # move a mean over 64 tokens by far less than 1e-3 (5e-5 seen after 3 steps)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses_ref), rtol=1e-3, atol=0)
+    masters = unfuse_projections_state_dict({n: m for n, _, m in params})
+    lr = 1e-3  # _steps' learning rate
+    for name, _, want in params_ref:
+        # Adam's first steps move every element by about lr whatever its gradient's size: an
+        # element whose tiny gradient changes sign with a rounding moves the other way, so allow
+        # per tensor at most 1% of the masters more than lr/2 apart, or one (a norm gain has 64);
+        # at most 0.4% seen, on a CPU and on an H100
+        far = int(((masters[name] - want).abs() > lr / 2).sum())
+        assert far <= max(1, 0.01 * want.numel()), f"{name}: {far} of {want.numel()} elements differ by more than lr/2"
+    stacked = {n: p.dtype for n, p, _ in params if n.split(".")[-2] in {"qkv_proj", "w13"}}
+    assert stacked and set(stacked.values()) == {torch.bfloat16}  # the fused weights are matmul weights too
+
+
+def test_fused_projection_variants_are_their_base_variants_plus_the_lever():
+    for fused, base in (("ours_fused_master_fusedproj", "ours_fused_master"), ("ours_master_fusedproj", "ours_master"),
+                        ("ours_graphs_fusedproj", "ours_graphs")):
+        assert ts.VARIANTS[fused] == dataclasses.replace(ts.VARIANTS[base], fused_projections=True)
+        assert ("QKV and W1/W3 as one GEMM each", base, fused) in ts.LEVERS
+        for name, layout in ((fused, True), (base, False)):  # the variant alone sets the model's layout
+            cfg = ts.StepConfig(model="debug", variant=name, context_length=32, device="cpu")
+            assert cfg.model_config().fused_projections is layout
+    assert "ours_master_fusedproj" in ts.FULL_PLAN.variants["2.7B"]
+    assert "ours_graphs_fusedproj" in ts.FULL_PLAN.variants["xl-2025"]
+    assert "ours_fused_master_fusedproj" in ts.SMOKE_PLAN.variants["debug"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("variant", ["ours_master", "ours_graphs", "ours_graphs_overlap"])
@@ -94,6 +153,10 @@ def test_variants_refuse_contradictions():
         ts.Variant(impl="hf", optimizer="torch_fused", master_weights=True)
     with pytest.raises(ValueError, match="compile_mode applies"):
         ts.Variant(impl="ours", compile_mode="reduce-overhead")
+    with pytest.raises(ValueError, match="optimizer in the backward or fused projections"):
+        ts.Variant(impl="hf", optimizer="torch_fused", fused_projections=True)
+    with pytest.raises(ValueError, match="choose a \\*_fusedproj variant"):
+        ts.StepConfig(model="debug", variant="ours_eager", model_overrides={"fused_projections": True})
 
 
 def test_hf_llama_has_our_architectures_parameter_count():
@@ -104,12 +167,12 @@ def test_hf_llama_has_our_architectures_parameter_count():
     assert sum(p.numel() for p in hf.parameters()) == cfg.n_params
 
 
-@pytest.mark.parametrize("variant", ["ours_eager", "ours_fused"])
+@pytest.mark.parametrize("variant", ["ours_eager", "ours_fused", "ours_fused_master_fusedproj"])
 def test_measure_reports_phases_that_add_up(variant, tmp_path):
     cfg = ts.StepConfig(model="debug", variant=variant, batch_size=2, context_length=32, warmup=1, steps=2,
                         device="cpu")
     row = ts.measure(cfg, trace_path=tmp_path / "t.json")
-    assert row["status"] == "ok"
+    assert row["status"] == "ok" and row["fused_projections"] == ts.VARIANTS[variant].fused_projections
     parts = row["forward_ms"] + row["backward_ms"] + row["optimizer_ms"]
     # medians of each phase need not sum to the median step exactly, but on 2 steps they bracket it
     assert 0.5 * row["step_ms"] <= parts <= 2.0 * row["step_ms"]
