@@ -76,7 +76,7 @@ def add_distributed_arguments(parser, defaults: RunConfig, *, precisions, tool: 
     parser.add_argument("--context-length", type=int, default=defaults.context_length)
     parser.add_argument("--global-batch", dest="batch_size", type=int, default=defaults.batch_size,
                         help="sequences per step over all ranks")
-    parser.add_argument("--precisions", nargs="+", default=list(defaults.precisions), choices=precisions)
+    parser.add_argument("--precisions", nargs="*", default=list(defaults.precisions), choices=precisions)
     parser.add_argument("--warmup", type=int, default=defaults.warmup)
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--no-profile", action="store_true")

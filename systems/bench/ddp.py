@@ -91,6 +91,9 @@ class DDPBenchConfig(RunConfig):
         bad = [p for p in (*self.precisions, *self.compiled_precisions) if p not in PRECISIONS]
         if bad:
             raise ValueError(f"precisions must be among {PRECISIONS}, got {bad}")
+        if not (self.precisions or self.compiled_precisions):
+            raise ValueError("nothing to run: name eager precisions (--precisions) or compiled ones "
+                             "(--compiled-precisions), or both")
         if any(not b > 0 for b in self.bucket_sizes_mb):
             raise ValueError(f"bucket sizes must be positive MiB values, got {self.bucket_sizes_mb}")
         if self.warmup < 1:

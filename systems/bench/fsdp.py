@@ -76,6 +76,8 @@ class FSDPBenchConfig(RunConfig):
     trace_dir: str = "build/fsdp/08_sharding_fsdp_traces"
 
     def __post_init__(self):
+        if not self.precisions:
+            raise ValueError(f"nothing to run: name at least one precision (--precisions {' '.join(PRECISIONS)})")
         bad = [p for p in self.precisions if p not in PRECISIONS]
         if bad:
             raise ValueError(f"precisions must be among {PRECISIONS}, got {bad}")

@@ -16,7 +16,10 @@ outside the model:
   bucket, so gradients are stored once);
 - ZeRO-1: ``ShardedOptimizer`` keeps each parameter's AdamW state on one rank (``FusedAdamW``,
   one Triton pass over p, g, m, v) and broadcasts the updated parameters;
-- activation checkpointing per block group;
+- activation checkpointing per block group, optionally keeping the attention kernels' outputs
+  (``--checkpoint-save attention``: the backward recomputes each block but its attention);
+- optionally, every block compiled (``--compile-blocks``: Inductor fuses the norms, RoPE and
+  SwiGLU's pointwise work);
 - ``linear_cross_entropy``: the LM head and loss without the (tokens, 151,936) logits.
 
 The composition is data: a ``ParallelPlan`` (checkpointing, bucketed DDP), an ``OptimizerSpec``
@@ -42,6 +45,7 @@ from systems.measure.devices import release_memory
 from systems.measure.flops import train_step_flops
 from systems.measure.results import ResultWriter
 from systems.measure.timer import Marks
+from systems.parallel.checkpoint import CHECKPOINT_SAVES
 from systems.parallel.launch import DistContext, all_gather_objects, launch
 from systems.parallel.plan import ParallelPlan, apply
 from systems.train import OptimizerSpec, StepSpec, TrainStep, build_optimizer
@@ -73,6 +77,8 @@ class LeaderboardConfig(RunConfig):
     attn_impl: str | None = "sdpa"
     sdpa_backend: str = "cudnn"  # a key of SDPA_BACKENDS; used when attn_impl is "sdpa"
     checkpoint_group: int = 1  # blocks per checkpointed group; 0 turns checkpointing off
+    checkpoint_save: str = "none"  # what a checkpointed group keeps (systems.parallel.checkpoint.CHECKPOINT_SAVES)
+    compile_blocks: bool = False  # torch.compile every block (default mode)
     bucket_size_mb: float = 1024.0
     optimizer: str = "fused"
     precision: str = "bf16"  # "bf16": autocast over fp32 weights; "fp32": no autocast (tests compare exactly)
@@ -86,10 +92,12 @@ class LeaderboardConfig(RunConfig):
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.checkpoint_group < 0:
             raise ValueError(f"checkpoint_group must be >= 0 (0 turns checkpointing off), got {self.checkpoint_group}")
+        self.plan()  # the plan's own checks, before any rank starts
         super().__post_init__()
 
     def plan(self) -> ParallelPlan:
-        return ParallelPlan(checkpoint_group=self.checkpoint_group, data_parallel="bucketed",
+        return ParallelPlan(checkpoint_group=self.checkpoint_group, checkpoint_save=self.checkpoint_save,
+                            compile="blocks" if self.compile_blocks else "none", data_parallel="bucketed",
                             bucket_size_mb=self.bucket_size_mb)
 
     def optimizer_spec(self) -> OptimizerSpec:
@@ -225,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attn-impl", default=d.attn_impl)
     parser.add_argument("--sdpa-backend", default=d.sdpa_backend, choices=tuple(SDPA_BACKENDS))
     parser.add_argument("--checkpoint-group", type=int, default=d.checkpoint_group)
+    parser.add_argument("--checkpoint-save", default=d.checkpoint_save, choices=CHECKPOINT_SAVES,
+                        help="what each checkpointed group keeps besides its input (attention: the SDPA outputs)")
+    parser.add_argument("--compile-blocks", action="store_true", help="torch.compile every block")
     parser.add_argument("--bucket-size-mb", type=float, default=d.bucket_size_mb)
     parser.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS)
     parser.add_argument("--out", default=d.out_path)
@@ -233,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = LeaderboardConfig(model=args.model, context_length=args.context_length, batch_size=args.batch_size,
                                 warmup=args.warmup, steps=args.steps,
                                 attn_impl=args.attn_impl, sdpa_backend=args.sdpa_backend,
-                                checkpoint_group=args.checkpoint_group,
+                                checkpoint_group=args.checkpoint_group, checkpoint_save=args.checkpoint_save,
+                                compile_blocks=args.compile_blocks,
                                 bucket_size_mb=args.bucket_size_mb, optimizer=args.optimizer, out_path=args.out)
         cfg.check_world_size(args.world_size)
     except ValueError as exc:

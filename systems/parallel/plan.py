@@ -23,7 +23,8 @@ import torch.nn as nn
 
 from systems.config import check_choice
 from systems.measure.devices import DTYPES
-from systems.parallel.checkpoint import apply_activation_checkpointing, apply_nested_checkpointing
+from systems.parallel.checkpoint import (CHECKPOINT_SAVES, apply_activation_checkpointing,
+                                        apply_nested_checkpointing)
 from systems.parallel.compile import COMPILE_SCOPES, apply_compile
 
 DATA_PARALLEL = ("none", "naive", "flat", "overlap", "bucketed", "torch_ddp", "fsdp", "fsdp2")
@@ -38,6 +39,7 @@ class ParallelPlan:
     """What ``apply`` does to a model. Every field's default is "nothing"."""
 
     checkpoint_group: int = 0  # blocks per checkpointed group (one level); 0: no checkpointing
+    checkpoint_save: str = "none"  # with checkpoint_group: ops whose outputs a group keeps (CHECKPOINT_SAVES)
     checkpoint_branching: int = 0  # nested checkpointing with this branching factor; 0: none
     compile: str = "none"  # none | blocks | model
     compile_mode: str | None = None  # torch.compile's mode, e.g. "reduce-overhead" (CUDA graphs)
@@ -53,6 +55,10 @@ class ParallelPlan:
             raise ValueError("checkpoint_group and checkpoint_branching must be >= 0 (0 turns them off)")
         if self.checkpoint_group and self.checkpoint_branching:
             raise ValueError("choose one checkpointing: checkpoint_group (one level) or checkpoint_branching (nested)")
+        check_choice("checkpoint_save", self.checkpoint_save, CHECKPOINT_SAVES)
+        if self.checkpoint_save != "none" and not self.checkpoint_group:
+            raise ValueError(f"checkpoint_save={self.checkpoint_save!r} selects what checkpointed groups keep: "
+                             "set checkpoint_group too")
         check_choice("compile", self.compile, COMPILE_SCOPES)
         if self.compile_mode is not None and self.compile == "none":
             raise ValueError("compile_mode needs compile='blocks' or 'model'")
@@ -156,7 +162,7 @@ def apply(model: nn.Module, plan: ParallelPlan, *, device: torch.device | None =
                                "(systems.parallel.launch.spawn, or torchrun)")
     device = device or next(model.parameters()).device
     if plan.checkpoint_group:
-        apply_activation_checkpointing(model, plan.checkpoint_group)
+        apply_activation_checkpointing(model, plan.checkpoint_group, save=plan.checkpoint_save)
     elif plan.checkpoint_branching:
         apply_nested_checkpointing(model, branching=plan.checkpoint_branching)
     forward = apply_compile(model, scope=plan.compile, mode=plan.compile_mode)

@@ -37,6 +37,9 @@ def test_ddp_bench_config_rejects_unknown_compiled_precision():
         DDPBenchConfig(compiled_precisions=("fp8",))
     with pytest.raises(ValueError, match="compile_mode applies"):
         DDPBenchConfig(compile_mode="reduce-overhead")
+    with pytest.raises(ValueError, match="nothing to run"):
+        DDPBenchConfig(precisions=())
+    assert DDPBenchConfig(precisions=(), compiled_precisions=("bf16",)).settings() == [("bf16", True)]
     with pytest.raises(ValueError, match="<MiB>/<last MiB>"):  # refused before any rank starts
         DDPBenchConfig(variants=("bucketed_tail:1000",))
     proc = subprocess.run([sys.executable, "-m", "systems.bench.ddp", "--tail-buckets-mb", "1000"],

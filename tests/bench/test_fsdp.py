@@ -64,6 +64,8 @@ def test_large_model_configs_append_rows_of_another_model():
     assert (sharded.opt_variants, sharded.fsdp_variants) == (("ddp_sharded",), ())
     for big in (fsdp_first, sharded):
         assert big.append and not big.profile and big.fsdp_path == base.fsdp_path and big.opt_path == base.opt_path
+    with pytest.raises(ValueError, match="nothing to run"):
+        fsdp_bench.FSDPBenchConfig(precisions=())
     with pytest.raises(ValueError, match="must differ"):
         fsdp_bench.large_model_configs(base, model="debug")
     with pytest.raises(ValueError, match="optimizer-sharding variants"):

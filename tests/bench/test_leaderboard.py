@@ -45,8 +45,9 @@ def _reference() -> dict:
 
 
 @pytest.mark.slow
-def test_leaderboard_step_equals_single_process_training():
-    results = spawn(_train_worker, 2, "gloo", args=(CFG,), timeout_s=120)
+@pytest.mark.parametrize("checkpoint_save", ["none", "attention"])
+def test_leaderboard_step_equals_single_process_training(checkpoint_save):
+    results = spawn(_train_worker, 2, "gloo", args=({**CFG, "checkpoint_save": checkpoint_save},), timeout_s=120)
     ref = _reference()
     for rank_params in results:
         for name, p in rank_params.items():
@@ -57,6 +58,10 @@ def test_leaderboard_step_equals_single_process_training():
 
 
 def test_config_errors_are_readable():
+    with pytest.raises(ValueError, match="checkpoint_save must be one of none, attention"):
+        lb.LeaderboardConfig(**{**CFG, "checkpoint_save": "all"}).plan()
+    with pytest.raises(ValueError, match="set checkpoint_group too"):
+        lb.LeaderboardConfig(**{**CFG, "checkpoint_group": 0, "checkpoint_save": "attention"}).plan()
     with pytest.raises(ValueError, match="precision"):
         lb.LeaderboardConfig(model="debug", context_length=64, precision="fp8")
     with pytest.raises(ValueError, match="evenly"):

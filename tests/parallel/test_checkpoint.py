@@ -5,7 +5,9 @@ gradients, and a checkpointed model's ``layers`` stay the real blocks, so compil
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+from collections import Counter
 
 import pytest
 import torch
@@ -55,6 +57,48 @@ def test_checkpointing_gives_the_plain_gradients(how):
     with checkpointing.count_block_forwards(model) as calls:
         _grads(model, inputs, targets)
     assert sum(calls.values()) == cfg.n_layers
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops that reach it: a selective checkpoint's saved ops are answered from its
+    cache during the recompute, below this mode, so they are counted once."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_saving_attention_skips_its_recompute_and_keeps_the_gradients():
+    cfg, model, inputs, targets = _model_and_batch(n_layers=3)
+    model = TransformerLM(dataclasses.replace(cfg, attn_impl="sdpa"))
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default  # SDPA's CPU kernel
+    with _CountOps() as plain_ops:
+        ref = _grads(model, inputs, targets)
+    counts = {}
+    for save in ("none", "attention"):
+        checkpointing.apply_activation_checkpointing(model, 1, save=save)
+        with _CountOps() as ops:
+            got = _grads(model, inputs, targets)
+        counts[save] = ops.calls
+        # the saved outputs are the ones the recompute would give: gradients bitwise equal
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], rtol=0, atol=0, msg=f"{save}: {n}")
+    assert plain_ops.calls[attention] == cfg.n_layers  # one forward kernel per block
+    assert counts["none"][attention] == 2 * cfg.n_layers  # run again in each block's recompute
+    assert counts["attention"][attention] == cfg.n_layers  # kept from the forward
+    # everything else is still recomputed: the projections' matmuls run as often as under full checkpointing
+    mm = torch.ops.aten.mm.default
+    assert counts["attention"][mm] == counts["none"][mm] > plain_ops.calls[mm]
+
+
+def test_unknown_checkpoint_save_is_refused():
+    _, model, _, _ = _model_and_batch(n_layers=2)
+    with pytest.raises(ValueError, match="checkpoint save must be one of none, attention"):
+        checkpointing.apply_activation_checkpointing(model, 1, save="everything")
 
 
 def test_chain_recomputes_every_prefix():
