@@ -110,7 +110,8 @@ nb.md(report.profile_answer(items, phases, cats, timed_ms=timed))
 # ## The 2026 leaderboard: the 8B step on two GPUs
 # The 8B model (vocab 151,936, d 4096, d_ff 11,008, 34 layers, 32 heads), global batch 2 x context
 # 32,768, bf16 autocast over fp32 weights, summed cross-entropy, AdamW (`systems.bench.leaderboard`:
-# one sequence per rank, bucketed DDP, ZeRO-1 sharded fused AdamW, every block checkpointed, the
+# one sequence per rank, bucketed DDP, ZeRO-1 sharded fused AdamW, every block compiled and
+# checkpointed but for its attention output, which the backward reuses instead of recomputing, the
 # fused LM head + loss, SDPA's cuDNN attention), each step timed by CUDA events, a step lasting as
 # long as its slower rank. On a node with two GPUs of enough memory this cell runs it; elsewhere
 # it shows the last row of `results/12_leaderboard_8b.jsonl` that measured this configuration on

@@ -154,8 +154,8 @@ def leaderboard_row(paths) -> tuple[dict | None, str | None, list[str]]:
 def leaderboard_table(row: dict):
     import pandas as pd
 
-    keys = ("model", "world_size", "backend", "sdpa_backend", "checkpoint_group", "step_s", "tflops_per_gpu",
-            "tokens_per_s")
+    keys = ("model", "world_size", "backend", "sdpa_backend", "checkpoint_group", "checkpoint_save", "compile_blocks",
+            "step_s", "tflops_per_gpu", "tokens_per_s")
     return pd.DataFrame([{k: row.get(k) for k in keys} | {"gpu": (row.get("env") or {}).get("gpu")}])
 
 

@@ -8,8 +8,9 @@ from systems.config import get_config
 from systems.bench import leaderboard as lb
 from systems.parallel.launch import spawn
 
+# eager blocks: Inductor's CPU compile of the debug model would dominate the test (the GPU compiles)
 CFG = dict(model="debug", context_length=32, batch_size=4, precision="fp32", lr=1e-2, bucket_size_mb=0.05,
-           out_path=None)
+           compile_blocks=False, out_path=None)
 STEPS = 2
 
 
@@ -102,7 +103,7 @@ def test_only_the_leaderboards_configuration_passes():
     why = lb.leaderboard_mismatch(debug)
     assert "model 'debug'" in why and "context_length 64" in why and "no GPU" in why and "gloo" in why
     small_gpus = {**committed, "env": {**committed["env"], "gpu": "NVIDIA H100 80GB HBM3", "gpu_memory_gib": 79.1}}
-    assert "it needs 125 GiB" in lb.leaderboard_mismatch(small_gpus)
+    assert "it needs 130 GiB" in lb.leaderboard_mismatch(small_gpus)
     assert "world_size 1" in lb.leaderboard_mismatch({**committed, "world_size": 1})
 
 
@@ -115,7 +116,7 @@ def test_a_debug_row_from_the_cli_is_never_shown_as_the_8b_step(tmp_path):
 
     out = tmp_path / "12_leaderboard_8b.jsonl"
     assert lb.main(["--model", "debug", "--context-length", "32", "--backend", "gloo", "--warmup", "1", "--steps", "1",
-                    "--out", str(out)]) == 0
+                    "--no-compile-blocks", "--out", str(out)]) == 0
     row, source, passed_over = leaderboard_row([out, REPO_ROOT / lb.COMMITTED_ROWS])
     assert source == lb.COMMITTED_ROWS and row["model"] == "8B" and row["env"]["gpu"]
     assert len(passed_over) == 1 and "model 'debug'" in passed_over[0] and "no GPU" in passed_over[0]

@@ -44,7 +44,9 @@ def test_leaderboard_answer_states_where_and_against_what():
     text = report.leaderboard_answer(row, source="read from `results/12_leaderboard_8b.jsonl`")
     assert "**6.85 s per step**" in text and "2 x NVIDIA H200 (the handout times two B200s)" in text
     assert "commit abc123 on host vm" in text and "read from `results/12_leaderboard_8b.jsonl`" in text
-    assert "naive baseline of 10 s: 1.46x faster" in text and "our own target (the project's) of <= 8 s: **met**" in text
+    assert "naive baseline of 10 s: 1.46x faster" in text and "our own target (the project's) of <= 6 s: **not met**" in text
+    faster = report.leaderboard_answer({**row, "step_s": 5.5}, source="in this run")
+    assert "1.82x faster" in faster and "of <= 6 s: **met**" in faster
     table = report.leaderboard_table({**row, "model": "8B"})
     assert table.loc[0, "gpu"] == "NVIDIA H200" and table.loc[0, "model"] == "8B"
 
