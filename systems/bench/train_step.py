@@ -178,7 +178,8 @@ class Plan:
 # timeline shows whether the side-stream updates overlap the backward
 FULL_PLAN = Plan(
     variants={"2.7B": ("hf_llama", "ours_eager", "ours_compiled", "ours_fused", "ours_fast", "ours_master",
-                       "ours_master_fusedproj", "ours_master_split", "ours_master_overlap"),
+                       "ours_master_fusedproj", "ours_master_split", "ours_master_overlap", "ours_graphs",
+                       "ours_graphs_split"),
               "xl-2025": ("hf_llama", "ours_eager", "ours_fast", "ours_master", "ours_graphs", "ours_graphs_fusedproj",
                           "ours_graphs_split", "ours_graphs_overlap")},
     step=dict(batch_size=4, context_length=512, warmup=5, steps=20), trace=("2.7B", "ours_master_overlap"))
