@@ -11,8 +11,8 @@ group's forward again in the backward.
   consecutive blocks per checkpointed group. ``save="attention"`` makes it selective: the outputs
   of the SDPA attention kernels are kept from the forward (``SAVED_OPS``), so the backward
   recomputes everything in the group except attention, the most expensive op per byte it
-  produces (at context 32,768 and d_model 4096: 256 MiB of bf16 output per block against a
-  quarter of the block's forward FLOPs). Attention that is not one SDPA op (naive, our Triton
+  produces (the 8B leaderboard block, context 32,768: 256 MiB of bf16 output for 8.8 of the
+  block's 22 forward TFLOP, the rest its GEMMs). Attention that is not one SDPA op (naive, our Triton
   kernels) is recomputed as before.
 - ``apply_nested_checkpointing(model, branching=2, leaf_size=1)``: recursive: the blocks split
   into ``branching`` checkpointed chunks, each split again, down to ``leaf_size`` blocks:
@@ -39,15 +39,16 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 
 from systems.config import check_choice
 
-# what a checkpointed group keeps from its forward besides its input: "none" (full recompute) or
-# "attention" (the SDPA kernels' outputs)
-CHECKPOINT_SAVES = ("none", "attention")
+# the ops whose outputs a selective checkpoint keeps, by name. "attention":
 # F.scaled_dot_product_attention's kernels, by backend (cuDNN, flash, memory-efficient, and the
 # CPU's flash kernel that the tests run); each returns the output and the log-sum-exp its
 # backward needs
 SAVED_OPS = {"attention": ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
                            "_scaled_dot_product_efficient_attention",
                            "_scaled_dot_product_flash_attention_for_cpu")}
+# what a checkpointed group keeps from its forward besides its input: "none" (full recompute) or
+# one of SAVED_OPS
+CHECKPOINT_SAVES = ("none", *SAVED_OPS)
 
 
 @functools.cache
