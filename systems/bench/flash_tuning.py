@@ -51,7 +51,7 @@ def _tiles(spec: str) -> list[tuple[int, int, int, int]]:
 # Per kernel, (block_m, block_n, num_warps, num_stages[, meta-parameters besides the kernel's
 # tuning.OPTIONS]); for dK/dV block_m is the streamed query tile and block_n the resident key
 # tile, for dQ block_m is the resident query tile.
-CANDIDATES: dict[str, list[tuple]] = {
+TILE_CANDIDATES: dict[str, list[tuple]] = {
     "fwd": _tiles("64x64/4/4, 64x128/4/3, 128x64/8/3, 128x64/4/3, 128x128/8/3, 128x128/8/2, 128x32/4/4, 64x32/4/4"),
     "dkdv": _tiles("32x64/4/3, 64x64/4/3, 32x128/4/3, 32x128/8/3, 64x128/8/3, 64x128/8/2, 16x64/4/4, 16x128/4/4"),
     "dq": _tiles("64x64/4/3, 128x64/8/3, 128x64/4/3, 128x32/4/3, 128x32/8/4, 128x128/8/2, 64x32/4/4, 32x64/4/3"),
@@ -65,6 +65,35 @@ CANDIDATES: dict[str, list[tuple]] = {
     "dkdv_tma": _tiles("64x128/8/3, 64x128/8/4, 128x128/8/2, 32x128/8/4, 64x64/4/3, 32x64/4/3, 64x128/8/2, 128x128/8/3"),
     "dq_tma": _tiles("128x64/8/3, 128x64/8/4, 128x128/8/2, 128x32/4/4, 64x64/4/3, 128x32/8/4, 128x128/8/3, 64x128/4/3"),
 }
+
+
+def _with(spec: str, **options) -> list[tuple]:
+    """Candidates of _tiles' spec, each carrying ``options`` (meta-parameters besides the tiles)."""
+    return [(*tile, dict(options)) for tile in _tiles(spec)]
+
+
+# The loop-schedule options (notes entry 13), each on the tables' winners (the leaderboard shape's
+# 64-row tiles and d = 128's larger ones) so they are timed beside the same tiles without them:
+# FMA_SOFTMAX (the forward's scale folded into one multiply-add), EARLY_DP (the backward's dP product
+# issued before the exponentials) and WS (Triton's warp specialisation of the TMA loops).
+SCHEDULE_CANDIDATES: dict[str, list[tuple]] = {
+    "fwd": _with("64x128/4/3, 128x64/8/3", FMA_SOFTMAX=True),
+    "dkdv": _with("64x64/4/3, 64x128/8/3", EARLY_DP=True),
+    "dq": _with("64x64/4/3, 128x64/8/3", EARLY_DP=True),
+    "fwd_tma": (_with("64x128/4/3, 128x128/8/3", FMA_SOFTMAX=True) + _with("64x128/4/3, 128x128/8/3", WS=True)
+                + _with("64x128/4/3", FMA_SOFTMAX=True, WS=True)),
+    "dkdv_tma": _with("64x64/4/3, 64x128/8/3", EARLY_DP=True) + _with("64x64/4/3, 64x128/8/3", WS=True),
+    "dq_tma": _with("64x64/4/3, 128x64/8/3", EARLY_DP=True) + _with("64x64/4/3, 128x64/8/3", WS=True),
+}
+CANDIDATES = {kernel: tiles + SCHEDULE_CANDIDATES.get(kernel, []) for kernel, tiles in TILE_CANDIDATES.items()}
+
+
+def schedule_candidates(kernel: str) -> list[tuple]:
+    """SCHEDULE_CANDIDATES of ``kernel``, after the same tiles with the kernel's default options
+    (the baseline each option is a ratio against, timed in the same run)."""
+    options = SCHEDULE_CANDIDATES[kernel]
+    baselines = list(dict.fromkeys(c[:4] for c in options))
+    return baselines + options
 
 # fp32 tiles hold twice the bytes of 16-bit ones, and with the default tf32x3 dots every product is
 # three TF32 tensor-core products; the tuning tables' fp32 entries were chosen when fp32 ran IEEE
@@ -169,7 +198,7 @@ def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_pa
             for cfg in cands:
                 row = dict(**shape, kernel=kernel, impl="triton", dot=dot_precision(DTYPES[dtype]),
                            block_m=cfg[0], block_n=cfg[1],
-                           warps=cfg[2], stages=cfg[3], meta={**tuning.OPTIONS.get(kernel, {}), **(cfg[4:] or [{}])[0]},
+                           warps=cfg[2], stages=cfg[3], meta={**tuning.kernel_options(kernel), **(cfg[4:] or [{}])[0]},
                            status="ok")
                 try:
                     fn = launch(kernel, x, cfg)
@@ -446,10 +475,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", action="append", type=_shape_arg, metavar="B,H,SEQ,D",
                         help="a point to measure (repeatable); default: COMPARE_SHAPES for --compare-backward, "
                              "SHAPES for the exploration (where B x H is the batch)")
+    parser.add_argument("--schedule", action="store_true",
+                        help="time only the loop-schedule options (SCHEDULE_CANDIDATES) beside the same tiles "
+                             "without them")
     parser.add_argument("--kernels", default=None,
                         help=f"comma-separated kernels whose candidates the exploration times, of {list(CANDIDATES)} "
                              f"(fp32: of {list(FP32_CANDIDATES)}); default: all")
     args = parser.parse_args(argv)
+    if args.schedule and args.dtype == "fp32":
+        parser.error("--schedule times 16-bit candidates; drop --dtype fp32")
     if not torch.cuda.is_available():
         parser.error("the exploration times GPU kernels and needs CUDA")
     if args.compare_backward:
@@ -467,7 +501,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['path']:>20} seq {row['seq']:6d} d {row['d']:3d}: host {row['host_us_per_call']:8.1f} us, "
                   f"wall {row['wall_us_per_call']:8.1f} us per call")
         return 0
-    table = FP32_CANDIDATES if args.dtype == "fp32" else CANDIDATES
+    if args.schedule:
+        table = {kernel: schedule_candidates(kernel) for kernel in SCHEDULE_CANDIDATES}
+    else:
+        table = FP32_CANDIDATES if args.dtype == "fp32" else CANDIDATES
     kernels = args.kernels.split(",") if args.kernels else list(table)
     unknown = sorted(set(kernels) - set(table))
     if unknown:

@@ -55,7 +55,7 @@ def test_triton_rejects_cpu_tensors():
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="spawns the interpreter run itself")
 def test_triton_kernels_in_interpreter_subprocess():
     """Runs this file's test_interp_* cases with TRITON_INTERPRET=1 set before triton is imported."""
-    run_interpreter_cases(__file__, min_passed=len(INTERP_CASES) * (len(INTERP_BACKWARDS) + 2) + 1)
+    run_interpreter_cases(__file__, min_passed=len(INTERP_CASES) * (len(INTERP_BACKWARDS) + 2) + 5)
 
 
 # small sizes with 16-row tiles: several tiles, diagonal tiles, ragged ends, d padding (24)
@@ -117,6 +117,50 @@ def test_interp_atomic_backward_other_tiles(shape_q, n_k, causal, tiles, defer):
     # fp32 throughout: the two backwards sum the same products in different orders
     for got, ref in zip((dq_acc, dk, dv), want):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def _split_pass(q, k, v, do, causal, *, tma, tiles, fwd_options, bwd_options):
+    """(O, L, dQ, dK, dV) through the forward and the split backward launched with explicit
+    ``tiles`` (fwd rows x cols, dQ rows x cols, dK/dV rows x cols, warps, stages) and options."""
+    from systems.attention import flash_triton as ft
+
+    (bm, bn), (bm2, bn2), (bm1, bn1), warps, stages = tiles
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], device=q.device)
+    ft.launch_forward(q, k, v, o, lse, causal, tma=tma,
+                      config=dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **fwd_options))
+    delta, dq, dk, dv = torch.empty_like(lse), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    ft.launch_dq(q, k, v, o, do, lse, delta, dq, causal, tma=tma,
+                 config=dict(BLOCK_M2=bm2, BLOCK_N2=bn2, num_warps=warps, num_stages=stages, **bwd_options))
+    ft.launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, tma=tma,
+                   config=dict(BLOCK_M1=bm1, BLOCK_N1=bn1, num_warps=warps, num_stages=stages, **bwd_options))
+    return o, lse, dq, dk, dv
+
+
+def _schedule_pair(shape_q, n_k, causal, *, tma, dtype, device, tiles):
+    """_split_pass with every loop-schedule option off, then on (WS only where tma)."""
+    gen = torch.Generator(device=device).manual_seed(n_k)
+    shape_k = (*shape_q[:-2], n_k, shape_q[-1])
+    q, k, v, do = (torch.randn(s, generator=gen, device=device).to(dtype) for s in (shape_q, shape_k, shape_k, shape_q))
+    off, on = {"WS": False} if tma else {}, {"WS": True} if tma else {}
+    base = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles, fwd_options=dict(FMA_SOFTMAX=False, **off),
+                       bwd_options=dict(EARLY_DP=False, **off))
+    scheduled = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles, fwd_options=dict(FMA_SOFTMAX=True, **on),
+                            bwd_options=dict(EARLY_DP=True, **on))
+    return scheduled, base
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+@pytest.mark.parametrize("shape_q,n_k,causal", [((2, 45, 24), 77, True), ((2, 50, 16), 37, False)])
+def test_interp_schedule_options_keep_the_results(shape_q, n_k, causal, tma):
+    """The loop-schedule options (FMA_SOFTMAX, EARLY_DP, WS) against the same tiles without them.
+    EARLY_DP only moves a product earlier and WS only how warps are assigned, so those are exact;
+    FMA_SOFTMAX takes the row max before the scale, exact too for a positive scale (the interpreter
+    does not fuse the multiply-add, so its roundings are the same)."""
+    scheduled, base = _schedule_pair(shape_q, n_k, causal, tma=tma, dtype=torch.float32, device="cpu",
+                                     tiles=((16, 32), (32, 16), (16, 32), 4, 1))
+    for got, want in zip(scheduled, base):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def _tma_kernels_ran(dtype) -> set[str]:
@@ -677,6 +721,22 @@ def test_gpu_direct_and_public_launches_agree(tmp_path):
     for name, want in public["outputs"].items():
         for a, b in zip(want, direct["outputs"][name]):
             torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_schedule_options_keep_the_results(causal, tma):
+    """As the interpreter test, compiled: on a GPU the fused multiply-add rounds once where the
+    separate multiply and subtraction rounded twice, so P, and through it every output, may move
+    by about one bf16 rounding (2^-8 relative); L is fp32."""
+    scheduled, base = _schedule_pair((2, 2, 1000, 64), 1000, causal, tma=tma, dtype=torch.bfloat16, device="cuda",
+                                     tiles=((64, 64), (64, 64), (64, 64), 4, 3))
+    for name, got, want in zip(("O", "L", "dQ", "dK", "dV"), scheduled, base):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2 * scale,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.gpu

@@ -124,10 +124,24 @@ def test_candidates_are_configs_of_their_kernels():
             meta = tuning.config_meta(tuning.tile_config(kernel, m, n, warps=warps, stages=stages, **(extra or [{}])[0]))
             assert (meta[rows], meta[cols], meta["num_warps"], meta["num_stages"]) == (m, n, warps, stages)
             assert m & (m - 1) == 0 and n & (n - 1) == 0, (kernel, m, n)
-            options = {**tuning.OPTIONS.get(kernel, {}), **(extra or [{}])[0]}
+            options = {**tuning.kernel_options(kernel), **(extra or [{}])[0]}
             assert {k: meta[k] for k in options} == options
     with pytest.raises(ValueError, match="unknown kernel 'fwd_typo'"):
         tuning.tile_config("fwd_typo", 64, 64, warps=4, stages=3)
+
+
+def test_schedule_candidates_put_each_option_beside_its_tiles_without_it(capsys):
+    from systems.bench import flash_tuning
+
+    for kernel, options in flash_tuning.SCHEDULE_CANDIDATES.items():
+        table = flash_tuning.schedule_candidates(kernel)
+        baselines = [c for c in table if len(c) == 4]
+        assert table == baselines + options and len(set(baselines)) == len(baselines)
+        assert {c[:4] for c in options} == set(baselines), kernel  # every option has its baseline
+        assert all(c[4] for c in options)
+    with pytest.raises(SystemExit):
+        flash_tuning.main(["--schedule", "--dtype", "fp32"])
+    assert "drop --dtype fp32" in capsys.readouterr().err
 
 
 @needs_triton

@@ -134,21 +134,32 @@ def _atomic_add_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOC
 @triton.jit
 def _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale, lo, hi,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+                  MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                  FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr):
     """Online softmax over key tiles [lo, hi). MASK=False is the hot off-diagonal loop.
-    K_src, V_src: the (batch, head)'s base pointers, or its tensor descriptors when TMA."""
+    K_src, V_src: the (batch, head)'s base pointers, or its tensor descriptors when TMA.
+
+    FMA_SOFTMAX (unmasked loop only): the row max is taken over the raw scores and scaled once, so
+    the scale and the max's subtraction become one fused multiply-add per score instead of a
+    multiply and a subtraction (qk_scale > 0, so max(x) * scale = max(x * scale) exactly).
+    WS: Triton's warp specialisation of the loop (producer warps issue the TMA loads)."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         keys = start_n + offs_n
         k = _load_tile(K_src, start_n, keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK, TMA)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # base-2 scores
-        if MASK:
-            keep = keys[None, :] < n_k
-            if IS_CAUSAL:
-                keep = keep & (keys[None, :] <= offs_m[:, None] + offset)
-            s = tl.where(keep, s, _MASKED)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        if MASK or not FMA_SOFTMAX:
+            s = qk * qk_scale  # base-2 scores
+            if MASK:
+                keep = keys[None, :] < n_k
+                if IS_CAUSAL:
+                    keep = keep & (keys[None, :] <= offs_m[:, None] + offset)
+                s = tl.where(keep, s, _MASKED)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(V_src, start_n, keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK, TMA)
@@ -161,7 +172,7 @@ def _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, q
 @triton.jit
 def _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+                 BLOCK_N: tl.constexpr, TMA: tl.constexpr, FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr):
     """Grid (query tiles, batch). One program: one query tile against all (visible) key tiles.
     TMA: K and V stream through tensor descriptors (Q and O, touched once, stay pointer accesses)."""
     tile = tl.program_id(0)
@@ -183,10 +194,11 @@ def _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM: tl.constexpr, BLOC
     offset = n_k - n_q
     hi_unmasked, hi = _key_bounds(m0, n_k, offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
     acc, m_i, l_i = _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale,
-                                  0, hi_unmasked, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION, TMA)
+                                  0, hi_unmasked, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION, TMA,
+                                  FMA_SOFTMAX, WS)
     acc, m_i, l_i = _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale,
                                   hi_unmasked, hi,
-                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, INPUT_PRECISION, TMA)
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, INPUT_PRECISION, TMA, False, False)
 
     o = acc / l_i[:, None]
     _store_rows(O + bh * n_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
@@ -200,17 +212,19 @@ def _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM: tl.constexpr, BLOC
 @triton.jit
 def flash_fwd_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                      INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      FMA_SOFTMAX: tl.constexpr):
     _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL, INPUT_PRECISION, BLOCK_M, BLOCK_N,
-                 False)
+                 False, FMA_SOFTMAX, False)
 
 
 @triton.jit
 def flash_fwd_tma_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                          INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr):
     _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL, INPUT_PRECISION, BLOCK_M, BLOCK_N,
-                 True)
+                 True, FMA_SOFTMAX, WS)
 
 # ----------------------------------------------------------------------------- backward: dK/dV of the split pair
 
@@ -218,15 +232,17 @@ def flash_fwd_tma_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
 def _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale, lo, hi,
                      BLOCK_M1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      CAUSAL_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                     TMA: tl.constexpr):
+                     TMA: tl.constexpr, EARLY_DP: tl.constexpr, WS: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi), in transposed form (keys x queries).
 
     Query rows past n_q load as zeros (Q, dO, L, D), so their P is finite and their
     contribution to dV = P^T dO and dK = dS^T Q is exactly zero: no score mask is needed for them.
     Q_src, dO_src: base pointers, or tensor descriptors when TMA.
+    EARLY_DP: dP^T's product is issued right after S^T's, so the tensor cores run it while the
+    threads compute P^T (the exponentials), instead of after dV's product. WS: as _fwd_key_loop.
     """
     offs_mb = tl.arange(0, BLOCK_M1)
-    for start_m in range(lo, hi, BLOCK_M1):
+    for start_m in tl.range(lo, hi, BLOCK_M1, warp_specialize=WS):
         rows = start_m + offs_mb
         q = _load_tile(Q_src, start_m, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS, TMA)
         do = _load_tile(dO_src, start_m, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS, TMA)
@@ -237,11 +253,14 @@ def _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_
             lse = tl.load(L_bh + rows)
             delta = tl.load(D_bh + rows)
         s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale  # S^T in base 2
+        if EARLY_DP:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # dP^T = V dO^T (eq. 15)
         if CAUSAL_MASK:
             s_t = tl.where(offs_n[:, None] <= rows[None, :] + offset, s_t, _MASKED)
         p_t = tl.math.exp2(s_t - lse[None, :] * _LOG2E)  # P^T = exp(S - L) (eq. 13)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)  # dV += P^T dO (eq. 14)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # dP^T = V dO^T (eq. 15)
+        if not EARLY_DP:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])  # dS^T = P^T o (dP^T - D) (eq. 16)
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)  # dK += dS^T Q (eq. 18)
     return dk, dv
@@ -250,7 +269,8 @@ def _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_
 @triton.jit
 def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                  INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, TMA: tl.constexpr):
+                  INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, TMA: tl.constexpr,
+                  EARLY_DP: tl.constexpr, WS: tl.constexpr):
     """Grid (key tiles, batch). One program owns dK and dV of one key tile: no atomics.
     Runs after the dQ kernel, which wrote Delta. TMA: Q and dO stream through tensor descriptors."""
     tile = tl.program_id(0)
@@ -275,16 +295,16 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
         lo_diag, hi_diag = _diagonal_query_tiles(n0, offset, BLOCK_M1, BLOCK_N1)
         dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
                                   lo_diag, tl.minimum(hi_diag, n_q),
-                                  BLOCK_M1, HEAD_DIM, BLOCK_D, True, True, INPUT_PRECISION, TMA)
+                                  BLOCK_M1, HEAD_DIM, BLOCK_D, True, True, INPUT_PRECISION, TMA, EARLY_DP, False)
     else:
         hi_diag = 0
     # ... then the query tiles that see all of it: unmasked, unchecked; then a ragged tail
     dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
                               hi_diag, n_q_full,
-                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, False, INPUT_PRECISION, TMA)
+                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, False, INPUT_PRECISION, TMA, EARLY_DP, WS)
     dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
                               tl.maximum(hi_diag, n_q_full), n_q,
-                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, True, INPUT_PRECISION, TMA)
+                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, True, INPUT_PRECISION, TMA, EARLY_DP, False)
 
     dk = dk * sm_scale  # S = Q K^T * scale, so dK = dS^T Q * scale
     _store_rows(dK + kv_tile, dk.to(dK.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
@@ -294,38 +314,45 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
 @triton.jit
 def flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                           INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr):
+                           INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+                           EARLY_DP: tl.constexpr):
     _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False)
+                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False, EARLY_DP, False)
 
 
 @triton.jit
 def flash_bwd_dkdv_tma_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                               INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr):
+                               INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+                               EARLY_DP: tl.constexpr, WS: tl.constexpr):
     _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, True)
+                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, True, EARLY_DP, WS)
 
 # ----------------------------------------------------------------------------- backward: dQ of the split pair
 
 @triton.jit
 def _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale, lo, hi,
                  BLOCK_N2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr):
-    """Accumulate dQ of one query tile over key tiles [lo, hi). K_src, V_src: pointers or descriptors."""
+                 MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                 EARLY_DP: tl.constexpr, WS: tl.constexpr):
+    """Accumulate dQ of one query tile over key tiles [lo, hi). K_src, V_src: pointers or descriptors.
+    EARLY_DP, WS: as _dkdv_query_loop."""
     offs_nb = tl.arange(0, BLOCK_N2)
-    for start_n in range(lo, hi, BLOCK_N2):
+    for start_n in tl.range(lo, hi, BLOCK_N2, warp_specialize=WS):
         keys = start_n + offs_nb
         k = _load_tile(K_src, start_n, keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK, TMA)
         v = _load_tile(V_src, start_n, keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        if EARLY_DP:
+            dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         if MASK:
             keep = keys[None, :] < n_k
             if IS_CAUSAL:
                 keep = keep & (keys[None, :] <= offs_m[:, None] + offset)
             s = tl.where(keep, s, _MASKED)
         p = tl.math.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        if not EARLY_DP:
+            dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)  # dQ += dS K (eq. 17)
     return dq
@@ -334,7 +361,8 @@ def _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offs
 @triton.jit
 def _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, TMA: tl.constexpr):
+                INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, TMA: tl.constexpr,
+                EARLY_DP: tl.constexpr, WS: tl.constexpr):
     """Grid (query tiles, batch). One program owns dQ of one query tile: no atomics.
     TMA: K and V stream through tensor descriptors.
 
@@ -361,9 +389,9 @@ def _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale,
     offset = n_k - n_q
     hi_unmasked, hi = _key_bounds(m0, n_k, offset, BLOCK_M2, BLOCK_N2, IS_CAUSAL)
     dq = _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale, 0, hi_unmasked,
-                      BLOCK_N2, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION, TMA)
+                      BLOCK_N2, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION, TMA, EARLY_DP, WS)
     dq = _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale, hi_unmasked, hi,
-                      BLOCK_N2, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, INPUT_PRECISION, TMA)
+                      BLOCK_N2, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, INPUT_PRECISION, TMA, EARLY_DP, False)
     dq = dq * sm_scale
     _store_rows(dQ + q_tile, dq.to(dQ.dtype.element_ty), offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
 
@@ -371,17 +399,19 @@ def _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale,
 @triton.jit
 def flash_bwd_dq_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                         INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr):
+                         INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+                         EARLY_DP: tl.constexpr):
     _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, False)
+                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, False, EARLY_DP, False)
 
 
 @triton.jit
 def flash_bwd_dq_tma_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                             INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr):
+                             INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+                             EARLY_DP: tl.constexpr, WS: tl.constexpr):
     _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, True)
+                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, True, EARLY_DP, WS)
 
 # ----------------------------------------------------------------------------- backward: one kernel with atomic dQ
 

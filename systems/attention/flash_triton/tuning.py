@@ -52,18 +52,27 @@ def seq_bucket(n: int) -> int:
 # are the resident query tile. A *_tma kernel takes its pointer twin's names.
 TILE_NAMES = {"fwd": ("BLOCK_M", "BLOCK_N"), "dkdv": ("BLOCK_M1", "BLOCK_N1"), "dq": ("BLOCK_M2", "BLOCK_N2"),
               "atomic": ("BLOCK_M3", "BLOCK_N3")}
-# Options every config of a kernel carries unless told otherwise (the atomic entry below says why).
-OPTIONS = {"atomic": {"DEFER_DQ_ADD": True}}
+# Options every config of a kernel carries unless told otherwise: a base name's entry holds for its
+# *_tma twin too, which adds its own (the atomic entry below says why it defers; kernels.py's loops
+# say what FMA_SOFTMAX, EARLY_DP and WS do).
+OPTIONS = {"atomic": {"DEFER_DQ_ADD": True}, "fwd": {"FMA_SOFTMAX": False}, "dkdv": {"EARLY_DP": False},
+           "dq": {"EARLY_DP": False}, "fwd_tma": {"WS": False}, "dkdv_tma": {"WS": False}, "dq_tma": {"WS": False}}
+
+
+def kernel_options(kernel: str) -> dict:
+    """The OPTIONS a config of ``kernel`` carries by default: its base name's, then its own."""
+    base = kernel.removesuffix("_tma")
+    return {**OPTIONS.get(base, {}), **(OPTIONS.get(kernel, {}) if kernel != base else {})}
 
 
 def tile_config(kernel: str, rows: int, cols: int, *, warps: int, stages: int, **options) -> triton.Config:
-    """One config of ``kernel``: its two tiles (TILE_NAMES), the kernel's OPTIONS overridden by
-    ``options``, and its warps and pipeline stages."""
+    """One config of ``kernel``: its two tiles (TILE_NAMES), the kernel's options (kernel_options)
+    overridden by ``options``, and its warps and pipeline stages."""
     base = kernel.removesuffix("_tma")
     if base not in TILE_NAMES:
         raise ValueError(f"unknown kernel {kernel!r}; choose one of {sorted(TILE_NAMES)} (or their *_tma twins)")
     row_name, col_name = TILE_NAMES[base]
-    return triton.Config({row_name: rows, col_name: cols, **OPTIONS.get(base, {}), **options}, num_warps=warps,
+    return triton.Config({row_name: rows, col_name: cols, **kernel_options(kernel), **options}, num_warps=warps,
                          num_stages=stages)
 
 
@@ -137,8 +146,11 @@ else:
                    "fp32": [(64, 32, 4, 2), (32, 32, 4, 2)]},
     })
 
-if not autotuning():  # one config each: the TMA kernels run their pointer twins' tiles
-    CONFIGS.update({f"{k}_tma": CONFIGS[k] for k in ("fwd", "dkdv", "dq")})
+if not autotuning():  # one config each: the TMA kernels run their pointer twins' tiles, with their own options
+    CONFIGS.update({f"{k}_tma": {family: [tile_config(f"{k}_tma", *(c.kwargs[name] for name in TILE_NAMES[k]),
+                                                      warps=c.num_warps, stages=c.num_stages) for c in configs]
+                                 for family, configs in CONFIGS[k].items()}
+                    for k in ("fwd", "dkdv", "dq")})
 
 _SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KB per block, the rest is Triton's scratch
 # fp32 registers per thread the atomic kernel's dK and dV accumulators may take: a thread has at
