@@ -55,7 +55,8 @@ TILE_NAMES = {"fwd": ("BLOCK_M", "BLOCK_N"), "dkdv": ("BLOCK_M1", "BLOCK_N1"), "
 # Options every config of a kernel carries unless told otherwise: a base name's entry holds for its
 # *_tma twin too, which adds its own (the atomic entry below says why it defers; kernels.py's loops
 # say what FMA_SOFTMAX, EARLY_DP and WS do).
-OPTIONS = {"atomic": {"DEFER_DQ_ADD": True}, "fwd": {"FMA_SOFTMAX": False}, "dkdv": {"EARLY_DP": False},
+OPTIONS = {"atomic": {"DEFER_DQ_ADD": True}, "fwd": {"FMA_SOFTMAX": False},
+           "dkdv": {"EARLY_DP": False, "PREFETCH_STATS": False},
            "dq": {"EARLY_DP": False}, "fwd_tma": {"WS": False}, "dkdv_tma": {"WS": False}, "dq_tma": {"WS": False}}
 
 
