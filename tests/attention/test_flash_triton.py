@@ -119,7 +119,7 @@ def test_interp_atomic_backward_other_tiles(shape_q, n_k, causal, tiles, defer):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def _split_pass(q, k, v, do, causal, *, tma, tiles, fwd_options, bwd_options, dkdv_options):
+def _split_pass(q, k, v, do, causal, *, tma, tiles, fwd_options, bwd_options):
     """(O, L, dQ, dK, dV) through the forward and the split backward launched with explicit
     ``tiles`` (fwd rows x cols, dQ rows x cols, dK/dV rows x cols, warps, stages) and options."""
     from systems.attention import flash_triton as ft
@@ -132,8 +132,7 @@ def _split_pass(q, k, v, do, causal, *, tma, tiles, fwd_options, bwd_options, dk
     ft.launch_dq(q, k, v, o, do, lse, delta, dq, causal, tma=tma,
                  config=dict(BLOCK_M2=bm2, BLOCK_N2=bn2, num_warps=warps, num_stages=stages, **bwd_options))
     ft.launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, tma=tma,
-                   config=dict(BLOCK_M1=bm1, BLOCK_N1=bn1, num_warps=warps, num_stages=stages, **bwd_options,
-                               **dkdv_options))
+                   config=dict(BLOCK_M1=bm1, BLOCK_N1=bn1, num_warps=warps, num_stages=stages, **bwd_options))
     return o, lse, dq, dk, dv
 
 
@@ -144,9 +143,9 @@ def _schedule_pair(shape_q, n_k, causal, *, tma, dtype, device, tiles):
     q, k, v, do = (torch.randn(s, generator=gen, device=device).to(dtype) for s in (shape_q, shape_k, shape_k, shape_q))
     off, on = {"WS": False} if tma else {}, {"WS": True} if tma else {}
     base = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles, fwd_options=dict(FMA_SOFTMAX=False, **off),
-                       bwd_options=dict(EARLY_DP=False, **off), dkdv_options=dict(PREFETCH_STATS=False))
+                       bwd_options=dict(EARLY_DP=False, **off))
     scheduled = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles, fwd_options=dict(FMA_SOFTMAX=True, **on),
-                            bwd_options=dict(EARLY_DP=True, **on), dkdv_options=dict(PREFETCH_STATS=True))
+                            bwd_options=dict(EARLY_DP=True, **on))
     return scheduled, base
 
 
@@ -154,9 +153,8 @@ def _schedule_pair(shape_q, n_k, causal, *, tma, dtype, device, tiles):
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
 @pytest.mark.parametrize("shape_q,n_k,causal", [((2, 45, 24), 77, True), ((2, 50, 16), 37, False)])
 def test_interp_schedule_options_keep_the_results(shape_q, n_k, causal, tma):
-    """The loop-schedule options (FMA_SOFTMAX, EARLY_DP, WS, PREFETCH_STATS) against the same tiles
-    without them. EARLY_DP and PREFETCH_STATS only move work earlier and WS only how warps are
-    assigned, so those are exact;
+    """The loop-schedule options (FMA_SOFTMAX, EARLY_DP, WS) against the same tiles without them.
+    EARLY_DP only moves a product earlier and WS only how warps are assigned, so those are exact;
     FMA_SOFTMAX takes the row max before the scale, exact too for a positive scale (the interpreter
     does not fuse the multiply-add, so its roundings are the same)."""
     scheduled, base = _schedule_pair(shape_q, n_k, causal, tma=tma, dtype=torch.float32, device="cpu",

@@ -232,7 +232,7 @@ def flash_fwd_tma_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
 def _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale, lo, hi,
                      BLOCK_M1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      CAUSAL_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                     TMA: tl.constexpr, EARLY_DP: tl.constexpr, WS: tl.constexpr, PREFETCH_STATS: tl.constexpr):
+                     TMA: tl.constexpr, EARLY_DP: tl.constexpr, WS: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi), in transposed form (keys x queries).
 
     Query rows past n_q load as zeros (Q, dO, L, D), so their P is finite and their
@@ -240,25 +240,13 @@ def _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_
     Q_src, dO_src: base pointers, or tensor descriptors when TMA.
     EARLY_DP: dP^T's product is issued right after S^T's, so the tensor cores run it while the
     threads compute P^T (the exponentials), instead of after dV's product. WS: as _fwd_key_loop.
-    PREFETCH_STATS: each query tile's L and D are loaded one iteration ahead, so the global loads'
-    latency hides behind the previous tile's four products (the pipeliner streams the Q and dO
-    tiles, which feed products, but not these two vectors).
     """
     offs_mb = tl.arange(0, BLOCK_M1)
-    if PREFETCH_STATS:
-        lse_next = tl.load(L_bh + lo + offs_mb, mask=lo + offs_mb < n_q, other=0.0)
-        delta_next = tl.load(D_bh + lo + offs_mb, mask=lo + offs_mb < n_q, other=0.0)
     for start_m in tl.range(lo, hi, BLOCK_M1, warp_specialize=WS):
         rows = start_m + offs_mb
         q = _load_tile(Q_src, start_m, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS, TMA)
         do = _load_tile(dO_src, start_m, rows, n_q, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS, TMA)
-        if PREFETCH_STATS:
-            lse = lse_next
-            delta = delta_next
-            ahead = rows + BLOCK_M1
-            lse_next = tl.load(L_bh + ahead, mask=ahead < n_q, other=0.0)
-            delta_next = tl.load(D_bh + ahead, mask=ahead < n_q, other=0.0)
-        elif CHECK_ROWS:
+        if CHECK_ROWS:
             lse = tl.load(L_bh + rows, mask=rows < n_q, other=0.0)
             delta = tl.load(D_bh + rows, mask=rows < n_q, other=0.0)
         else:
@@ -282,7 +270,7 @@ def _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_
 def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, TMA: tl.constexpr,
-                  EARLY_DP: tl.constexpr, WS: tl.constexpr, PREFETCH_STATS: tl.constexpr):
+                  EARLY_DP: tl.constexpr, WS: tl.constexpr):
     """Grid (key tiles, batch). One program owns dK and dV of one key tile: no atomics.
     Runs after the dQ kernel, which wrote Delta. TMA: Q and dO stream through tensor descriptors."""
     tile = tl.program_id(0)
@@ -307,19 +295,16 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
         lo_diag, hi_diag = _diagonal_query_tiles(n0, offset, BLOCK_M1, BLOCK_N1)
         dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
                                   lo_diag, tl.minimum(hi_diag, n_q),
-                                  BLOCK_M1, HEAD_DIM, BLOCK_D, True, True, INPUT_PRECISION, TMA, EARLY_DP, False,
-                                  PREFETCH_STATS)
+                                  BLOCK_M1, HEAD_DIM, BLOCK_D, True, True, INPUT_PRECISION, TMA, EARLY_DP, False)
     else:
         hi_diag = 0
     # ... then the query tiles that see all of it: unmasked, unchecked; then a ragged tail
     dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
                               hi_diag, n_q_full,
-                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, False, INPUT_PRECISION, TMA, EARLY_DP, WS,
-                              PREFETCH_STATS)
+                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, False, INPUT_PRECISION, TMA, EARLY_DP, WS)
     dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
                               tl.maximum(hi_diag, n_q_full), n_q,
-                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, True, INPUT_PRECISION, TMA, EARLY_DP, False,
-                              PREFETCH_STATS)
+                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, True, INPUT_PRECISION, TMA, EARLY_DP, False)
 
     dk = dk * sm_scale  # S = Q K^T * scale, so dK = dS^T Q * scale
     _store_rows(dK + kv_tile, dk.to(dK.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
@@ -330,18 +315,18 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
 def flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                            INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-                           EARLY_DP: tl.constexpr, PREFETCH_STATS: tl.constexpr):
+                           EARLY_DP: tl.constexpr):
     _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False, EARLY_DP, False, PREFETCH_STATS)
+                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False, EARLY_DP, False)
 
 
 @triton.jit
 def flash_bwd_dkdv_tma_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                                INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-                               EARLY_DP: tl.constexpr, WS: tl.constexpr, PREFETCH_STATS: tl.constexpr):
+                               EARLY_DP: tl.constexpr, WS: tl.constexpr):
     _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, True, EARLY_DP, WS, PREFETCH_STATS)
+                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, True, EARLY_DP, WS)
 
 # ----------------------------------------------------------------------------- backward: dQ of the split pair
 

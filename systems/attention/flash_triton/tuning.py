@@ -54,9 +54,10 @@ TILE_NAMES = {"fwd": ("BLOCK_M", "BLOCK_N"), "dkdv": ("BLOCK_M1", "BLOCK_N1"), "
               "atomic": ("BLOCK_M3", "BLOCK_N3")}
 # Options every config of a kernel carries unless told otherwise: a base name's entry holds for its
 # *_tma twin too, which adds its own (the atomic entry below says why it defers; kernels.py's loops
-# say what FMA_SOFTMAX, EARLY_DP and WS do).
-OPTIONS = {"atomic": {"DEFER_DQ_ADD": True}, "fwd": {"FMA_SOFTMAX": False},
-           "dkdv": {"EARLY_DP": False, "PREFETCH_STATS": False},
+# say what FMA_SOFTMAX, EARLY_DP and WS do). Notes entry 13 measured them on the H100 and H200:
+# FMA_SOFTMAX took 1-4% off the TMA forward at three of four points (d = 64 and 128), so it is on;
+# EARLY_DP and WS are on only in the configs below that measured faster with them.
+OPTIONS = {"atomic": {"DEFER_DQ_ADD": True}, "fwd": {"FMA_SOFTMAX": True}, "dkdv": {"EARLY_DP": False},
            "dq": {"EARLY_DP": False}, "fwd_tma": {"WS": False}, "dkdv_tma": {"WS": False}, "dq_tma": {"WS": False}}
 
 
@@ -77,9 +78,10 @@ def tile_config(kernel: str, rows: int, cols: int, *, warps: int, stages: int, *
                          num_stages=stages)
 
 
-def _table(tiles: dict[str, dict[str, list[tuple[int, int, int, int]]]]) -> dict[str, dict[str, list[triton.Config]]]:
-    """(rows, cols, num_warps, num_stages) per kernel and dtype family, as triton.Configs."""
-    return {kernel: {family: [tile_config(kernel, m, n, warps=warps, stages=stages) for m, n, warps, stages in table]
+def _table(tiles: dict[str, dict[str, list[tuple]]]) -> dict[str, dict[str, list[triton.Config]]]:
+    """(rows, cols, num_warps, num_stages[, options]) per kernel and dtype family, as triton.Configs."""
+    return {kernel: {family: [tile_config(kernel, m, n, warps=warps, stages=stages, **(extra or [{}])[0])
+                              for m, n, warps, stages, *extra in table]
                      for family, table in families.items()}
             for kernel, families in tiles.items()}
 
@@ -140,10 +142,13 @@ else:
         # results/experiments/06_flash_tma_d128_tuning.jsonl) added the forward's 128x128 over 8 warps
         # (7-8% faster there than the 128x64 before it) and dQ's 128x64 over 8 warps and 64x128 over 4
         # (12% and 6% faster than 64x64), in place of the 128x32 dQ tile, the slowest there.
-        "fwd_tma": {"half": [(64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)],
+        # Entry 13 added the forward's 128x128 over 8 warps with warp specialisation (8% faster than
+        # without at (1, 65536, 128), even at (16, 16384, 128); it does not compile over 4 warps) and
+        # put dQ's 128x64 over 8 warps on EARLY_DP (2-4% faster at d = 128, 1% at the leaderboard shape).
+        "fwd_tma": {"half": [(64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 3, {"WS": True})],
                     "fp32": [(64, 64, 4, 3), (64, 32, 4, 2)]},
         "dkdv_tma": {"half": [(64, 64, 4, 3), (64, 128, 8, 3)], "fp32": [(32, 64, 4, 2), (32, 32, 4, 2)]},
-        "dq_tma": {"half": [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3)],
+        "dq_tma": {"half": [(64, 64, 4, 3), (128, 64, 8, 3, {"EARLY_DP": True}), (64, 128, 4, 3)],
                    "fp32": [(64, 32, 4, 2), (32, 32, 4, 2)]},
     })
 
