@@ -109,9 +109,14 @@ class StepSpec:
     reduction: str = "mean"  # sum: the handout's leaderboard loss (fused loss only)
     sync_phases: bool = False  # synchronise the device at the end of each phase
     grads_to_none: bool = True  # False keeps .grad tensors between steps (views of DDP buckets)
+    # SMs the backward's cuBLASLt matmuls leave free (``matmul_sm_carveout``), for the updates of an
+    # optimizer inside the backward to run on; 0 leaves every SM to the matmuls
+    sm_carveout: int = 0
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
+        if self.sm_carveout < 0:
+            raise ValueError(f"sm_carveout counts SMs left free, got {self.sm_carveout}; use 0 for none")
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("loss", self.loss, LOSSES)
         check_choice("reduction", self.reduction, REDUCTIONS)
@@ -209,7 +214,7 @@ class TrainStep:
                     self._batch_start()
                 with self.context(), self._autocast():
                     loss = compute_loss(spec, self.model, self.forward, tokens, targets)
-            with self._phase("backward", marks), self.context():
+            with self._phase("backward", marks), self.context(), matmul_sm_carveout(spec.sm_carveout, self.device):
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             if self.grad_sync is not None:
                 with self._phase("grad_sync", marks):
@@ -379,6 +384,32 @@ def priority_stream(device: torch.device) -> Iterator[torch.cuda.Stream | None]:
             yield stream
     finally:
         outer.wait_stream(stream)
+
+
+@contextlib.contextmanager
+def matmul_sm_carveout(sms: int, device: torch.device) -> Iterator[None]:
+    """Inside, cuBLASLt plans every matmul for ``sms`` fewer SMs than the GPU has (its SM count
+    target), so a memory-bound kernel on another stream (an update of ``OptimizerInBackward``)
+    finds SMs free while the matmuls run, instead of waiting for the gaps between them. Stream
+    priority alone cannot give it that: a matmul's CTAs fill every SM, and a kernel's CTAs,
+    once placed, are not preempted. torch's knob for this is private and experimental
+    (``torch._C._set_sm_carveout_experimental``, read by its cuBLASLt matmuls, so the cuBLASLt
+    backend is selected too); both settings are restored on exit. A CUDA graph captured inside keeps
+    the carveout its matmuls were planned with. A no-op for ``sms`` 0 and off CUDA."""
+    if not sms or device.type != "cuda":
+        yield
+        return
+    count = torch.cuda.get_device_properties(device).multi_processor_count
+    if sms >= count:
+        raise ValueError(f"sm_carveout={sms} leaves the matmuls no SM of the {count} this GPU has; use fewer")
+    carveout, backend = torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(carveout)
+        torch.backends.cuda.preferred_blas_library(backend)
 
 
 class OptimizerInBackward:

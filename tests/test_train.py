@@ -18,7 +18,8 @@ from systems.config import get_config
 from systems.kernels.fused_adamw import LOW_BITS, FusedAdamW
 from systems.model import TransformerLM
 from systems.optim import AdamW, cross_entropy
-from systems.train import (OptimizerInBackward, OptimizerSpec, block_groups, build_optimizer, matmul_weights_of,
+from systems.train import (OptimizerInBackward, OptimizerSpec, StepSpec, block_groups, build_optimizer, matmul_sm_carveout,
+                           matmul_weights_of,
                            priority_stream)
 from systems.testing import have_triton, interpreting, run_interpreter_cases
 
@@ -254,6 +255,14 @@ def test_priority_stream_is_a_no_op_on_a_cpu():
         assert stream is None
 
 
+def test_sm_carveout_is_checked_and_a_no_op_on_a_cpu():
+    with pytest.raises(ValueError, match="counts SMs left free"):
+        StepSpec(sm_carveout=-1)
+    before = torch._C._get_sm_carveout_experimental()
+    with matmul_sm_carveout(16, torch.device("cpu")):
+        assert torch._C._get_sm_carveout_experimental() == before
+
+
 # ----------------------------------------------------------------------------- Triton kernel, CPU
 
 
@@ -272,6 +281,22 @@ def test_interp_fused_kernel_per_group_matches_adamw():
 
 
 # ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_sm_carveout_is_set_inside_and_restored():
+    device = torch.device("cuda")
+    count = torch.cuda.get_device_properties(device).multi_processor_count
+    before = (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library())
+    a = torch.randn(512, 512, device=device, dtype=torch.bfloat16)
+    with matmul_sm_carveout(16, device):
+        assert torch._C._get_sm_carveout_experimental() == 16
+        torch.testing.assert_close(a @ a, (a.float() @ a.float()).bfloat16(), rtol=2e-2, atol=1e-1)
+    assert (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()) == before
+    with pytest.raises(ValueError, match="leaves the matmuls no SM"):
+        with matmul_sm_carveout(count, device):
+            pass
 
 
 @pytest.mark.gpu

@@ -81,6 +81,7 @@ class Variant:
     compile_mode: str | None = None  # torch.compile mode of the blocks (with compile_blocks)
     fused_projections: bool = False  # QKV and SwiGLU's W1/W3 as one GEMM each (ModelConfig.fused_projections)
     split_masters: bool = False  # the fp32 masters as the model's bf16 weight + 16 low bits (with master_weights)
+    sm_carveout: int = 0  # SMs the backward's matmuls leave to the updates (with optimizer_in_backward)
 
     def __post_init__(self) -> None:
         if self.impl not in ("hf", "ours"):
@@ -89,6 +90,8 @@ class Variant:
             raise ValueError("master_weights needs impl='ours' and optimizer='fused' (MasterWeightAdamW)")
         if self.split_masters and not self.master_weights:
             raise ValueError("split_masters splits the fp32 masters of master_weights: set master_weights=True")
+        if self.sm_carveout and not self.optimizer_in_backward:
+            raise ValueError("sm_carveout leaves SMs to the updates inside the backward: set optimizer_in_backward=True")
         if self.compile_mode is not None and not self.compile_blocks:
             raise ValueError("compile_mode applies to compiled blocks: set compile_blocks=True")
         if self.impl == "hf" and (self.compile_blocks or self.fused_loss or self.optimizer_in_backward
@@ -106,7 +109,7 @@ class Variant:
 
     def step_spec(self) -> StepSpec:
         loss = "hf_logits" if self.impl == "hf" else ("fused" if self.fused_loss else "logits")
-        return StepSpec(precision="bf16", loss=loss)
+        return StepSpec(precision="bf16", loss=loss, sm_carveout=self.sm_carveout)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -138,6 +141,13 @@ VARIANTS: dict[str, Variant] = {
                                  master_weights=True, compile_mode="reduce-overhead", split_masters=True),
     "ours_graphs_overlap": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
                                    master_weights=True, compile_mode="reduce-overhead", optimizer_in_backward=True),
+    **{f"ours_master_overlap_sm{sms}": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
+                                               master_weights=True, optimizer_in_backward=True, sm_carveout=sms)
+       for sms in (8, 16, 32)},
+    **{f"ours_graphs_split_overlap_sm{sms}": Variant(
+        impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused", master_weights=True,
+        compile_mode="reduce-overhead", split_masters=True, optimizer_in_backward=True, sm_carveout=sms)
+       for sms in (0, 16)},
 }
 
 # (lever, variant without it, variant with it): notebook 10 credits each lever with the

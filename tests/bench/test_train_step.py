@@ -153,6 +153,8 @@ def test_variants_refuse_contradictions():
         ts.Variant(impl="hf", optimizer="torch_fused", master_weights=True)
     with pytest.raises(ValueError, match="compile_mode applies"):
         ts.Variant(impl="ours", compile_mode="reduce-overhead")
+    with pytest.raises(ValueError, match="sm_carveout leaves SMs"):
+        ts.Variant(impl="ours", compile_blocks=True, optimizer="fused", sm_carveout=16)
     with pytest.raises(ValueError, match="optimizer in the backward or fused projections"):
         ts.Variant(impl="hf", optimizer="torch_fused", fused_projections=True)
     with pytest.raises(ValueError, match="choose a \\*_fusedproj variant"):
