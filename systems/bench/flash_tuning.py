@@ -62,7 +62,9 @@ TILE_CANDIDATES: dict[str, list[tuple]] = {
     # the TMA-descriptor kernels (same tile meaning as their pointer twins): the pointer winners and
     # the 128x128 tiles and deeper pipelines that TMA loads leave registers for
     "fwd_tma": _tiles("128x128/8/3, 128x128/8/2, 128x64/8/3, 128x64/4/4, 64x128/4/3, 64x64/4/4, 128x128/8/4, 128x64/8/5"),
-    "dkdv_tma": _tiles("64x128/8/3, 64x128/8/4, 128x128/8/2, 32x128/8/4, 64x64/4/3, 32x64/4/3, 64x128/8/2, 128x128/8/3"),
+    # (entry 13 added the 128-query streamed tiles over 4 and 8 warps and the 64x64 tile's neighbours)
+    "dkdv_tma": _tiles("64x128/8/3, 64x128/8/4, 128x128/8/2, 32x128/8/4, 64x64/4/3, 32x64/4/3, 64x128/8/2, 128x128/8/3, "
+                       "128x64/4/3, 128x64/8/3, 64x64/4/4, 64x64/8/3"),
     "dq_tma": _tiles("128x64/8/3, 128x64/8/4, 128x128/8/2, 128x32/4/4, 64x64/4/3, 128x32/8/4, 128x128/8/3, 64x128/4/3"),
 }
 
