@@ -25,6 +25,7 @@ import triton.language as tl
 from systems.bench.config import DEFAULT_OUT_ROOT
 from systems.measure.results import ResultWriter
 from systems.measure.timer import time_fn
+from systems.train import matmul_sm_carveout
 
 ROW = 256  # fp32 elements per row: 1 KiB, the widest TMA box dimension
 BLOCK_ROWS = 32  # rows per tile: 32 KiB per load
@@ -117,7 +118,9 @@ def overlap(*, sms: list[int], gib: float = 1.0, gemms: int = 40, out: str | Non
     """The premise of hiding a memory-bound kernel under matmuls, measured: ``gemms`` bf16 matmuls
     (2048 x 2560 by 2560 x 10240, the 2.7B model's SwiGLU shape at 2048 tokens) on the current stream,
     a copy of ``gib`` GiB on a green-context stream confined to N SMs, each alone and then
-    launched together; wall times from events on the current stream (which waits for the copy)."""
+    launched together: with the matmuls on every SM, and with them planned for N SMs fewer
+    (``matmul_sm_carveout``: a persistent matmul's CTAs then need no SM the copy holds). Wall
+    times from events on the current stream (which waits for the copy)."""
     device = torch.device("cuda")
     count = torch.cuda.get_device_properties(device).multi_processor_count
     n = int(gib * 2**30 / 4) // ROW * ROW
@@ -140,10 +143,15 @@ def overlap(*, sms: list[int], gib: float = 1.0, gemms: int = 40, out: str | Non
         copy_queued(stream, programs)
         main_stream.wait_stream(stream)
 
-    def copy_beside_matmuls(stream, programs):
+    def copy_beside_matmuls(stream, programs, carveout):
         copy_queued(stream, programs)
-        matmuls()
+        with matmul_sm_carveout(carveout, device):
+            matmuls()
         main_stream.wait_stream(stream)
+
+    def carved_matmuls(carveout):
+        with matmul_sm_carveout(carveout, device):
+            matmuls()
 
     def timed(fn, repeats: int = 5) -> float:
         fn()  # warm (compiles, cuBLAS heuristics)
@@ -166,13 +174,17 @@ def overlap(*, sms: list[int], gib: float = 1.0, gemms: int = 40, out: str | Non
         try:
             context, stream = green_stream(n_sms, device)
             copy_ms = timed(lambda: copy_on(stream, n_sms * 8))
-            both_ms = timed(lambda: copy_beside_matmuls(stream, n_sms * 8))
+            both_ms = timed(lambda: copy_beside_matmuls(stream, n_sms * 8, 0))
+            carved_gemm_ms = timed(lambda: carved_matmuls(n_sms))
+            both_carved_ms = timed(lambda: copy_beside_matmuls(stream, n_sms * 8, n_sms))
         except Exception as exc:  # noqa: BLE001 - no green contexts here: a row, the sweep goes on
             row.update(status="error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         else:
             row.update(copy_green_ms=copy_ms, both_ms=both_ms, serial_ms=gemm_ms + all_sms_ms,
-                       copy_green_gb_per_s=2 * n * 4 / (copy_ms * 1e-3) / 1e9)
+                       copy_green_gb_per_s=2 * n * 4 / (copy_ms * 1e-3) / 1e9, carved_gemm_ms=carved_gemm_ms,
+                       both_carved_ms=both_carved_ms)
             row["both_over_serial"] = both_ms / row["serial_ms"]
+            row["both_carved_over_serial"] = both_carved_ms / row["serial_ms"]
         rows.append(row)
         if writer is not None:
             writer.write(row)
