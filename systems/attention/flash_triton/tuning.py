@@ -144,10 +144,12 @@ else:
         # (12% and 6% faster than 64x64), in place of the 128x32 dQ tile, the slowest there.
         # Entry 13 added the forward's 128x128 over 8 warps with warp specialisation (8% faster than
         # without at (1, 65536, 128), even at (16, 16384, 128); it does not compile over 4 warps) and
-        # put dQ's 128x64 over 8 warps on EARLY_DP (2-4% faster at d = 128, 1% at the leaderboard shape).
+        # put dQ's 128x64 over 8 warps on EARLY_DP (2-4% faster at d = 128, 1% at the leaderboard shape),
+        # and dK/dV's 64x64 over 4 warps (1.5% faster at the leaderboard shape in two H100 runs, level on
+        # an H200; at d = 128 it spills, 30% slower, where the autotuner keeps 64x128 over 8 warps).
         "fwd_tma": {"half": [(64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 3, {"WS": True})],
                     "fp32": [(64, 64, 4, 3), (64, 32, 4, 2)]},
-        "dkdv_tma": {"half": [(64, 64, 4, 3), (64, 128, 8, 3)], "fp32": [(32, 64, 4, 2), (32, 32, 4, 2)]},
+        "dkdv_tma": {"half": [(64, 64, 4, 3, {"EARLY_DP": True}), (64, 128, 8, 3)], "fp32": [(32, 64, 4, 2), (32, 32, 4, 2)]},
         "dq_tma": {"half": [(64, 64, 4, 3), (128, 64, 8, 3, {"EARLY_DP": True}), (64, 128, 4, 3)],
                    "fp32": [(64, 32, 4, 2), (32, 32, 4, 2)]},
     })
