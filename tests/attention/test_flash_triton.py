@@ -481,6 +481,14 @@ def test_pruners_keep_each_kernels_own_configs_that_fit():
             assert [id(c) for c in kept] == [id(c) for c in listed], (name, family)
             big = kernel.early_config_prune(kernel.configs, {"Q": q, "BLOCK_D": 512})
             assert big and len(big) < len(listed) or len(listed) == 1, (name, family)
+    # an option measured to spill past a head dim is not tried there (tuning._OPTION_MAX_BLOCK_D)
+    for (family_name, option), limit in tuning._OPTION_MAX_BLOCK_D.items():
+        for name in (family_name, f"{family_name}_tma"):
+            kernel, q = tuning.TUNED[name].autotuner, torch.empty(1, 1, 1, dtype=torch.bfloat16)
+            wide = kernel.early_config_prune(kernel.configs, {"Q": q, "BLOCK_D": 2 * limit})
+            assert wide and not any(c.kwargs.get(option) for c in wide), (name, option)
+            at_limit = kernel.early_config_prune(kernel.configs, {"Q": q, "BLOCK_D": limit})
+            assert [id(c) for c in at_limit] == [id(c) for c in tuning.CONFIGS[name]["half"]], name
 
 
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")

@@ -160,6 +160,14 @@ if not autotuning():  # one config each: the TMA kernels run their pointer twins
                                  for family, configs in CONFIGS[k].items()}
                     for k in ("fwd", "dkdv", "dq")})
 
+# (kernel family, option) -> the widest head dim (BLOCK_D) a config with the option is tried at.
+# dK/dV's EARLY_DP holds dP^T beside S^T: at d = 128 its 64x64/4 tile spilled and ran 30% slower
+# (notes entry 13). A key is tuned on its first call, and a bucket spans shapes from one
+# (batch, head) of 4k to sixteen of 16k, so a small first call could otherwise pick it for them
+# all: the first H100 run with it in the table picked it at d = 128 and the backward at
+# (16, 16384, 128) took 8.8 ms instead of 6.4.
+_OPTION_MAX_BLOCK_D = {("dkdv", "EARLY_DP"): 64}
+
 _SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KB per block, the rest is Triton's scratch
 # fp32 registers per thread the atomic kernel's dK and dV accumulators may take: a thread has at
 # most 255, and the S^T, P^T, dP^T tiles and the dot operands need the rest (beyond this it spills)
@@ -177,8 +185,12 @@ def _prune(kernel, configs, named_args, resident_keys, streamed_keys, **kwargs):
     elt = 4 if fp32 else 2
     family = CONFIGS[kernel]["fp32" if fp32 else "half"] or CONFIGS[kernel]["half"]
     kept = []
+    base = kernel.removesuffix("_tma")
     for c in configs:
         if not any(c is f for f in family):
+            continue
+        if any(c.kwargs.get(option) and meta["BLOCK_D"] > limit
+               for (family_name, option), limit in _OPTION_MAX_BLOCK_D.items() if family_name == base):
             continue
         resident = sum(c.kwargs[key] for key in resident_keys) * meta["BLOCK_D"] * elt
         streamed = sum(c.kwargs[key] for key in streamed_keys) * meta["BLOCK_D"] * elt * max(c.num_stages, 1)
