@@ -187,12 +187,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="launch the tuned plans earlier processes persisted instead of tuning afresh")
     parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/flash/flash_targets.jsonl")
     args = parser.parse_args(argv)
-    import os
     import tempfile
 
     import torch
 
     from systems.attention.flash_triton.tuning import CACHE_ENV
+    from systems.measure.env import environ_set
 
     if not torch.cuda.is_available():
         parser.error("the targets compare GPU kernels (SDPA's cuDNN backend among them); run on a CUDA GPU")
@@ -210,17 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         # bucket spans a (batch, head) of 4k to sixteen of 16k: plans stored by an earlier process
         # (notebook 06's sweep calls small shapes first) would time these shapes with tiles picked
         # for others (notes entry 13). By default each key is tuned here, at the table's first shape.
-        previous = os.environ.get(CACHE_ENV)
-        if not args.stored_plans:
-            os.environ[CACHE_ENV] = fresh
-        try:
+        with environ_set({} if args.stored_plans else {CACHE_ENV: fresh}):
             rows = measure(rounds=args.rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, writer=writer,
                            progress=lambda s: print(s, flush=True))
-        finally:
-            if previous is None:
-                os.environ.pop(CACHE_ENV, None)
-            else:
-                os.environ[CACHE_ENV] = previous
     table = ratios(rows)
     print(format_table(table, verdicts(table)))
     print(f"rows: {writer.path}")

@@ -114,7 +114,8 @@ def green_stream(sms: int, device: torch.device):
     return context, context.Stream()
 
 
-def overlap(*, sms: list[int], gib: float = 1.0, gemms: int = 40, out: str | None = None) -> list[dict]:
+def overlap(*, sms: list[int], gib: float = 1.0, gemms: int = 40, rep_ms: float = 100,
+            out: str | None = None) -> list[dict]:
     """The premise of hiding a memory-bound kernel under matmuls, measured: ``gemms`` bf16 matmuls
     (2048 x 2560 by 2560 x 10240, the 2.7B model's SwiGLU shape at 2048 tokens) on the current stream,
     a copy of ``gib`` GiB on a green-context stream confined to N SMs, each alone and then
@@ -153,17 +154,9 @@ def overlap(*, sms: list[int], gib: float = 1.0, gemms: int = 40, out: str | Non
         with matmul_sm_carveout(carveout, device):
             matmuls()
 
-    def timed(fn, repeats: int = 5) -> float:
-        fn()  # warm (compiles, cuBLAS heuristics)
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+    def timed(fn) -> float:
+        # events on the current stream, which every fn ends by waiting for the copy's stream
+        return time_fn(fn, device=device, rep_ms=rep_ms)["median_ms"]
 
     rows = []
     gemm_ms = timed(matmuls)
@@ -172,7 +165,7 @@ def overlap(*, sms: list[int], gib: float = 1.0, gemms: int = 40, out: str | Non
         row = dict(sms=n_sms, gpu_sms=count, gemms=gemms, bytes=2 * n * 4, gemm_ms=gemm_ms,
                    copy_all_sms_ms=all_sms_ms, status="ok")
         try:
-            context, stream = green_stream(n_sms, device)
+            context, stream = green_stream(n_sms, device)  # the context stays referenced while its stream runs
             copy_ms = timed(lambda: copy_on(stream, n_sms * 8))
             both_ms = timed(lambda: copy_beside_matmuls(stream, n_sms * 8, 0))
             carved_gemm_ms = timed(lambda: carved_matmuls(n_sms))
@@ -206,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("this measures a GPU's memory bandwidth and needs CUDA")
     try:
         if args.overlap:
-            overlap(sms=args.sms, gib=args.gib, out=args.out)
+            overlap(sms=args.sms, gib=args.gib, rep_ms=args.rep_ms, out=args.out)
         else:
             measure(sms=args.sms, gib=args.gib, rep_ms=args.rep_ms, out=args.out)
     except ValueError as exc:

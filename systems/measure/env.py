@@ -14,6 +14,7 @@ The commit stamp (``git_commit``):
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import functools
 import os
@@ -22,6 +23,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Iterator
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 UNKNOWN_COMMIT = "unknown"
@@ -105,3 +107,19 @@ def _static_environment() -> dict:
 def environment() -> dict:
     """Environment metadata for a results record (cached per process, dated per call)."""
     return {**_static_environment(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+@contextlib.contextmanager
+def environ_set(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` inside, and what was there before put back on exit (a variable
+    that was unset is unset again): a later run in the same process must not inherit them."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

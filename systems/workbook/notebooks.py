@@ -20,7 +20,6 @@ What a run guarantees:
 from __future__ import annotations
 
 import ast
-import contextlib
 import fcntl
 import json
 import os
@@ -28,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from systems.measure.env import REPO_ROOT, git_commit, tree_is_dirty
+from systems.measure.env import REPO_ROOT, environ_set, git_commit, tree_is_dirty
 from systems.measure.results import PREVIOUS_SUFFIX
 from systems.workbook.html import build_report
 
@@ -207,23 +206,6 @@ def check_commit(*, profile: str, allow_dirty: bool) -> None:
                             "HEAD: commit them first, or pass --allow-dirty (which is stamped on every row)")
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    """``values`` in os.environ while the run's kernels start (they inherit it), and what was there
-    before put back after: a later run in this process (a test, a JupyterLab session) must not
-    stamp this run's commit or --allow-dirty."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def run_notebooks(*, only: list[str] | None = None, profile: str = "auto", out_dir: str | Path | None = None,
                   parameters: dict | None = None, keep_going: bool = True, report: bool = True,
                   progress: bool = True, allow_dirty: bool = False) -> list[NotebookRun]:
@@ -249,7 +231,9 @@ def run_notebooks(*, only: list[str] | None = None, profile: str = "auto", out_d
     out = Path(out_dir).resolve() if out_dir else default_out_dir(profile)
     check_out_dir(out)
     runs: list[NotebookRun] = []
-    with OutDirLock(out), _environment(stated):
+    # the run's kernels inherit the stated commit; a later run in this process (a test, a
+    # JupyterLab session) must not stamp it or --allow-dirty
+    with OutDirLock(out), environ_set(stated):
         for i, path in enumerate(paths, 1):
             if n_gpus < need[path.stem]:
                 why = f"its full profile needs {need[path.stem]} GPUs, this machine has {n_gpus}"

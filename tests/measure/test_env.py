@@ -2,6 +2,7 @@
 worktree and a detached HEAD, "unknown" outside a checkout of this project, and a runner-supplied
 hash checked."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -85,3 +86,15 @@ def test_environment_names_the_software_and_the_dirty_flag(monkeypatch):
     stamp = env.environment()
     for key in ("torch", "git_commit", "date", "allow_dirty"):
         assert key in stamp
+
+
+def test_environ_set_puts_back_what_was_there(monkeypatch):
+    from systems.measure.env import environ_set
+
+    monkeypatch.setenv("WORKBOOK_TEST_KEPT", "before")
+    monkeypatch.delenv("WORKBOOK_TEST_UNSET", raising=False)
+    with pytest.raises(RuntimeError):
+        with environ_set({"WORKBOOK_TEST_KEPT": "inside", "WORKBOOK_TEST_UNSET": "inside"}):
+            assert os.environ["WORKBOOK_TEST_KEPT"] == os.environ["WORKBOOK_TEST_UNSET"] == "inside"
+            raise RuntimeError("the block fails: the values still go back")
+    assert os.environ["WORKBOOK_TEST_KEPT"] == "before" and "WORKBOOK_TEST_UNSET" not in os.environ

@@ -63,8 +63,7 @@ OPTIONS = {"atomic": {"DEFER_DQ_ADD": True}, "fwd": {"FMA_SOFTMAX": True}, "dkdv
 
 def kernel_options(kernel: str) -> dict:
     """The OPTIONS a config of ``kernel`` carries by default: its base name's, then its own."""
-    base = kernel.removesuffix("_tma")
-    return {**OPTIONS.get(base, {}), **(OPTIONS.get(kernel, {}) if kernel != base else {})}
+    return {**OPTIONS.get(kernel.removesuffix("_tma"), {}), **OPTIONS.get(kernel, {})}
 
 
 def tile_config(kernel: str, rows: int, cols: int, *, warps: int, stages: int, **options) -> triton.Config:
@@ -149,7 +148,8 @@ else:
         # an H200; at d = 128 it spills, 30% slower, where the autotuner keeps 64x128 over 8 warps).
         "fwd_tma": {"half": [(64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 3, {"WS": True})],
                     "fp32": [(64, 64, 4, 3), (64, 32, 4, 2)]},
-        "dkdv_tma": {"half": [(64, 64, 4, 3, {"EARLY_DP": True}), (64, 128, 8, 3)], "fp32": [(32, 64, 4, 2), (32, 32, 4, 2)]},
+        "dkdv_tma": {"half": [(64, 64, 4, 3, {"EARLY_DP": True}), (64, 128, 8, 3)],
+                     "fp32": [(32, 64, 4, 2), (32, 32, 4, 2)]},
         "dq_tma": {"half": [(64, 64, 4, 3), (128, 64, 8, 3, {"EARLY_DP": True}), (64, 128, 4, 3)],
                    "fp32": [(64, 32, 4, 2), (32, 32, 4, 2)]},
     })
