@@ -83,8 +83,13 @@ if ctx.handout == "2025":
 # `bucketed_tail:<MiB>/<last MiB>` caps the last bucket (the embedding, whose gradient comes last)
 # separately; `bucketed_lp` all-reduces in bf16. A *setting* is a precision, eager or with every
 # block compiled (`+compile`, CUDA graphs): eager bf16 is host-bound, so overlap is judged on the
-# compiled one. Every wrapper agrees with the other ranks on which gradients it reduces
-# (`grad_check_ms`, a CPU round trip per step).
+# compiled one. The last setting, `bf16-master+compile`, holds the matmul weights in bf16 with
+# their fp32 masters in the fused AdamW (the fast single-GPU step's arithmetic, notebook 10), one
+# optimizer per block: gradients are bf16 from the backward on, so there is half as much to send
+# and nothing to convert; there `bucketed_update` makes one bucket per block and updates each
+# block as soon as its all-reduce has landed, while the later blocks' all-reduces still run (its
+# `sync_wait_ms` holds those updates). Every wrapper agrees with the other ranks on which
+# gradients it reduces (`grad_check_ms`, a CPU round trip per step).
 
 # %%
 ddp_config = ddp_bench.notebook_config(profile=ctx.profile, handout=ctx.handout)

@@ -13,8 +13,9 @@ One step, its variants as data:
   wrapper), ``grad_sync`` the data-parallel wrapper whose ``finish_gradient_synchronization``
   runs after the backward (``systems.parallel.plan.apply`` returns both).
 - ``OptimizerSpec`` / ``build_optimizer``: our AdamW, the fused Triton AdamW (optionally with bf16
-  matmul weights and fp32 masters), torch's AdamW, sharded over the ranks (ZeRO-1) or stepped
-  inside the backward.
+  matmul weights and fp32 masters), torch's AdamW, sharded over the ranks (ZeRO-1), stepped
+  inside the backward, or one per block (``GroupedOptimizer``) for a data-parallel wrapper to
+  update each block as soon as its gradients are averaged.
 
 Each phase is a profiler range (``systems.measure.trace.PHASE_RANGES``, inside ``STEP_RANGE``)
 and, given ``marks``, a time mark of the same name, so every harness times and profiles the same
@@ -257,6 +258,9 @@ class OptimizerSpec:
     split_masters: bool = False
     sharded: bool = False  # ZeRO-1: each rank keeps the state of its share of the parameters
     in_backward: bool = False  # one optimizer per block, stepped inside the backward
+    # one optimizer per block (GroupedOptimizer), stepped after the backward: a data-parallel
+    # wrapper may update each block as soon as its gradients are averaged (update_per_bucket)
+    grouped: bool = False
 
     def __post_init__(self) -> None:
         check_choice("optimizer", self.kind, OPTIMIZERS)
@@ -266,6 +270,9 @@ class OptimizerSpec:
             raise ValueError("split_masters splits MasterWeightAdamW's fp32 masters: set master_weights=True")
         if self.sharded and self.in_backward:
             raise ValueError("a sharded optimizer cannot also step inside the backward: choose one")
+        if self.grouped and (self.sharded or self.in_backward):
+            raise ValueError("grouped is one optimizer per block stepped after the backward: it excludes sharded "
+                             "and in_backward (which is grouped already)")
 
 
 def optimizer_class(kind: str) -> tuple[type, dict]:
@@ -293,7 +300,7 @@ def matmul_weights_of(model: nn.Module) -> list[nn.Parameter]:
 
 def build_optimizer(model: nn.Module, spec: OptimizerSpec, *, blocks: Iterable[nn.Module] | None = None):
     """The optimizer of ``spec`` over ``model``'s trainable parameters. ``blocks``: the groups of
-    the optimizer inside the backward (default ``model.layers``). Build it before compiling:
+    the optimizer inside the backward or of ``grouped`` (default ``model.layers``). Build it before compiling:
     master weights change the model's weight dtypes."""
     params = [p for p in model.parameters() if p.requires_grad]
     cls, options = optimizer_class(spec.kind)
@@ -308,9 +315,10 @@ def build_optimizer(model: nn.Module, spec: OptimizerSpec, *, blocks: Iterable[n
     else:
         def make(ps: list[nn.Parameter]):
             return cls(ps, lr=spec.lr, **options)
-    if spec.in_backward:
+    if spec.in_backward or spec.grouped:
         groups = block_groups(model, blocks=blocks if blocks is not None else model.layers)
-        return OptimizerInBackward(groups, make_optimizer=make)
+        grouped = OptimizerInBackward if spec.in_backward else GroupedOptimizer
+        return grouped(groups, make_optimizer=make)
     if spec.sharded:
         from systems.parallel.sharded_optimizer import ShardedOptimizer
 
@@ -327,13 +335,15 @@ def build_optimizer(model: nn.Module, spec: OptimizerSpec, *, blocks: Iterable[n
 
 @dataclass
 class _Group:
-    """One group's parameters, its optimizer, and which of its parameters have their gradient in this step."""
+    """One group's parameters, its optimizer, which of its parameters have their gradient in this
+    step (``OptimizerInBackward``), and whether it was updated in this step already."""
 
     params: list[nn.Parameter]
     optimizer: torch.optim.Optimizer
     device: torch.device
     # id()s of the parameters whose hook fired this step; all of them: the group is updated
     arrived: set[int] = field(default_factory=set)
+    stepped: bool = False
 
     @property
     def complete(self) -> bool:
@@ -412,20 +422,21 @@ def matmul_sm_carveout(sms: int, device: torch.device) -> Iterator[None]:
         torch.backends.cuda.preferred_blas_library(backend)
 
 
-class OptimizerInBackward:
-    """Runs ``make_optimizer(group)``'s step for every group as soon as its gradients exist.
+class GroupedOptimizer:
+    """One optimizer per group of parameters, each group updated once per step: early, by
+    ``step_group(params)``, or by ``step()``, which updates every group not updated yet.
 
     ``groups``: disjoint lists of parameters (``block_groups`` makes them for a transformer).
-    ``make_optimizer``: builds one group's optimizer from its parameter list.
-    ``free_grads``: set each updated parameter's ``grad`` to None at once (saves the memory of
-    the gradients of every group already updated while the backward goes on).
-
-    Used as an optimizer in a training loop, inside ``priority_stream``: ``loss.backward()``
-    (the updates happen here), ``opt.step()`` (the leftovers, then the wait), ``opt.zero_grad()``.
+    ``make_optimizer``: builds one group's optimizer from its parameter list. The groups are the
+    unit a data-parallel wrapper can update as soon as their gradients are averaged
+    (``DDPBucketed(groups=..., on_synced=opt.step_group)``, through ``ParallelPlan(
+    update_per_bucket=True)``): the update of the groups synchronised first then runs while the
+    all-reduce of the rest goes on. Stepped only by ``step()`` it is the same arithmetic as one
+    optimizer over all the parameters, in one launch per group.
     """
 
     def __init__(self, groups: Sequence[Sequence[nn.Parameter]], *,
-                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], free_grads: bool = True):
+                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]):
         self._owner: dict[int, _Group] = {}  # id(parameter) -> its group
         self._groups: list[_Group] = []
         for index, params in enumerate(groups):
@@ -439,7 +450,7 @@ class OptimizerInBackward:
             for p in params:
                 if not p.requires_grad:
                     raise ValueError(f"group {index} has a parameter of shape {tuple(p.shape)} that does not "
-                                     "require grad; its hook would never fire")
+                                     "require grad; it never gets a gradient to update with")
                 if id(p) in self._owner:
                     raise ValueError(f"a parameter of shape {tuple(p.shape)} is in two groups; each parameter "
                                      "must be in exactly one (its gradient is complete only once)")
@@ -447,18 +458,11 @@ class OptimizerInBackward:
             for p in params:
                 self._owner[id(p)] = group
             self._groups.append(group)
-        self.free_grads = free_grads
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        # the hooks hold nothing but a weak reference to the wrapper: parameter -> hook -> wrapper
-        # -> parameter would be a cycle that keeps a dropped model alive until a full gc pass
-        this = weakref.ref(self)
 
-        def hook(p: torch.Tensor) -> None:
-            wrapper = this()
-            if wrapper is not None:
-                wrapper._on_grad(p)
-
-        self._handles = [p.register_post_accumulate_grad_hook(hook) for g in self._groups for p in g.params]
+    @property
+    def groups(self) -> list[list[nn.Parameter]]:
+        """The groups' parameter lists, in order (the model's parameters, not the masters)."""
+        return [list(g.params) for g in self._groups]
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -475,6 +479,77 @@ class OptimizerInBackward:
         optimizer keeps one (``MasterWeightAdamW``), else the parameter itself."""
         optimizer = self._owner[id(param)].optimizer
         return optimizer.master_of(param) if hasattr(optimizer, "master_of") else param
+
+    def step_group(self, params: Sequence[torch.Tensor]) -> None:
+        """Update, now, the group that ``params`` is (its parameters, in any order; those without a
+        gradient are skipped as a plain optimizer skips them)."""
+        group = self._owner.get(id(params[0])) if len(params) else None
+        if group is None or {id(p) for p in params} != {id(p) for p in group.params}:
+            raise ValueError("step_group takes one whole group of this optimizer's parameters (see .groups)")
+        if group.stepped:
+            raise RuntimeError(f"the group of a parameter of shape {tuple(params[0].shape)} was updated twice in "
+                               "one step; each group is updated once between step() calls")
+        self._launch(group)
+
+    @torch.no_grad()
+    def _launch(self, group: _Group) -> None:
+        group.optimizer.step()
+        group.stepped = True
+
+    def step(self) -> None:
+        """Update every group not updated since the last ``step()``."""
+        for group in self._groups:
+            if not group.stepped:
+                self._launch(group)
+        self._new_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self._groups:
+            group.optimizer.zero_grad(set_to_none=set_to_none)
+        self._new_step()
+
+    def _new_step(self) -> None:
+        for group in self._groups:
+            group.arrived.clear()
+            group.stepped = False
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [g.optimizer.state_dict() for g in self._groups]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        states = state_dict["optimizers"]
+        if len(states) != len(self._groups):
+            raise ValueError(f"the state dict has {len(states)} group optimizers, this wrapper {len(self._groups)}")
+        for group, state in zip(self._groups, states):
+            group.optimizer.load_state_dict(state)
+
+
+class OptimizerInBackward(GroupedOptimizer):
+    """Runs ``make_optimizer(group)``'s step for every group as soon as its gradients exist.
+
+    ``groups``, ``make_optimizer``: as ``GroupedOptimizer``'s.
+    ``free_grads``: set each updated parameter's ``grad`` to None at once (saves the memory of
+    the gradients of every group already updated while the backward goes on).
+
+    Used as an optimizer in a training loop, inside ``priority_stream``: ``loss.backward()``
+    (the updates happen here), ``opt.step()`` (the leftovers, then the wait), ``opt.zero_grad()``.
+    """
+
+    def __init__(self, groups: Sequence[Sequence[nn.Parameter]], *,
+                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], free_grads: bool = True):
+        super().__init__(groups, make_optimizer=make_optimizer)
+        self.free_grads = free_grads
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # the hooks hold nothing but a weak reference to the wrapper: parameter -> hook -> wrapper
+        # -> parameter would be a cycle that keeps a dropped model alive until a full gc pass
+        this = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            wrapper = this()
+            if wrapper is not None:
+                wrapper._on_grad(p)
+
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for g in self._groups for p in g.params]
 
     def _on_grad(self, p: torch.Tensor) -> None:
         group = self._owner[id(p)]
@@ -506,6 +581,7 @@ class OptimizerInBackward:
                 g.record_stream(side)  # its memory is not reused until the side stream's update has read it
         else:
             group.optimizer.step()
+        group.stepped = True
         if self.free_grads:
             for p in group.params:
                 p.grad = None
@@ -514,7 +590,7 @@ class OptimizerInBackward:
         """Update the groups that did not complete in the backward (only their parameters with a
         gradient), then make the current stream wait for every update."""
         for group in self._groups:
-            if group.arrived and not group.complete:  # complete groups were updated in the backward
+            if group.arrived and not group.stepped:  # complete groups were updated in the backward
                 self._launch(group)
         self._wait()
         self._new_step()
@@ -522,27 +598,11 @@ class OptimizerInBackward:
     def zero_grad(self, set_to_none: bool = True) -> None:
         # zeroing in place (set_to_none=False) writes gradients an update may still be reading
         self._wait()
-        for group in self._groups:
-            group.optimizer.zero_grad(set_to_none=set_to_none)
-        self._new_step()
+        super().zero_grad(set_to_none=set_to_none)
 
     def _wait(self) -> None:
         for device, stream in self._streams.items():
             torch.cuda.current_stream(device).wait_stream(stream)
-
-    def _new_step(self) -> None:
-        for group in self._groups:
-            group.arrived.clear()
-
-    def state_dict(self) -> dict:
-        return {"optimizers": [g.optimizer.state_dict() for g in self._groups]}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        states = state_dict["optimizers"]
-        if len(states) != len(self._groups):
-            raise ValueError(f"the state dict has {len(states)} group optimizers, this wrapper {len(self._groups)}")
-        for group, state in zip(self._groups, states):
-            group.optimizer.load_state_dict(state)
 
     def remove(self) -> None:
         """Remove the hooks: the parameters' gradients then just accumulate, as without the wrapper."""

@@ -18,7 +18,7 @@ from systems.config import get_config
 from systems.kernels.fused_adamw import LOW_BITS, FusedAdamW
 from systems.model import TransformerLM
 from systems.optim import AdamW, cross_entropy
-from systems.train import (OptimizerInBackward, OptimizerSpec, StepSpec, block_groups, build_optimizer, matmul_sm_carveout,
+from systems.train import (GroupedOptimizer, OptimizerInBackward, OptimizerSpec, StepSpec, block_groups, build_optimizer, matmul_sm_carveout,
                            matmul_weights_of,
                            priority_stream)
 from systems.testing import have_triton, interpreting, run_interpreter_cases
@@ -184,6 +184,42 @@ def test_two_backward_passes_before_step_are_refused():
     opt.zero_grad()
     cross_entropy(model(x), y).backward()
     opt.step()
+
+
+def test_grouped_optimizer_matches_the_plain_optimizer_stepped_early_or_late():
+    # GroupedOptimizer's groups are updated after the backward (every gradient is final), by
+    # step_group for some groups (as DDPBucketed's on_synced does) and step() for the rest: the
+    # same elementwise ops on the same gradients as one AdamW over everything, so bit-identical
+    cfg, ref, ours = twin_models()
+    batches = random_batches(cfg, steps=3)
+    ref_opt = AdamW(ref.parameters(), **HYPER)
+    ours_opt = GroupedOptimizer(block_groups(ours, blocks=ours.layers), make_optimizer=lambda ps: AdamW(ps, **HYPER))
+    train(ref, ref_opt, batches)
+    for i, (x, y) in enumerate(batches):
+        cross_entropy(ours(x), y).backward()
+        for group in reversed(ours_opt.groups[:i + 1]):  # a different number of early groups each step
+            ours_opt.step_group(group)
+        ours_opt.step()
+        ours_opt.zero_grad(set_to_none=True)
+    assert_same_training(ref, ours, ref_opt, ours_opt, atol=0, rtol=0)
+
+
+def test_grouped_optimizer_steps_each_group_once_and_only_whole_groups():
+    cfg, model, _ = twin_models()
+    opt = build_optimizer(model, OptimizerSpec(kind="ours", grouped=True))
+    assert isinstance(opt, GroupedOptimizer) and len(opt.groups) == cfg.n_layers + 3  # + embedding, norm, head
+    x, y = random_batches(cfg, steps=1)[0]
+    cross_entropy(model(x), y).backward()
+    first = opt.groups[0]
+    with pytest.raises(ValueError, match="one whole group"):
+        opt.step_group(first[:1])
+    opt.step_group(list(reversed(first)))
+    with pytest.raises(RuntimeError, match="updated twice"):
+        opt.step_group(first)
+    opt.step()
+    assert all(o.state[p]["step"] == 1 for o in opt.optimizers for p in o.param_groups[0]["params"])
+    with pytest.raises(ValueError, match="excludes sharded"):
+        OptimizerSpec(grouped=True, sharded=True)
 
 
 def test_bad_groups_are_clear_errors():

@@ -10,6 +10,9 @@ Variants, timed in this order:
 - ``bucketed_tail:<MiB>/<last MiB>`` (only when asked for): bucketed, with the last bucket (the
   first parameters, reduced after backward ends) capped separately;
 - ``bucketed_lp:<MiB>`` (only when asked for): bucketed, all-reducing the gradients in bf16;
+- ``bucketed_update`` (the master-weights setting only): one bucket per transformer block (the
+  groups of a ``GroupedOptimizer``), each block's update run as soon as its gradients are
+  averaged, so the last all-reduces overlap the first blocks' updates;
 - ``torch_ddp``: torch.nn.parallel.DistributedDataParallel with its defaults, last (it keeps
   hooks on the parameters until it is deleted).
 
@@ -21,6 +24,13 @@ that also applies to torch DDP, whose waiting happens inside backward.
 
 Then naive, overlap and the fastest of our variants are profiled (torch.profiler, rank 0) and the
 traces analysed for overlap (systems.measure.trace).
+
+``master_weights`` adds one more setting, last (it converts the model): bf16 (with compiled blocks
+when bf16 is among ``compiled_precisions``), the matmul weights held in bf16 by the model and their fp32 masters in ``MasterWeightAdamW``, one
+per block (``OptimizerSpec(kind="fused", master_weights=True, grouped=True)``), as the fast
+single-GPU step does. The gradients are then bf16 from the backward on: the buckets all-reduce
+half the bytes of fp32 gradients with no conversion on either side, and the update reads the
+averaged bf16 gradient. Its variants are ``master_variants``.
 
 Each (precision, compiled) pair is one *setting*. ``compiled_precisions`` adds settings that run
 after the eager ones with every Transformer block compiled (``torch.compile`` per block, applied
@@ -56,7 +66,9 @@ from systems.parallel.plan import ParallelPlan, Parallelized, apply
 from systems.train import OptimizerSpec, StepSpec, TrainStep, build_optimizer
 
 PRECISIONS = ("fp32", "bf16")
-VARIANT_KINDS = ("nosync", "naive", "flat", "overlap", "bucketed", "bucketed_tail", "bucketed_lp", "torch_ddp")
+VARIANT_KINDS = ("nosync", "naive", "flat", "overlap", "bucketed", "bucketed_tail", "bucketed_lp", "bucketed_update",
+                 "torch_ddp")
+MASTER_SETTING = "bf16-master"
 HANDOUT_BUCKETS_MB = (1.0, 10.0, 100.0, 1000.0)
 
 
@@ -75,6 +87,9 @@ class DDPBenchConfig(RunConfig):
     # bucketed variants whose last bucket has its own, smaller cap ("bucketed_tail:<MiB>/<last MiB>")
     tail_buckets_mb: tuple[tuple[float, float], ...] = ()
     include_torch_ddp: bool = True
+    # after the other settings: bf16 with bf16 weights and fp32 masters (module docstring)
+    master_weights: bool = False
+    master_variants: tuple[str, ...] = ("nosync", "overlap", "bucketed:100", "bucketed_update", "torch_ddp")
     profile: bool = True
     profile_steps: int = 2
     tf32: bool = False
@@ -108,17 +123,29 @@ class DDPBenchConfig(RunConfig):
         unknown = [v for v in self.variants if v.split(":")[0] not in VARIANT_KINDS]
         if unknown:
             raise ValueError(f"unknown variants {unknown}")
-        for v in self.variants:  # a malformed bucketed argument fails here, before any rank starts
+        unknown = [v for v in self.master_variants if v.split(":")[0] not in VARIANT_KINDS]
+        if unknown:
+            raise ValueError(f"unknown master_variants {unknown}")
+        for v in (*self.variants, *self.master_variants):  # a malformed argument fails here, before any rank starts
             variant_plan(v)
+        if "bucketed_update" in self.variants:
+            raise ValueError("bucketed_update updates the blocks of the master-weights setting's grouped optimizer: "
+                             "list it in master_variants (with master_weights=True)")
+        if self.master_weights and "bucketed_lp" in {v.split(":")[0] for v in self.master_variants}:
+            raise ValueError("bucketed_lp converts fp32 gradients to bf16; the master-weights setting's gradients "
+                             "are bf16 already: use bucketed")
         if self.compile_mode is not None and not self.compiled_precisions:
             raise ValueError("compile_mode applies to the compiled settings: set compiled_precisions too")
-        if "torch_ddp" in self.variants and self.variants[-1] != "torch_ddp":
-            raise ValueError("torch_ddp must be the last variant (its hooks stay until it is freed)")
+        for variants in (self.variants, self.master_variants):
+            if "torch_ddp" in variants and variants[-1] != "torch_ddp":
+                raise ValueError("torch_ddp must be the last variant (its hooks stay until it is freed)")
         super().__post_init__()
 
-    def settings(self) -> list[tuple[str, bool]]:
-        """(precision, compiled) in run order: eager first, since compiling cannot be undone cheaply."""
-        return [(p, False) for p in self.precisions] + [(p, True) for p in self.compiled_precisions]
+    def settings(self) -> list[tuple[str, bool, bool]]:
+        """(precision, compiled, master weights) in run order: eager first, since compiling cannot
+        be undone cheaply, and the master-weights setting last, since it converts the model."""
+        return ([(p, False, False) for p in self.precisions] + [(p, True, False) for p in self.compiled_precisions]
+                + ([("bf16", "bf16" in self.compiled_precisions, True)] if self.master_weights else []))
 
 
 def parse_tail_variant(arg: str) -> tuple[float, float]:
@@ -141,38 +168,44 @@ def variant_plan(name: str) -> ParallelPlan:
         return ParallelPlan(data_parallel="bucketed", bucket_size_mb=float(arg), reduce_dtype="bf16")
     if kind == "bucketed":
         return ParallelPlan(data_parallel="bucketed", bucket_size_mb=float(arg))
+    if kind == "bucketed_update":
+        return ParallelPlan(data_parallel="bucketed", update_per_bucket=True)
     return ParallelPlan(data_parallel=kind)
 
 
-def setting_name(precision: str, compiled: bool) -> str:
-    return f"{precision}+compile" if compiled else precision
+def setting_name(precision: str, compiled: bool, master: bool = False) -> str:
+    name = MASTER_SETTING if master else precision
+    return f"{name}+compile" if compiled else name
 
 
 def notebook_config(*, profile: str, handout: str) -> DDPBenchConfig:
     """Notebook 07's benchmark. Full: the handout's xl (2025: xl-2025 with the 1-1000 MB bucket
     sweep its ddp_bucketed_benchmarking asks for; 2026: the 2.7B preset, whose handout has no
     bucketed problem, so only our two fastest bucketed variants beside torch DDP), fp32 and bf16
-    eager, then bf16 with compiled blocks; budgeted to fit 2 x H200 in the notebook's 8 minutes.
+    eager, then bf16 with compiled blocks, then the same with bf16 weights and fp32 masters (the
+    fast single-GPU step's arithmetic); budgeted to fit 2 x H200 in the notebook's 9 minutes.
     Smoke: the debug model on gloo, same code paths."""
     from systems.config import preset_of
 
     if profile == "smoke":
         return DDPBenchConfig(model="debug", context_length=64, batch_size=4, bucket_sizes_mb=(0.05, 0.2, 1.0),
                               tail_buckets_mb=((1.0, 0.05),), lp_reduce_buckets_mb=(1.0,), warmup=1, steps=3,
-                              profile_steps=1)
+                              profile_steps=1, master_weights=True,
+                              master_variants=("nosync", "overlap", "bucketed:0.2", "bucketed_update", "torch_ddp"))
     model = preset_of("xl", handout)
     if handout == "2025":
         return DDPBenchConfig(model=model, context_length=512, batch_size=4, lp_reduce_buckets_mb=(1000.0,),
                               tail_buckets_mb=((1000.0, 1.0),), compiled_precisions=("bf16",),
-                              compile_mode="reduce-overhead", warmup=3, steps=10, budget_s=300.0)
+                              compile_mode="reduce-overhead", master_weights=True, warmup=3, steps=10,
+                              budget_s=380.0)
     return DDPBenchConfig(model=model, context_length=512, batch_size=4, bucket_sizes_mb=(100.0,),
                           tail_buckets_mb=((1000.0, 1.0),), compiled_precisions=("bf16",),
-                          compile_mode="reduce-overhead", warmup=2, steps=8, budget_s=300.0)
+                          compile_mode="reduce-overhead", master_weights=True, warmup=2, steps=8, budget_s=380.0)
 
 
 def _train_step(name: str, model: torch.nn.Module, opt, precision: str) -> tuple[Parallelized, TrainStep]:
     """The variant's plan applied to the shared model, and the step that runs it."""
-    par = apply(model, variant_plan(name))
+    par = apply(model, variant_plan(name), optimizer=opt)
     step = TrainStep(model, spec=StepSpec(precision=precision), optimizer=opt, forward=par.forward,
                      grad_sync=par.grad_sync)
     return par, step
@@ -298,16 +331,23 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
     budget = _Budget(cfg.budget_s)
 
     compiled_yet = False
-    for precision, compiled in cfg.settings():
-        setting = setting_name(precision, compiled)
+    for precision, compiled, master in cfg.settings():
+        setting = setting_name(precision, compiled, master)
         about = {**common, "precision": precision, "compiled": compiled, "setting": setting,
-                 "compile_mode": cfg.compile_mode if compiled else None}
+                 "compile_mode": cfg.compile_mode if compiled else None, "master_weights": master}
+        if master:
+            # the old optimizer's state goes first: the masters and their moments take its place
+            del opt
+            release_memory(ctx.device)
+            # converts the matmul weights to bf16 in place; compiled blocks recompile for the new dtype
+            opt = build_optimizer(model, OptimizerSpec(kind="fused", lr=cfg.lr, master_weights=True, grouped=True))
+            about["grad_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         if compiled and not compiled_yet:
             apply_compile(model, scope="blocks", mode=cfg.compile_mode)
             compiled_yet = True
         baseline_ms = None
         timed: dict[str, float] = {}
-        for name in cfg.variants:
+        for name in (cfg.master_variants if master else cfg.variants):
             plan = variant_plan(name)
             row = {**about, "variant": name, "kind": name.partition(":")[0], "bucket_size_mb": plan.bucket_size_mb,
                    "last_bucket_mb": plan.last_bucket_mb}
@@ -445,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run these precisions again with every Transformer block compiled")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled settings")
     parser.add_argument("--no-torch-ddp", action="store_true")
+    parser.add_argument("--master-weights", action="store_true",
+                        help="add the bf16 setting with bf16 weights and fp32 masters, last")
+    parser.add_argument("--master-variants", nargs="+", default=list(d.master_variants),
+                        help="the master-weights setting's variants")
     parser.add_argument("--profile-steps", type=int, default=d.profile_steps)
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in the fp32 runs")
     args = parser.parse_args(argv)
@@ -457,7 +501,9 @@ def main(argv: list[str] | None = None) -> int:
             lp_reduce_buckets_mb=tuple(args.lp_reduce_buckets_mb),
             tail_buckets_mb=tuple(args.tail_buckets_mb),
             compile_mode=args.compile_mode,
-            include_torch_ddp=not args.no_torch_ddp, warmup=args.warmup, steps=args.steps,
+            include_torch_ddp=not args.no_torch_ddp, master_weights=args.master_weights,
+            master_variants=tuple(v for v in args.master_variants if not (args.no_torch_ddp and v == "torch_ddp")),
+            warmup=args.warmup, steps=args.steps,
             profile=not args.no_profile, profile_steps=args.profile_steps, attn_impl=args.attn_impl,
             tf32=args.tf32, out_path=str(out / "07_distributed_ddp.jsonl"),
             overlap_path=str(out / "07_distributed_overlap.jsonl"), trace_dir=str(out / "07_distributed_traces"))

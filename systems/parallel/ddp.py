@@ -33,7 +33,7 @@ accumulation without synchronisation is not supported by these wrappers).
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -335,13 +335,31 @@ class DDPBucketed(_DDPBase):
     ``reduce_dtype`` (e.g. torch.bfloat16) communicates the gradients in that dtype, halving the
     bytes sent from fp32 (FSDP2's ``reduce_dtype``); the averaged result is copied back into
     each parameter's own-dtype ``.grad``, so the sum over ranks is rounded to that dtype.
+
+    ``groups`` (instead of ``bucket_size_mb``): the buckets are these lists of parameters (split
+    by dtype where a group mixes them: a block's bf16 matmul weights and fp32 norm gains), and
+    ``on_synced(group)`` is called with each group's parameters as soon as all of its gradients
+    are averaged, in the order the all-reduces were issued: ``GroupedOptimizer.step_group`` there
+    updates a block while the all-reduces of the blocks after it still run. The update's kernels
+    queue behind that bucket's all-reduce on the current stream (``wait()`` does not block the
+    host), so the last buckets' communication overlaps the first buckets' updates instead of
+    delaying every update.
     """
 
-    def __init__(self, module: nn.Module, bucket_size_mb: float,
+    def __init__(self, module: nn.Module, bucket_size_mb: float | None = None,
                  process_group: dist.ProcessGroup | None = None, *, reduce_dtype: torch.dtype | None = None,
-                 last_bucket_mb: float | None = None, check_gradients: bool = True):
-        if not bucket_size_mb > 0:  # before the constructor's broadcast: fail without communicating
+                 last_bucket_mb: float | None = None, groups: Sequence[Sequence[nn.Parameter]] | None = None,
+                 on_synced: Callable[[list[nn.Parameter]], None] | None = None, check_gradients: bool = True):
+        # checked before the constructor's broadcast: fail without communicating
+        if (groups is None) == (bucket_size_mb is None):
+            raise ValueError("give DDPBucketed either bucket_size_mb (size-capped buckets) or groups (one bucket "
+                             "per group), not both or neither")
+        if groups is None and not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
+        if groups is not None and last_bucket_mb is not None:
+            raise ValueError("last_bucket_mb caps size-capped buckets; with groups the buckets are the groups")
+        if on_synced is not None and groups is None:
+            raise ValueError("on_synced is called per group: pass groups too")
         if last_bucket_mb is not None and not last_bucket_mb > 0:
             raise ValueError(f"last_bucket_mb must be positive, got {last_bucket_mb!r}")
         if reduce_dtype is not None and not reduce_dtype.is_floating_point:
@@ -349,15 +367,48 @@ class DDPBucketed(_DDPBase):
         super().__init__(module, process_group, check_gradients=check_gradients)
         self.bucket_size_mb = bucket_size_mb
         params = self.grad_params
-        groups = assign_buckets([p.numel() * p.element_size() for p in params], bucket_size_mb * MiB,
-                                keys=[(p.dtype, p.device) for p in params],
-                                last_bucket_bytes=None if last_bucket_mb is None else last_bucket_mb * MiB)
-        self.buckets = [_Bucket([params[i] for i in group], reduce_dtype) for group in groups]
+        keys = [(p.dtype, p.device) for p in params]
+        if groups is None:
+            index_groups = assign_buckets([p.numel() * p.element_size() for p in params], bucket_size_mb * MiB,
+                                          keys=keys,
+                                          last_bucket_bytes=None if last_bucket_mb is None else last_bucket_mb * MiB)
+            self._group_of = list(range(len(index_groups)))
+            self._groups = [[params[i] for i in g] for g in index_groups]
+        else:
+            index_groups, self._group_of, self._groups = self._split_groups(groups, params, keys)
+        self.buckets = [_Bucket([params[i] for i in group], reduce_dtype) for group in index_groups]
+        self.on_synced = on_synced
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._bucket_index = {id(b): k for k, b in enumerate(self.buckets)}
         self._gate = _AgreedOrder(checked=check_gradients)  # over bucket indices
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    @staticmethod
+    def _split_groups(groups, params, keys) -> tuple[list[list[int]], list[int], list[list[nn.Parameter]]]:
+        """(buckets as indices into ``params``, each bucket's group, the groups) for explicit groups:
+        each group split by (dtype, device), keeping its order."""
+        position = {id(p): i for i, p in enumerate(params)}
+        seen: set[int] = set()
+        buckets, group_of = [], []
+        for g, group in enumerate(groups):
+            by_key: dict[tuple, list[int]] = {}
+            for p in group:
+                i = position.get(id(p))
+                if i is None:
+                    raise ValueError(f"group {g} has a parameter of shape {tuple(p.shape)} that is not a trainable "
+                                     "parameter of the wrapped module")
+                if i in seen:
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} is in two groups")
+                seen.add(i)
+                by_key.setdefault(keys[i], []).append(i)
+            buckets += list(by_key.values())
+            group_of += [g] * len(by_key)
+        if len(seen) != len(params):
+            missing = next(p for i, p in enumerate(params) if i not in seen)
+            raise ValueError(f"{len(params) - len(seen)} trainable parameters (one of shape {tuple(missing.shape)}) "
+                             "are in no group: the groups must cover every parameter that gets a gradient")
+        return buckets, group_of, [list(group) for group in groups]
 
     @property
     def n_buckets(self) -> int:
@@ -417,7 +468,12 @@ class DDPBucketed(_DDPBase):
                     if i not in bucket.ready:
                         view.zero_()
                 bucket.handle = self._launch(bucket)
-        for bucket in self.buckets:
+        # a group's buckets left to wait for, to call on_synced when its last one has landed
+        left = {}
+        for k in range(len(self.buckets)):
+            left[self._group_of[k]] = left.get(self._group_of[k], 0) + 1
+        for k in order:  # the all-reduces finish in the order they were issued
+            bucket = self.buckets[k]
             bucket.handle.wait()
             for i, (p, view) in enumerate(zip(bucket.params, bucket.views)):
                 if i not in bucket.ready:
@@ -427,6 +483,10 @@ class DDPBucketed(_DDPBase):
                 else:
                     p.grad.copy_(view)  # .grad keeps the parameter's dtype
             bucket.reset()
+            group = self._group_of[k]
+            left[group] -= 1
+            if left[group] == 0 and self.on_synced is not None:
+                self.on_synced(self._groups[group])
         self._gate.agreed = order
         self._gate.start_step()
 

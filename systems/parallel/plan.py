@@ -10,7 +10,9 @@
 Checkpointing goes first so that compiling a block compiles the block itself (the runner calls
 the compiled blocks); data parallelism goes last because its hooks live on the parameters and
 modules that the earlier steps leave in place. The optimizer is built afterwards over
-``Parallelized.params_owner`` (FSDP trains its shards, not the model's parameters).
+``Parallelized.params_owner`` (FSDP trains its shards, not the model's parameters), except for
+``update_per_bucket``, whose buckets are the groups of an optimizer built first and passed to
+``apply``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class ParallelPlan:
     bucket_size_mb: float | None = None  # bucketed: the bucket cap
     last_bucket_mb: float | None = None  # bucketed: a separate cap for the last bucket (the embedding)
     reduce_dtype: str | None = None  # bucketed: all-reduce the gradients in this dtype ("bf16")
+    # bucketed: one bucket per group of a GroupedOptimizer (apply's ``optimizer``), each group
+    # updated as soon as its gradients are averaged, while later buckets are still in flight
+    update_per_bucket: bool = False
     param_dtype: str | None = None  # fsdp / fsdp2: compute (and communicate) in this dtype ("bf16")
     prefetch: int = 1  # fsdp: units whose all-gather runs ahead of the forward
 
@@ -64,10 +69,14 @@ class ParallelPlan:
             raise ValueError("compile_mode needs compile='blocks' or 'model'")
         check_choice("data_parallel", self.data_parallel, DATA_PARALLEL)
         bucketed = self.data_parallel == "bucketed"
-        if bucketed and not (self.bucket_size_mb or 0) > 0:
+        if self.update_per_bucket:
+            if self.bucket_size_mb is not None or self.last_bucket_mb is not None:
+                raise ValueError("update_per_bucket makes one bucket per optimizer group: leave bucket_size_mb and "
+                                 "last_bucket_mb unset")
+        elif bucketed and not (self.bucket_size_mb or 0) > 0:
             raise ValueError("data_parallel='bucketed' needs a positive bucket_size_mb")
-        for name in ("bucket_size_mb", "last_bucket_mb", "reduce_dtype"):
-            if getattr(self, name) is not None and not bucketed:
+        for name in ("bucket_size_mb", "last_bucket_mb", "reduce_dtype", "update_per_bucket"):
+            if getattr(self, name) not in (None, False) and not bucketed:
                 raise ValueError(f"{name} applies to data_parallel='bucketed' only")
         if self.last_bucket_mb is not None and not self.last_bucket_mb > 0:
             raise ValueError(f"last_bucket_mb must be positive, got {self.last_bucket_mb!r}")
@@ -119,7 +128,8 @@ class Parallelized:
             remove()
 
 
-def _data_parallel(model: nn.Module, plan: ParallelPlan, device: torch.device) -> tuple[nn.Module | None, object]:
+def _data_parallel(model: nn.Module, plan: ParallelPlan, device: torch.device,
+                   optimizer) -> tuple[nn.Module | None, object]:
     """(wrapper, grad_sync) for the plan's data parallelism."""
     kind = plan.data_parallel
     if kind in OURS_DDP:
@@ -129,6 +139,8 @@ def _data_parallel(model: nn.Module, plan: ParallelPlan, device: torch.device) -
         if kind == "bucketed":
             options = {"bucket_size_mb": plan.bucket_size_mb, "last_bucket_mb": plan.last_bucket_mb,
                        "reduce_dtype": DTYPES[plan.reduce_dtype] if plan.reduce_dtype else None}
+            if plan.update_per_bucket:
+                options.update(groups=optimizer.groups, on_synced=optimizer.step_group)
         ddp = make_ddp(kind, model, **options)
         return ddp, ddp
     if kind == "torch_ddp":
@@ -152,8 +164,14 @@ def _data_parallel(model: nn.Module, plan: ParallelPlan, device: torch.device) -
     return None, None
 
 
-def apply(model: nn.Module, plan: ParallelPlan, *, device: torch.device | None = None) -> Parallelized:
-    """Apply ``plan`` to ``model`` (in place where it can), in the module docstring's order."""
+def apply(model: nn.Module, plan: ParallelPlan, *, device: torch.device | None = None,
+          optimizer=None) -> Parallelized:
+    """Apply ``plan`` to ``model`` (in place where it can), in the module docstring's order.
+    ``optimizer``: with ``update_per_bucket``, the ``GroupedOptimizer`` (``systems.train``) over
+    ``model`` whose groups become the buckets; build it first (``OptimizerSpec(grouped=True)``)."""
+    if plan.update_per_bucket and not (hasattr(optimizer, "groups") and hasattr(optimizer, "step_group")):
+        raise ValueError("update_per_bucket needs the optimizer whose groups become the buckets: build "
+                         "build_optimizer(model, OptimizerSpec(grouped=True, ...)) first and pass it as optimizer=")
     if plan.distributed:
         import torch.distributed as dist
 
@@ -168,7 +186,7 @@ def apply(model: nn.Module, plan: ParallelPlan, *, device: torch.device | None =
     forward = apply_compile(model, scope=plan.compile, mode=plan.compile_mode)
     if plan.data_parallel == "none":
         return Parallelized(model=model, forward=forward)
-    wrapper, grad_sync = _data_parallel(model, plan, device)
+    wrapper, grad_sync = _data_parallel(model, plan, device, optimizer)
     if plan.data_parallel in OURS_DDP:
         # our DDP wrappers work through parameter hooks; their forward only calls the module, so
         # the step calls the (possibly compiled) model directly

@@ -419,9 +419,10 @@ def trace_row(overlap: pd.DataFrame | None, *, setting: str, variant: str) -> pd
 
 
 def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None) -> str:
-    """Per setting (of ddp_table's output): the best variant's step time over torch DDP's and its
-    trace's exposed-communication share, each beside our own target (the project's, not the
-    handout's: at most torch DDP's step time, at most 3% of the step exposed)."""
+    """Per setting (of ddp_table's output): the best variant's step time over torch DDP's, its step
+    over the no-communication step, and its trace's exposed-communication share, each beside our
+    own target (the project's, not the handout's: at most torch DDP's step time, at most 5% of the
+    step over the no-communication step, at most 3% of the step exposed in the trace)."""
     lines = []
     for setting, g in _ok(table).groupby("setting", sort=False):
         best = best_of_ours(g)
@@ -429,9 +430,10 @@ def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None) -> str:
             continue
         traced = trace_row(overlap, setting=setting, variant=best["variant"])
         exposed = traced["exposed_comm_pct_of_step"] if traced is not None else float("nan")
+        over = best["comm_share_pct"] if best["comm_share_pct"] is not None else float("nan")
         lines.append(f"- {setting}: best `{best['variant']}` runs at {best['vs_torch_ddp']:.3f}x torch DDP's step time "
-                     f"(our target <= 1) with {exposed:.1f}% of the step exposed communication in its trace "
-                     f"(our target <= 3%).")
+                     f"(our target <= 1); {over:.1f}% of its step is time over the no-communication step (our "
+                     f"target <= 5%), {exposed:.1f}% exposed communication in its trace (our target <= 3%).")
     return "\n".join(lines)
 
 

@@ -298,3 +298,62 @@ def test_bucketed_reduce_dtype_communicates_low_precision_and_keeps_fp32_grads()
 def test_bucketed_rejects_an_integer_reduce_dtype():
     with pytest.raises(ValueError, match="reduce_dtype"):
         DDPBucketed(nn.Linear(2, 2), bucket_size_mb=1, reduce_dtype=torch.int32)
+
+
+def _grouped_update_worker(ctx, kind):
+    """DDPBucketed with one bucket per group and each group's SGD step run by on_synced: every
+    group stepped once per step, in the order its all-reduce was issued, and the same training."""
+    from systems.train import GroupedOptimizer
+
+    model = _make(kind, seed=ctx.rank + 17)
+    if kind == "frozen":
+        # a group mixing dtypes: the (never used) float64 parameter gets a bucket of its own in fc2's group
+        model.unused.data = model.unused.data.double()
+        groups = [[model.fc1.weight, model.fc1.bias], [model.fc2.weight, model.fc2.bias, model.unused]]
+    else:
+        groups = [[model.embed.weight], [model.mix.weight]]
+    opt = GroupedOptimizer(groups, make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    synced = []
+
+    def on_synced(params):
+        synced.append(next(i for i, g in enumerate(groups) if g[0] is params[0]))
+        opt.step_group(params)
+
+    ddp = DDPBucketed(model, groups=opt.groups, on_synced=on_synced)
+    local = BATCH // ctx.world_size
+    for step in range(STEPS):
+        x, y = _data(kind, step)
+        per_row = y.numel() // BATCH
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        ddp.on_train_batch_start()
+        out = ddp(x[ctx.rank * local:(ctx.rank + 1) * local])
+        nn.functional.cross_entropy(out, y[ctx.rank * local * per_row:(ctx.rank + 1) * local * per_row]).backward()
+        ddp.finish_gradient_synchronization()
+        opt.step()  # every group was stepped by on_synced: nothing is left
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, synced, ddp.n_buckets
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["frozen", "tied"])
+def test_bucketed_groups_update_each_group_once_as_it_is_synced(kind):
+    results = spawn(_grouped_update_worker, WORLD_SIZE, "gloo", args=(kind,), timeout_s=60, deadline_s=120)
+    reference_model = _make(kind, seed=17)
+    if kind == "frozen":
+        reference_model.unused.data = reference_model.unused.data.double()
+    reference = _train(reference_model, kind)
+    for state, synced, n_buckets in results:
+        # two groups per step, each once; the frozen toy's second group is two buckets (two dtypes)
+        assert [sorted(synced[i:i + 2]) for i in range(0, len(synced), 2)] == [[0, 1]] * STEPS
+        assert n_buckets == (3 if kind == "frozen" else 2)
+        for key in reference:
+            # the same fp32 tolerance as test_variant_matches_single_process (summation order)
+            torch.testing.assert_close(state[key], reference[key], rtol=1e-5, atol=1e-6, msg=f"{kind} {key}")
+
+
+def test_bucketed_groups_are_checked_before_communicating():
+    with pytest.raises(ValueError, match="either bucket_size_mb"):
+        DDPBucketed(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="either bucket_size_mb"):
+        DDPBucketed(nn.Linear(2, 2), bucket_size_mb=1, groups=[])
+    with pytest.raises(ValueError, match="pass groups too"):
+        DDPBucketed(nn.Linear(2, 2), bucket_size_mb=1, on_synced=print)

@@ -1,0 +1,30 @@
+"""ParallelPlan's checks: a plan that cannot work fails when it is made, with a message saying what to set."""
+
+from __future__ import annotations
+
+import pytest
+import torch.nn as nn
+
+from systems.parallel.plan import ParallelPlan, apply
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(data_parallel="bucketed"), "needs a positive bucket_size_mb"),
+    (dict(data_parallel="overlap", bucket_size_mb=10), "applies to data_parallel='bucketed' only"),
+    (dict(data_parallel="overlap", update_per_bucket=True), "applies to data_parallel='bucketed' only"),
+    (dict(data_parallel="bucketed", bucket_size_mb=10, update_per_bucket=True), "leave bucket_size_mb"),
+    (dict(data_parallel="bucketed", reduce_dtype="int8", bucket_size_mb=1), "reduce_dtype must be one of"),
+    (dict(checkpoint_save="attention"), "set checkpoint_group too"),
+    (dict(compile_mode="reduce-overhead"), "needs compile='blocks' or 'model'"),
+])
+def test_bad_plans_are_refused_with_what_to_set(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelPlan(**kwargs)
+
+
+def test_update_per_bucket_needs_the_grouped_optimizer_before_anything_is_applied():
+    plan = ParallelPlan(data_parallel="bucketed", update_per_bucket=True)
+    assert plan.bucket_size_mb is None
+    # refused before the process-group check: the message names the missing optimizer
+    with pytest.raises(ValueError, match="OptimizerSpec\\(grouped=True"):
+        apply(nn.Linear(2, 2), plan)
