@@ -339,8 +339,14 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             # the old optimizer's state goes first: the masters and their moments take its place
             del opt
             release_memory(ctx.device)
-            # converts the matmul weights to bf16 in place; compiled blocks recompile for the new dtype
+            # converts the matmul weights to bf16 in place (param.data)
             opt = build_optimizer(model, OptimizerSpec(kind="fused", lr=cfg.lr, master_weights=True, grouped=True))
+            if compiled_yet:
+                # the compiled blocks' guards do not see a parameter's dtype change through .data:
+                # their fp32 kernels would read the bf16 weights out of bounds (an illegal memory
+                # access on 2 x H200 at 9a68d09). Dropping every compiled graph makes the next
+                # call compile for bf16 weights.
+                torch._dynamo.reset()
             about["grad_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         if compiled and not compiled_yet:
             apply_compile(model, scope="blocks", mode=cfg.compile_mode)
