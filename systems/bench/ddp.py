@@ -12,7 +12,10 @@ Variants, timed in this order:
 - ``bucketed_lp:<MiB>`` (only when asked for): bucketed, all-reducing the gradients in bf16;
 - ``bucketed_update`` (the master-weights setting only): one bucket per transformer block (the
   groups of a ``GroupedOptimizer``), each block's update run as soon as its gradients are
-  averaged, so the last all-reduces overlap the first blocks' updates;
+  averaged, so the last all-reduces overlap the first blocks' updates; ``bucketed_update:<N>``
+  also plans the backward's cuBLASLt matmuls for N fewer SMs (``StepSpec(sm_carveout=N)``): a
+  trace showed the backward's one-wave matmuls taking twice as long beside NCCL's thread blocks
+  (a second, nearly empty wave), which N SMs left to NCCL would avoid;
 - ``torch_ddp``: torch.nn.parallel.DistributedDataParallel with its defaults, last (it keeps
   hooks on the parameters until it is deleted).
 
@@ -128,7 +131,7 @@ class DDPBenchConfig(RunConfig):
             raise ValueError(f"unknown master_variants {unknown}")
         for v in (*self.variants, *self.master_variants):  # a malformed argument fails here, before any rank starts
             variant_plan(v)
-        if "bucketed_update" in self.variants:
+        if any(v.split(":")[0] == "bucketed_update" for v in self.variants):
             raise ValueError("bucketed_update updates the blocks of the master-weights setting's grouped optimizer: "
                              "list it in master_variants (with master_weights=True)")
         if self.master_weights and "bucketed_lp" in {v.split(":")[0] for v in self.master_variants}:
@@ -169,6 +172,9 @@ def variant_plan(name: str) -> ParallelPlan:
     if kind == "bucketed":
         return ParallelPlan(data_parallel="bucketed", bucket_size_mb=float(arg))
     if kind == "bucketed_update":
+        if arg and not (arg.isdigit() and int(arg) > 0):
+            raise ValueError(f"bucketed_update:<N> takes a positive count of SMs carved out of the backward's "
+                             f"matmuls, got {arg!r}")
         return ParallelPlan(data_parallel="bucketed", update_per_bucket=True)
     return ParallelPlan(data_parallel=kind)
 
@@ -206,8 +212,10 @@ def notebook_config(*, profile: str, handout: str) -> DDPBenchConfig:
 def _train_step(name: str, model: torch.nn.Module, opt, precision: str) -> tuple[Parallelized, TrainStep]:
     """The variant's plan applied to the shared model, and the step that runs it."""
     par = apply(model, variant_plan(name), optimizer=opt)
-    step = TrainStep(model, spec=StepSpec(precision=precision), optimizer=opt, forward=par.forward,
-                     grad_sync=par.grad_sync)
+    kind, _, arg = name.partition(":")
+    carveout = int(arg) if kind == "bucketed_update" and arg else 0
+    step = TrainStep(model, spec=StepSpec(precision=precision, sm_carveout=carveout), optimizer=opt,
+                     forward=par.forward, grad_sync=par.grad_sync)
     return par, step
 
 

@@ -69,6 +69,8 @@ def test_ddp_bench_config_rejects_unknown_compiled_precision():
         "bf16", True, True)
     with pytest.raises(ValueError, match="list it in master_variants"):
         DDPBenchConfig(variants=("nosync", "bucketed_update"))
+    with pytest.raises(ValueError, match="positive count of SMs"):
+        DDPBenchConfig(master_weights=True, master_variants=("nosync", "bucketed_update:x"))
     with pytest.raises(ValueError, match="gradients are bf16 already"):
         DDPBenchConfig(master_weights=True, master_variants=("nosync", "bucketed_lp:100"))
     with pytest.raises(ValueError, match="<MiB>/<last MiB>"):  # refused before any rank starts
