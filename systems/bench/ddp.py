@@ -14,8 +14,9 @@ Variants, timed in this order:
   groups of a ``GroupedOptimizer``), each block's update run as soon as its gradients are
   averaged, so the last all-reduces overlap the first blocks' updates; ``bucketed_update:<N>``
   also plans the backward's cuBLASLt matmuls for N fewer SMs (``StepSpec(sm_carveout=N)``): a
-  trace showed the backward's one-wave matmuls taking twice as long beside NCCL's thread blocks
-  (a second, nearly empty wave), which N SMs left to NCCL would avoid;
+  trace showed some of the backward's matmuls taking twice as long beside NCCL's thread blocks,
+  and N SMs left to NCCL were to keep them in one wave (measured: no gain, training-step notes
+  entry 8);
 - ``torch_ddp``: torch.nn.parallel.DistributedDataParallel with its defaults, last (it keeps
   hooks on the parameters until it is deleted).
 
@@ -28,10 +29,10 @@ that also applies to torch DDP, whose waiting happens inside backward.
 Then naive, overlap and the fastest of our variants are profiled (torch.profiler, rank 0) and the
 traces analysed for overlap (systems.measure.trace).
 
-``master_weights`` adds one more setting, last (it converts the model): bf16 (with compiled blocks
-when bf16 is among ``compiled_precisions``), the matmul weights held in bf16 by the model and their fp32 masters in ``MasterWeightAdamW``, one
-per block (``OptimizerSpec(kind="fused", master_weights=True, grouped=True)``), as the fast
-single-GPU step does. The gradients are then bf16 from the backward on: the buckets all-reduce
+``master_weights`` adds one more setting, last (it converts the model): bf16 (with compiled
+blocks when bf16 is among ``compiled_precisions``), the matmul weights held in bf16 by the model
+and their fp32 masters in ``MasterWeightAdamW``, one per block (``OptimizerSpec(kind="fused",
+master_weights=True, grouped=True)``), as the fast single-GPU step does. The gradients are then bf16 from the backward on: the buckets all-reduce
 half the bytes of fp32 gradients with no conversion on either side, and the update reads the
 averaged bf16 gradient. Its variants are ``master_variants``.
 
