@@ -124,12 +124,10 @@ class DDPBenchConfig(RunConfig):
                      *[f"bucketed_tail:{b:g}/{t:g}" for b, t in self.tail_buckets_mb],
                      *[f"bucketed_lp:{b:g}" for b in self.lp_reduce_buckets_mb]]
             self.variants = tuple(names + (["torch_ddp"] if self.include_torch_ddp else []))
-        unknown = [v for v in self.variants if v.split(":")[0] not in VARIANT_KINDS]
-        if unknown:
-            raise ValueError(f"unknown variants {unknown}")
-        unknown = [v for v in self.master_variants if v.split(":")[0] not in VARIANT_KINDS]
-        if unknown:
-            raise ValueError(f"unknown master_variants {unknown}")
+        for what, variants in (("variants", self.variants), ("master_variants", self.master_variants)):
+            unknown = [v for v in variants if v.split(":")[0] not in VARIANT_KINDS]
+            if unknown:
+                raise ValueError(f"unknown {what} {unknown}")
         for v in (*self.variants, *self.master_variants):  # a malformed argument fails here, before any rank starts
             variant_plan(v)
         if any(v.split(":")[0] == "bucketed_update" for v in self.variants):
@@ -173,11 +171,20 @@ def variant_plan(name: str) -> ParallelPlan:
     if kind == "bucketed":
         return ParallelPlan(data_parallel="bucketed", bucket_size_mb=float(arg))
     if kind == "bucketed_update":
-        if arg and not (arg.isdigit() and int(arg) > 0):
-            raise ValueError(f"bucketed_update:<N> takes a positive count of SMs carved out of the backward's "
-                             f"matmuls, got {arg!r}")
+        variant_sm_carveout(name)  # a malformed <N> fails with the plan
         return ParallelPlan(data_parallel="bucketed", update_per_bucket=True)
     return ParallelPlan(data_parallel=kind)
+
+
+def variant_sm_carveout(name: str) -> int:
+    """The SMs a variant carves out of the backward's matmuls: N of "bucketed_update:<N>", else 0."""
+    kind, _, arg = name.partition(":")
+    if kind != "bucketed_update" or not arg:
+        return 0
+    if not (arg.isdigit() and int(arg) > 0):
+        raise ValueError(f"bucketed_update:<N> takes a positive count of SMs carved out of the backward's "
+                         f"matmuls, got {arg!r}")
+    return int(arg)
 
 
 def setting_name(precision: str, compiled: bool, master: bool = False) -> str:
@@ -213,10 +220,8 @@ def notebook_config(*, profile: str, handout: str) -> DDPBenchConfig:
 def _train_step(name: str, model: torch.nn.Module, opt, precision: str) -> tuple[Parallelized, TrainStep]:
     """The variant's plan applied to the shared model, and the step that runs it."""
     par = apply(model, variant_plan(name), optimizer=opt)
-    kind, _, arg = name.partition(":")
-    carveout = int(arg) if kind == "bucketed_update" and arg else 0
-    step = TrainStep(model, spec=StepSpec(precision=precision, sm_carveout=carveout), optimizer=opt,
-                     forward=par.forward, grad_sync=par.grad_sync)
+    spec = StepSpec(precision=precision, sm_carveout=variant_sm_carveout(name))
+    step = TrainStep(model, spec=spec, optimizer=opt, forward=par.forward, grad_sync=par.grad_sync)
     return par, step
 
 
@@ -311,6 +316,11 @@ class _Budget:
         return bool(all_gather_objects(n_steps * self.step_s + extra_s <= left)[0])
 
 
+def _grad_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the gradients a step communicates (in the trainable parameters' dtypes)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
 def bench_worker(ctx: DistContext, config: dict) -> dict:
     """One rank of the benchmark. Rank 0 writes the rows as they are measured and returns them."""
     cfg = DDPBenchConfig(**config)
@@ -327,13 +337,12 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
     data = torch.randint(0, model_cfg.vocab_size, (cfg.batch_size, cfg.context_length + 1), generator=gen)
     shard = data[ctx.rank * local_batch:(ctx.rank + 1) * local_batch].to(ctx.device)
     tokens, targets = shard[:, :-1].contiguous(), shard[:, 1:].contiguous()
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     writer = ResultWriter(cfg.out_path) if ctx.is_main else None
     overlap_writer = ResultWriter(cfg.overlap_path) if ctx.is_main and cfg.profile else None
     rows, overlap_rows = [], []
     common = {"backend": ctx.backend, "world_size": ctx.world_size, "model": cfg.model,
-              "n_params": model_cfg.n_params, "grad_bytes": grad_bytes,
+              "n_params": model_cfg.n_params, "grad_bytes": _grad_bytes(model),
               "n_tensors": sum(1 for p in model.parameters() if p.requires_grad), "context_length": cfg.context_length,
               "global_batch": cfg.batch_size, "local_batch": local_batch, "tf32": cfg.tf32,
               "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
@@ -356,7 +365,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
                 # access on 2 x H200 at 9a68d09). Dropping every compiled graph makes the next
                 # call compile for bf16 weights.
                 torch._dynamo.reset()
-            about["grad_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+            about["grad_bytes"] = _grad_bytes(model)
         if compiled and not compiled_yet:
             apply_compile(model, scope="blocks", mode=cfg.compile_mode)
             compiled_yet = True

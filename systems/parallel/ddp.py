@@ -372,10 +372,10 @@ class DDPBucketed(_DDPBase):
             index_groups = assign_buckets([p.numel() * p.element_size() for p in params], bucket_size_mb * MiB,
                                           keys=keys,
                                           last_bucket_bytes=None if last_bucket_mb is None else last_bucket_mb * MiB)
-            self._group_of = list(range(len(index_groups)))
-            self._groups = [[params[i] for i in g] for g in index_groups]
+            self._group_of, self._groups = [], []  # no groups: nothing to report per group
         else:
             index_groups, self._group_of, self._groups = self._split_groups(groups, params, keys)
+        self._buckets_per_group = [self._group_of.count(g) for g in range(len(self._groups))]
         self.buckets = [_Bucket([params[i] for i in group], reduce_dtype) for group in index_groups]
         self.on_synced = on_synced
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -468,10 +468,7 @@ class DDPBucketed(_DDPBase):
                     if i not in bucket.ready:
                         view.zero_()
                 bucket.handle = self._launch(bucket)
-        # a group's buckets left to wait for, to call on_synced when its last one has landed
-        left = {}
-        for k in range(len(self.buckets)):
-            left[self._group_of[k]] = left.get(self._group_of[k], 0) + 1
+        left = list(self._buckets_per_group)  # per group, its buckets not landed yet
         for k in order:  # the all-reduces finish in the order they were issued
             bucket = self.buckets[k]
             bucket.handle.wait()
@@ -483,10 +480,11 @@ class DDPBucketed(_DDPBase):
                 else:
                     p.grad.copy_(view)  # .grad keeps the parameter's dtype
             bucket.reset()
-            group = self._group_of[k]
-            left[group] -= 1
-            if left[group] == 0 and self.on_synced is not None:
-                self.on_synced(self._groups[group])
+            if self.on_synced is not None:
+                group = self._group_of[k]
+                left[group] -= 1
+                if left[group] == 0:
+                    self.on_synced(self._groups[group])
         self._gate.agreed = order
         self._gate.start_step()
 
