@@ -97,6 +97,42 @@ def schedule_candidates(kernel: str) -> list[tuple]:
     baselines = list(dict.fromkeys(c[:4] for c in options))
     return baselines + options
 
+# The kernels whose programs kernels._program_tile places, so HEADS_INNER (the launch order) applies
+LAUNCH_ORDER_KERNELS = ("fwd", "dkdv", "dq", "fwd_tma", "dkdv_tma", "dq_tma")
+
+
+def launch_order_candidates(kernel: str) -> list[tuple]:
+    """The 16-bit configs of ``kernel``'s tuning table as they are (HEADS_INNER off: longest tile
+    first within each (batch, head)), then the same with HEADS_INNER on (longest first over the
+    whole launch): the same tiles and options, only the order the programs launch in differs."""
+    from systems.attention.flash_triton import tuning
+
+    if kernel not in LAUNCH_ORDER_KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r} for the launch order; choose one of {list(LAUNCH_ORDER_KERNELS)}")
+    names = tuning.TILE_NAMES[kernel.removesuffix("_tma")]
+    tiles = [((c.kwargs[names[0]], c.kwargs[names[1]], c.num_warps, c.num_stages),
+              {k: v for k, v in c.kwargs.items() if k not in names}) for c in tuning.CONFIGS[kernel]["half"]]
+    return ([(*tile, {**options, "HEADS_INNER": False}) for tile, options in tiles]
+            + [(*tile, {**options, "HEADS_INNER": True}) for tile, options in tiles])
+
+
+def option_ratios(rows: list[dict], option: str) -> list[dict]:
+    """Per (kernel, shape, tiles and other options): the time with ``option`` on over the time
+    with it off, from explore's rows of one run (pairs with either side failed are left out)."""
+    def key(r):
+        others = {k: v for k, v in (r.get("meta") or {}).items() if k != option}
+        return (r["kernel"], r["batch"], r["seq"], r["d"], r["block_m"], r["block_n"], r["warps"], r["stages"],
+                tuple(sorted(others.items())))
+
+    sides: dict = {}
+    for r in rows:
+        if r.get("impl") == "triton" and r.get("status") == "ok" and option in (r.get("meta") or {}):
+            sides.setdefault(key(r), {})[bool(r["meta"][option])] = r["ms"]
+    return [dict(kernel=k[0], batch=k[1], seq=k[2], d=k[3], tile=f"{k[4]}x{k[5]}/{k[6]}/{k[7]}",
+                 off_ms=pair[False], on_ms=pair[True], ratio=pair[True] / pair[False])
+            for k, pair in sides.items() if True in pair and False in pair]
+
+
 # fp32 tiles hold twice the bytes of 16-bit ones, and with the default tf32x3 dots every product is
 # three TF32 tensor-core products; the tuning tables' fp32 entries were chosen when fp32 ran IEEE
 # dots on the CUDA cores, so these candidates surround them (smaller tiles give a batch-1 head more
@@ -480,12 +516,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedule", action="store_true",
                         help="time only the loop-schedule options (SCHEDULE_CANDIDATES) beside the same tiles "
                              "without them")
+    parser.add_argument("--launch-order", action="store_true",
+                        help="time each 16-bit config of the tuning tables with HEADS_INNER off and on "
+                             "(launch_order_candidates) and print the ratios")
     parser.add_argument("--kernels", default=None,
                         help=f"comma-separated kernels whose candidates the exploration times, of {list(CANDIDATES)} "
                              f"(fp32: of {list(FP32_CANDIDATES)}); default: all")
     args = parser.parse_args(argv)
-    if args.schedule and args.dtype == "fp32":
-        parser.error("--schedule times 16-bit candidates; drop --dtype fp32")
+    if (args.schedule or args.launch_order) and args.dtype == "fp32":
+        parser.error("--schedule and --launch-order time 16-bit candidates; drop --dtype fp32")
+    if args.schedule and args.launch_order:
+        parser.error("--schedule and --launch-order are two explorations; give one")
     if not torch.cuda.is_available():
         parser.error("the exploration times GPU kernels and needs CUDA")
     if args.compare_backward:
@@ -505,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.schedule:
         table = {kernel: schedule_candidates(kernel) for kernel in SCHEDULE_CANDIDATES}
+    elif args.launch_order:
+        table = {kernel: launch_order_candidates(kernel) for kernel in LAUNCH_ORDER_KERNELS}
     else:
         table = FP32_CANDIDATES if args.dtype == "fp32" else CANDIDATES
     kernels = args.kernels.split(",") if args.kernels else list(table)
@@ -517,6 +560,10 @@ def main(argv: list[str] | None = None) -> int:
     for (kernel, batch, seq, d), (cfg, ms) in sorted(best_configs(rows).items(),
                                                      key=lambda kv: (kv[0][0], kv[0][3], kv[0][1], kv[0][2])):
         print(f"best {kernel:5s} batch {batch:2d} seq {seq:6d} d {d:3d}: {cfg} {ms:.4f} ms")
+    if args.launch_order:
+        for r in option_ratios(rows, "HEADS_INNER"):
+            print(f"HEADS_INNER {r['kernel']:8s} ({r['batch']}, {r['seq']}, {r['d']}) {r['tile']:>12s}: "
+                  f"{r['off_ms']:.4f} -> {r['on_ms']:.4f} ms ({r['ratio']:.3f}x)")
     return 0
 
 

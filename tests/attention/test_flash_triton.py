@@ -142,10 +142,12 @@ def _schedule_pair(shape_q, n_k, causal, *, tma, dtype, device, tiles):
     shape_k = (*shape_q[:-2], n_k, shape_q[-1])
     q, k, v, do = (torch.randn(s, generator=gen, device=device).to(dtype) for s in (shape_q, shape_k, shape_k, shape_q))
     off, on = {"WS": False} if tma else {}, {"WS": True} if tma else {}
-    base = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles, fwd_options=dict(FMA_SOFTMAX=False, **off),
-                       bwd_options=dict(EARLY_DP=False, **off))
-    scheduled = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles, fwd_options=dict(FMA_SOFTMAX=True, **on),
-                            bwd_options=dict(EARLY_DP=True, **on))
+    base = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles,
+                       fwd_options=dict(FMA_SOFTMAX=False, HEADS_INNER=False, **off),
+                       bwd_options=dict(EARLY_DP=False, HEADS_INNER=False, **off))
+    scheduled = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles,
+                            fwd_options=dict(FMA_SOFTMAX=True, HEADS_INNER=True, **on),
+                            bwd_options=dict(EARLY_DP=True, HEADS_INNER=True, **on))
     return scheduled, base
 
 
@@ -153,8 +155,9 @@ def _schedule_pair(shape_q, n_k, causal, *, tma, dtype, device, tiles):
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
 @pytest.mark.parametrize("shape_q,n_k,causal", [((2, 45, 24), 77, True), ((2, 50, 16), 37, False)])
 def test_interp_schedule_options_keep_the_results(shape_q, n_k, causal, tma):
-    """The loop-schedule options (FMA_SOFTMAX, EARLY_DP, WS) against the same tiles without them.
-    EARLY_DP only moves a product earlier and WS only how warps are assigned, so those are exact;
+    """The loop-schedule options (FMA_SOFTMAX, EARLY_DP, WS, HEADS_INNER) against the same tiles
+    without them. EARLY_DP only moves a product earlier, WS only how warps are assigned and
+    HEADS_INNER only which program takes which tile (two heads, several tiles each), so those are exact;
     FMA_SOFTMAX takes the row max before the scale, exact too for a positive scale (the interpreter
     does not fuse the multiply-add, so its roundings are the same)."""
     scheduled, base = _schedule_pair(shape_q, n_k, causal, tma=tma, dtype=torch.float32, device="cpu",
@@ -283,6 +286,17 @@ def test_specialisation_separates_what_triton_compiles_separately():
     for other in [(misaligned, 1024, 0.5), (aligned, 1000, 0.5), (aligned, 1, 0.5), (aligned, 2**31, 0.5),
                   (aligned.half(), 1024, 0.5)]:
         assert specialisation(other) != base, other
+
+
+@pytest.mark.skipif(not have_triton(), reason="needs triton")
+def test_tile_grid_goes_one_dimensional_with_heads_inner():
+    # kernels._program_tile decodes a 1-D grid of tiles x heads; its exactness is the schedule test's
+    from systems.attention.flash_triton.launch import _tile_grid
+
+    grid = _tile_grid(1000, "BLOCK_M", 6)
+    assert grid({"BLOCK_M": 64}) == (16, 6)
+    assert grid({"BLOCK_M": 64, "HEADS_INNER": False}) == (16, 6)
+    assert grid({"BLOCK_M": 64, "HEADS_INNER": True}) == (96, 1)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")

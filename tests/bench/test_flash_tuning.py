@@ -144,6 +144,44 @@ def test_schedule_candidates_put_each_option_beside_its_tiles_without_it(capsys)
     assert "drop --dtype fp32" in capsys.readouterr().err
 
 
+def test_launch_order_candidates_pair_each_table_config_with_heads_inner(capsys):
+    from systems.attention.flash_triton import tuning
+    from systems.bench import flash_tuning
+
+    for kernel in flash_tuning.LAUNCH_ORDER_KERNELS:
+        table = flash_tuning.launch_order_candidates(kernel)
+        half = len(table) // 2
+        assert half == len(tuning.CONFIGS[kernel]["half"]) and len(table) == 2 * half
+        off, on = table[:half], table[half:]
+        for a, b in zip(off, on):  # the same tiles and options, only the launch order differs
+            assert a[:4] == b[:4] and a[4]["HEADS_INNER"] is False and b[4]["HEADS_INNER"] is True
+            assert {k: v for k, v in a[4].items() if k != "HEADS_INNER"} == {
+                k: v for k, v in b[4].items() if k != "HEADS_INNER"}
+    with pytest.raises(ValueError, match="unknown kernel 'atomic'"):
+        flash_tuning.launch_order_candidates("atomic")
+    for argv in (["--launch-order", "--dtype", "fp32"], ["--launch-order", "--schedule"]):
+        with pytest.raises(SystemExit):
+            flash_tuning.main(argv)
+    err = capsys.readouterr().err
+    assert "drop --dtype fp32" in err and "give one" in err
+
+
+def test_option_ratios_pair_rows_that_differ_only_in_the_option():
+    from systems.bench import flash_tuning
+
+    def row(ms, inner, status="ok", ws=False, kernel="dq_tma"):
+        return dict(kernel=kernel, impl="triton", batch=16, seq=16384, d=64, block_m=128, block_n=64, warps=8,
+                    stages=3, status=status, ms=ms, meta=dict(EARLY_DP=True, WS=ws, HEADS_INNER=inner))
+
+    rows = [row(2.0, False), row(1.5, True),  # a pair: 0.75x
+            row(3.0, False, ws=True), row(9.0, True, ws=True, status="error"),  # the on side failed: no pair
+            row(1.0, True, kernel="fwd_tma"),  # no off side
+            dict(kernel="baseline", impl="sdpa_cudnn", status="ok")]
+    ratios = flash_tuning.option_ratios(rows, "HEADS_INNER")
+    assert len(ratios) == 1
+    assert ratios[0]["tile"] == "128x64/8/3" and ratios[0]["ratio"] == pytest.approx(0.75)
+
+
 @needs_triton
 def test_plan_store_round_trip_and_key(tmp_path):
     from systems.attention.flash_triton import tuning

@@ -7,7 +7,8 @@ What makes them fast:
 - causal attention skips every key tile above the diagonal, and splits the rest into an
   unmasked loop (off-diagonal tiles, no mask arithmetic, no bounds checks) and a short
   masked loop over the tiles that touch the diagonal or the ragged end of the sequence.
-- causal query tiles are launched longest-first so the last wave is made of short programs.
+- causal tiles are launched longest-first so the last wave is made of short programs: within each
+  (batch, head), or over the whole launch (the HEADS_INNER option, _program_tile).
 - two backwards: the "split" pair, a dQ kernel that walks key tiles for one query tile, then a
   dK/dV kernel that walks query tiles for one key tile (no atomics, but both recompute S and dP:
   seven matmuls); and one "atomic" kernel over key tiles that also adds each query tile's dS K
@@ -104,6 +105,32 @@ def _diagonal_query_tiles(n0, offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _program_tile(n_rows, BLOCK: tl.constexpr, LONGEST_LAST: tl.constexpr, HEADS_INNER: tl.constexpr):
+    """(tile, (batch, head)) of this program, for a kernel with one program per BLOCK rows of
+    n_rows and per (batch, head), launched longest tile first: with LONGEST_LAST (causal query
+    tiles: the last sees the most keys) the tile order is reversed, else tile 0 is the longest
+    (causal key tiles) or all are equal.
+
+    HEADS_INNER: the grid is one-dimensional with the (batch, head) varying fastest, so every
+    head's longest tile launches before any head's second longest: longest-first over the whole
+    launch. The 2-D grid (tiles, heads) is longest-first within each head only, so the last head's
+    long tiles start late and can run past everyone else's short ones (the kernel's tail)."""
+    if HEADS_INNER:
+        n_tiles = tl.cdiv(n_rows, BLOCK)
+        n_bh = tl.num_programs(0) // n_tiles
+        rank = tl.program_id(0) // n_bh
+        bh = tl.program_id(0) % n_bh
+    else:
+        n_tiles = tl.num_programs(0)
+        rank = tl.program_id(0)
+        bh = tl.program_id(1)
+    tile = rank
+    if LONGEST_LAST:
+        tile = n_tiles - 1 - rank
+    return tile, bh.to(tl.int64)
+
+
+@triton.jit
 def _store_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     if HEAD_DIM == BLOCK_D:
         tl.store(ptrs, x, mask=rows[:, None] < n_rows)
@@ -172,13 +199,11 @@ def _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, q
 @triton.jit
 def _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, TMA: tl.constexpr, FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr):
-    """Grid (query tiles, batch). One program: one query tile against all (visible) key tiles.
-    TMA: K and V stream through tensor descriptors (Q and O, touched once, stay pointer accesses)."""
-    tile = tl.program_id(0)
-    if IS_CAUSAL:
-        tile = tl.num_programs(0) - 1 - tile  # longest (last) query tiles first
-    bh = tl.program_id(1).to(tl.int64)
+                 BLOCK_N: tl.constexpr, TMA: tl.constexpr, FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr,
+                 HEADS_INNER: tl.constexpr):
+    """Grid (query tiles, batch), or one dimension of both (_program_tile). One program: one query
+    tile against all (visible) key tiles. TMA: K and V stream through tensor descriptors (Q and O, touched once, stay pointer accesses)."""
+    tile, bh = _program_tile(n_q, BLOCK_M, IS_CAUSAL, HEADS_INNER)
     m0 = tile * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -213,18 +238,18 @@ def _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM: tl.constexpr, BLOC
 def flash_fwd_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                       INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      FMA_SOFTMAX: tl.constexpr):
+                      FMA_SOFTMAX: tl.constexpr, HEADS_INNER: tl.constexpr):
     _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL, INPUT_PRECISION, BLOCK_M, BLOCK_N,
-                 False, FMA_SOFTMAX, False)
+                 False, FMA_SOFTMAX, False, HEADS_INNER)
 
 
 @triton.jit
 def flash_fwd_tma_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                           INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr):
+                          FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr, HEADS_INNER: tl.constexpr):
     _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL, INPUT_PRECISION, BLOCK_M, BLOCK_N,
-                 True, FMA_SOFTMAX, WS)
+                 True, FMA_SOFTMAX, WS, HEADS_INNER)
 
 # ----------------------------------------------------------------------------- backward: dK/dV of the split pair
 
@@ -270,11 +295,11 @@ def _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_
 def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, TMA: tl.constexpr,
-                  EARLY_DP: tl.constexpr, WS: tl.constexpr):
-    """Grid (key tiles, batch). One program owns dK and dV of one key tile: no atomics.
+                  EARLY_DP: tl.constexpr, WS: tl.constexpr, HEADS_INNER: tl.constexpr):
+    """Grid (key tiles, batch), or one dimension of both (_program_tile). One program owns dK and dV
+    of one key tile: no atomics.
     Runs after the dQ kernel, which wrote Delta. TMA: Q and dO stream through tensor descriptors."""
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    tile, bh = _program_tile(n_k, BLOCK_N1, False, HEADS_INNER)
     n0 = tile * BLOCK_N1
     offs_n = n0 + tl.arange(0, BLOCK_N1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -315,18 +340,18 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
 def flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                            INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-                           EARLY_DP: tl.constexpr):
+                           EARLY_DP: tl.constexpr, HEADS_INNER: tl.constexpr):
     _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False, EARLY_DP, False)
+                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False, EARLY_DP, False, HEADS_INNER)
 
 
 @triton.jit
 def flash_bwd_dkdv_tma_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                                INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-                               EARLY_DP: tl.constexpr, WS: tl.constexpr):
+                               EARLY_DP: tl.constexpr, WS: tl.constexpr, HEADS_INNER: tl.constexpr):
     _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, True, EARLY_DP, WS)
+                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, True, EARLY_DP, WS, HEADS_INNER)
 
 # ----------------------------------------------------------------------------- backward: dQ of the split pair
 
@@ -362,16 +387,14 @@ def _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offs
 def _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, TMA: tl.constexpr,
-                EARLY_DP: tl.constexpr, WS: tl.constexpr):
-    """Grid (query tiles, batch). One program owns dQ of one query tile: no atomics.
+                EARLY_DP: tl.constexpr, WS: tl.constexpr, HEADS_INNER: tl.constexpr):
+    """Grid (query tiles, batch), or one dimension of both (_program_tile). One program owns dQ of
+    one query tile: no atomics.
     TMA: K and V stream through tensor descriptors.
 
     Its prologue computes D = rowsum(O * dO) (handout eq. 19's helper) for its rows and stores it
     for the dK/dV kernel, which runs next: one launch fewer than a separate D kernel."""
-    tile = tl.program_id(0)
-    if IS_CAUSAL:
-        tile = tl.num_programs(0) - 1 - tile
-    bh = tl.program_id(1).to(tl.int64)
+    tile, bh = _program_tile(n_q, BLOCK_M2, IS_CAUSAL, HEADS_INNER)
     m0 = tile * BLOCK_M2
     offs_m = m0 + tl.arange(0, BLOCK_M2)
     offs_d = tl.arange(0, BLOCK_D)
@@ -400,18 +423,18 @@ def _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale,
 def flash_bwd_dq_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                         EARLY_DP: tl.constexpr):
+                         EARLY_DP: tl.constexpr, HEADS_INNER: tl.constexpr):
     _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, False, EARLY_DP, False)
+                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, False, EARLY_DP, False, HEADS_INNER)
 
 
 @triton.jit
 def flash_bwd_dq_tma_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                              INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                             EARLY_DP: tl.constexpr, WS: tl.constexpr):
+                             EARLY_DP: tl.constexpr, WS: tl.constexpr, HEADS_INNER: tl.constexpr):
     _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, True, EARLY_DP, WS)
+                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, True, EARLY_DP, WS, HEADS_INNER)
 
 # ----------------------------------------------------------------------------- backward: one kernel with atomic dQ
 

@@ -423,8 +423,13 @@ def _pick(twins: tuple[TunedKernel, TunedKernel], tma: bool) -> TunedKernel:
 
 
 def _tile_grid(n_rows: int, block: str, batch: int):
-    """The grid of a kernel with one program per ``block`` rows of ``n_rows`` and per (batch, head)."""
-    return lambda meta: (triton.cdiv(n_rows, meta[block]), batch)
+    """The grid of a kernel with one program per ``block`` rows of ``n_rows`` and per (batch, head):
+    (tiles, batch), or one dimension of tiles x batch where the config sets HEADS_INNER (the order
+    kernels._program_tile decodes)."""
+    def grid(meta):
+        tiles = triton.cdiv(n_rows, meta[block])
+        return (tiles * batch, 1) if meta.get("HEADS_INNER") else (tiles, batch)
+    return grid
 
 
 # The launchers take contiguous tensors shaped (..., seq, d) (every leading dim is batch) and
