@@ -102,9 +102,11 @@ LAUNCH_ORDER_KERNELS = ("fwd", "dkdv", "dq", "fwd_tma", "dkdv_tma", "dq_tma")
 
 
 def launch_order_candidates(kernel: str) -> list[tuple]:
-    """The 16-bit configs of ``kernel``'s tuning table as they are (HEADS_INNER off: longest tile
-    first within each (batch, head)), then the same with HEADS_INNER on (longest first over the
-    whole launch): the same tiles and options, only the order the programs launch in differs."""
+    """Each 16-bit config of ``kernel``'s tuning table as it is (HEADS_INNER off: longest tile
+    first within each (batch, head)), then at once the same with HEADS_INNER on (longest first
+    over the whole launch): the same tiles and options, only the order the programs launch in
+    differs. Each pair is timed back to back, so a clock that drifts over the run (a warming
+    GPU) moves both sides of a ratio alike."""
     from systems.attention.flash_triton import tuning
 
     if kernel not in LAUNCH_ORDER_KERNELS:
@@ -112,8 +114,7 @@ def launch_order_candidates(kernel: str) -> list[tuple]:
     names = tuning.TILE_NAMES[kernel.removesuffix("_tma")]
     tiles = [((c.kwargs[names[0]], c.kwargs[names[1]], c.num_warps, c.num_stages),
               {k: v for k, v in c.kwargs.items() if k not in names}) for c in tuning.CONFIGS[kernel]["half"]]
-    return ([(*tile, {**options, "HEADS_INNER": False}) for tile, options in tiles]
-            + [(*tile, {**options, "HEADS_INNER": True}) for tile, options in tiles])
+    return [(*tile, {**options, "HEADS_INNER": inner}) for tile, options in tiles for inner in (False, True)]
 
 
 def option_ratios(rows: list[dict], option: str) -> list[dict]:
