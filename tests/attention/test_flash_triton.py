@@ -289,14 +289,17 @@ def test_specialisation_separates_what_triton_compiles_separately():
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")
-def test_tile_grid_goes_one_dimensional_with_heads_inner():
-    # kernels._program_tile decodes a 1-D grid of tiles x heads; its exactness is the schedule test's
+def test_tile_grid_puts_the_heads_first_with_heads_inner():
+    # kernels._program_tile reads the swapped grid; that it still covers every tile of every head
+    # once is the schedule test's (its outputs start as torch.empty)
     from systems.attention.flash_triton.launch import _tile_grid
 
     grid = _tile_grid(1000, "BLOCK_M", 6)
     assert grid({"BLOCK_M": 64}) == (16, 6)
     assert grid({"BLOCK_M": 64, "HEADS_INNER": False}) == (16, 6)
-    assert grid({"BLOCK_M": 64, "HEADS_INNER": True}) == (96, 1)
+    assert grid({"BLOCK_M": 64, "HEADS_INNER": True}) == (6, 16)
+    with pytest.raises(ValueError, match="HEADS_INNER=False"):  # past CUDA's 65535 on the second dimension
+        _tile_grid(2**20 + 16, "BLOCK_M", 2)({"BLOCK_M": 16, "HEADS_INNER": True})
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")

@@ -422,13 +422,20 @@ def _pick(twins: tuple[TunedKernel, TunedKernel], tma: bool) -> TunedKernel:
     return twins[tma]
 
 
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the first takes 2^31 - 1)
+
+
 def _tile_grid(n_rows: int, block: str, batch: int):
     """The grid of a kernel with one program per ``block`` rows of ``n_rows`` and per (batch, head):
-    (tiles, batch), or one dimension of tiles x batch where the config sets HEADS_INNER (the order
-    kernels._program_tile decodes)."""
+    (tiles, batch), or (batch, tiles) where the config sets HEADS_INNER (kernels._program_tile)."""
     def grid(meta):
         tiles = triton.cdiv(n_rows, meta[block])
-        return (tiles * batch, 1) if meta.get("HEADS_INNER") else (tiles, batch)
+        if not meta.get("HEADS_INNER"):
+            return tiles, batch
+        if tiles > _MAX_GRID_Y:
+            raise ValueError(f"{n_rows} rows make {tiles} tiles of {meta[block]}, more than a grid's second "
+                             f"dimension takes ({_MAX_GRID_Y}); split the sequence or run with HEADS_INNER=False")
+        return batch, tiles
     return grid
 
 
