@@ -97,41 +97,50 @@ def schedule_candidates(kernel: str) -> list[tuple]:
     baselines = list(dict.fromkeys(c[:4] for c in options))
     return baselines + options
 
-# The kernels whose programs kernels._program_tile places, so HEADS_INNER (the launch order) applies
+# The kernels whose programs kernels._program_tile places, so the launch order's head group applies
 LAUNCH_ORDER_KERNELS = ("fwd", "dkdv", "dq", "fwd_tma", "dkdv_tma", "dq_tma")
+# The head groups --launch-order times each config with: 1 (longest tile first within each head),
+# powers of two up to the leaderboard's 16 heads, and None, launch.head_group's rule for the shape
+LAUNCH_ORDER_GROUPS = (1, 2, 4, 8, 16, None)
 
 
-def launch_order_candidates(kernel: str) -> list[tuple]:
-    """Each 16-bit config of ``kernel``'s tuning table as it is (HEADS_INNER off: longest tile
-    first within each (batch, head)), then at once the same with HEADS_INNER on (longest first
-    over the whole launch): the same tiles and options, only the order the programs launch in
-    differs. Each pair is timed back to back, so a clock that drifts over the run (a warming
-    GPU) moves both sides of a ratio alike."""
+def launch_order_candidates(kernel: str, groups: tuple = LAUNCH_ORDER_GROUPS) -> list[tuple]:
+    """Each 16-bit config of ``kernel``'s tuning table with each head group of ``groups`` (the
+    candidate's "head_group", which ``launch`` passes to the launcher): the same tiles and
+    options, only the order the programs launch in differs. A config's groups are timed back to
+    back, so a clock that drifts over the run (a warming GPU) moves them alike."""
     from systems.attention.flash_triton import tuning
 
     if kernel not in LAUNCH_ORDER_KERNELS:
         raise ValueError(f"unknown kernel {kernel!r} for the launch order; choose one of {list(LAUNCH_ORDER_KERNELS)}")
     names = tuning.TILE_NAMES[kernel.removesuffix("_tma")]
-    tiles = [((c.kwargs[names[0]], c.kwargs[names[1]], c.num_warps, c.num_stages),
-              {k: v for k, v in c.kwargs.items() if k not in names}) for c in tuning.CONFIGS[kernel]["half"]]
-    return [(*tile, {**options, "HEADS_INNER": inner}) for tile, options in tiles for inner in (False, True)]
+    return [(c.kwargs[names[0]], c.kwargs[names[1]], c.num_warps, c.num_stages,
+             {**{k: v for k, v in c.kwargs.items() if k not in names}, "head_group": group})
+            for c in tuning.CONFIGS[kernel]["half"] for group in groups]
 
 
-def option_ratios(rows: list[dict], option: str) -> list[dict]:
-    """Per (kernel, shape, tiles and other options): the time with ``option`` on over the time
-    with it off, from explore's rows of one run (pairs with either side failed are left out)."""
+def head_group_ratios(rows: list[dict]) -> list[dict]:
+    """Per (kernel, shape, config): the time under each head group over the time with one head a
+    group (the order before groups), from explore's rows of one run; the rule's choice (rows whose
+    candidate gave None) is the row "rule"."""
     def key(r):
-        others = {k: v for k, v in (r.get("meta") or {}).items() if k != option}
         return (r["kernel"], r["batch"], r["seq"], r["d"], r["block_m"], r["block_n"], r["warps"], r["stages"],
-                tuple(sorted(others.items())))
+                tuple(sorted((k, v) for k, v in r["meta"].items() if k != "head_group")))
 
-    sides: dict = {}
+    times: dict = {}
     for r in rows:
-        if r.get("impl") == "triton" and r.get("status") == "ok" and option in (r.get("meta") or {}):
-            sides.setdefault(key(r), {})[bool(r["meta"][option])] = r["ms"]
-    return [dict(kernel=k[0], batch=k[1], seq=k[2], d=k[3], tile=f"{k[4]}x{k[5]}/{k[6]}/{k[7]}",
-                 off_ms=pair[False], on_ms=pair[True], ratio=pair[True] / pair[False])
-            for k, pair in sides.items() if True in pair and False in pair]
+        if r.get("impl") == "triton" and r.get("status") == "ok" and "head_group" in (r.get("meta") or {}):
+            label = "rule" if r["meta"]["head_group"] is None else r["meta"]["head_group"]
+            times.setdefault(key(r), {})[label] = (r["ms"], r.get("head_group_used"))
+    out = []
+    for k, by_group in times.items():
+        if 1 not in by_group:
+            continue
+        base = by_group[1][0]
+        for label, (ms, used) in by_group.items():
+            out.append(dict(kernel=k[0], batch=k[1], seq=k[2], d=k[3], tile=f"{k[4]}x{k[5]}/{k[6]}/{k[7]}",
+                            group=label, group_used=used, ms=ms, ratio=ms / base))
+    return out
 
 
 # fp32 tiles hold twice the bytes of 16-bit ones, and with the default tf32x3 dots every product is
@@ -188,21 +197,26 @@ def launch(kernel: str, x: Inputs, cfg: tuple, *, is_causal: bool = True):
     if kernel not in CANDIDATES:
         raise ValueError(f"unknown kernel {kernel!r}; choose one of {list(CANDIDATES)}")
     bm, bn, warps, stages = cfg[:4]
-    config = tuning.config_meta(tuning.tile_config(kernel, bm, bn, warps=warps, stages=stages,
-                                                   **(cfg[4] if len(cfg) > 4 else {})))
+    options = dict(cfg[4]) if len(cfg) > 4 else {}
+    order = {"head_group": options.pop("head_group")} if "head_group" in options else {}
+    config = tuning.config_meta(tuning.tile_config(kernel, bm, bn, warps=warps, stages=stages, **options))
     tma = kernel.endswith("_tma")
     if tma and not ft.tma_usable(x.q, x.k, x.v, x.o, x.do):
         raise ValueError(f"{kernel}: these inputs cannot be read through TMA descriptors (see tma_usable)")
     if kernel in ("fwd", "fwd_tma"):
         o, lse = torch.empty_like(x.q), torch.empty_like(x.lse)
-        return lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, is_causal, config=config, tma=tma)
+        return lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, is_causal, config=config, tma=tma, **order)
     if kernel in ("dkdv", "dkdv_tma"):
         dk, dv = torch.empty_like(x.k), torch.empty_like(x.v)
-        return lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, x.delta, dk, dv, is_causal, config=config, tma=tma)
+        return lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, x.delta, dk, dv, is_causal, config=config, tma=tma,
+                                      **order)
     dq = torch.empty_like(x.q)
     delta = torch.empty_like(x.delta)  # the dQ kernel writes D; the dK/dV candidates read x.delta
     if kernel in ("dq", "dq_tma"):
-        return lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, is_causal, config=config, tma=tma)
+        return lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, is_causal, config=config, tma=tma,
+                                    **order)
+    if order:
+        raise ValueError(f"{kernel}: head_group applies to {list(LAUNCH_ORDER_KERNELS)} only")
     dk, dv = torch.empty_like(x.k), torch.empty_like(x.v)
     dq_acc = torch.empty(x.q.shape, device=x.q.device, dtype=torch.float32)
     return lambda: ft.launch_backward_atomic(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq_acc, dq, dk, dv, is_causal,
@@ -213,6 +227,7 @@ def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_pa
             rep_ms: float = 30) -> list[dict]:
     """Every candidate of every kernel at every shape, plus SDPA flash / cuDNN fwd and bwd."""
     from systems.attention.flash_triton import dot_precision, tuning
+    from systems.attention.flash_triton.launch import resolve_head_group
     from systems.bench.flash import time_attention
 
     writer = ResultWriter(out_path) if out_path else None
@@ -239,6 +254,8 @@ def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_pa
                            block_m=cfg[0], block_n=cfg[1],
                            warps=cfg[2], stages=cfg[3], meta={**tuning.kernel_options(kernel), **(cfg[4:] or [{}])[0]},
                            status="ok")
+                if "head_group" in row["meta"]:  # what the launcher ran with (None: the rule's choice)
+                    row["head_group_used"] = resolve_head_group(x.q, batch, seq, d, row["meta"]["head_group"])
                 try:
                     fn = launch(kernel, x, cfg)
                     fn()
@@ -518,8 +535,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="time only the loop-schedule options (SCHEDULE_CANDIDATES) beside the same tiles "
                              "without them")
     parser.add_argument("--launch-order", action="store_true",
-                        help="time each 16-bit config of the tuning tables with HEADS_INNER off and on "
-                             "(launch_order_candidates) and print the ratios")
+                        help="time each 16-bit config of the tuning tables under each launch-order head group "
+                             "(launch_order_candidates) and print the ratios to one head a group")
     parser.add_argument("--kernels", default=None,
                         help=f"comma-separated kernels whose candidates the exploration times, of {list(CANDIDATES)} "
                              f"(fp32: of {list(FP32_CANDIDATES)}); default: all")
@@ -562,9 +579,10 @@ def main(argv: list[str] | None = None) -> int:
                                                      key=lambda kv: (kv[0][0], kv[0][3], kv[0][1], kv[0][2])):
         print(f"best {kernel:5s} batch {batch:2d} seq {seq:6d} d {d:3d}: {cfg} {ms:.4f} ms")
     if args.launch_order:
-        for r in option_ratios(rows, "HEADS_INNER"):
-            print(f"HEADS_INNER {r['kernel']:8s} ({r['batch']}, {r['seq']}, {r['d']}) {r['tile']:>12s}: "
-                  f"{r['off_ms']:.4f} -> {r['on_ms']:.4f} ms ({r['ratio']:.3f}x)")
+        for r in head_group_ratios(rows):
+            used = f" (= {r['group_used']})" if r["group"] == "rule" else ""
+            print(f"head_group {r['kernel']:8s} ({r['batch']}, {r['seq']}, {r['d']}) {r['tile']:>10s} "
+                  f"{r['group']!s:>4s}{used}: {r['ms']:.4f} ms ({r['ratio']:.3f}x one head a group)")
     return 0
 
 

@@ -119,19 +119,20 @@ def test_interp_atomic_backward_other_tiles(shape_q, n_k, causal, tiles, defer):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def _split_pass(q, k, v, do, causal, *, tma, tiles, fwd_options, bwd_options):
+def _split_pass(q, k, v, do, causal, *, tma, tiles, fwd_options, bwd_options, head_group=None):
     """(O, L, dQ, dK, dV) through the forward and the split backward launched with explicit
-    ``tiles`` (fwd rows x cols, dQ rows x cols, dK/dV rows x cols, warps, stages) and options."""
+    ``tiles`` (fwd rows x cols, dQ rows x cols, dK/dV rows x cols, warps, stages), options and
+    launch-order head group."""
     from systems.attention import flash_triton as ft
 
     (bm, bn), (bm2, bn2), (bm1, bn1), warps, stages = tiles
     o, lse = torch.empty_like(q), torch.empty(q.shape[:-1], device=q.device)
-    ft.launch_forward(q, k, v, o, lse, causal, tma=tma,
+    ft.launch_forward(q, k, v, o, lse, causal, tma=tma, head_group=head_group,
                       config=dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **fwd_options))
     delta, dq, dk, dv = torch.empty_like(lse), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    ft.launch_dq(q, k, v, o, do, lse, delta, dq, causal, tma=tma,
+    ft.launch_dq(q, k, v, o, do, lse, delta, dq, causal, tma=tma, head_group=head_group,
                  config=dict(BLOCK_M2=bm2, BLOCK_N2=bn2, num_warps=warps, num_stages=stages, **bwd_options))
-    ft.launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, tma=tma,
+    ft.launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, tma=tma, head_group=head_group,
                    config=dict(BLOCK_M1=bm1, BLOCK_N1=bn1, num_warps=warps, num_stages=stages, **bwd_options))
     return o, lse, dq, dk, dv
 
@@ -142,12 +143,10 @@ def _schedule_pair(shape_q, n_k, causal, *, tma, dtype, device, tiles):
     shape_k = (*shape_q[:-2], n_k, shape_q[-1])
     q, k, v, do = (torch.randn(s, generator=gen, device=device).to(dtype) for s in (shape_q, shape_k, shape_k, shape_q))
     off, on = {"WS": False} if tma else {}, {"WS": True} if tma else {}
-    base = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles,
-                       fwd_options=dict(FMA_SOFTMAX=False, HEADS_INNER=False, **off),
-                       bwd_options=dict(EARLY_DP=False, HEADS_INNER=False, **off))
-    scheduled = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles,
-                            fwd_options=dict(FMA_SOFTMAX=True, HEADS_INNER=True, **on),
-                            bwd_options=dict(EARLY_DP=True, HEADS_INNER=True, **on))
+    base = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles, fwd_options=dict(FMA_SOFTMAX=False, **off),
+                       bwd_options=dict(EARLY_DP=False, **off))
+    scheduled = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles, fwd_options=dict(FMA_SOFTMAX=True, **on),
+                            bwd_options=dict(EARLY_DP=True, **on))
     return scheduled, base
 
 
@@ -155,15 +154,33 @@ def _schedule_pair(shape_q, n_k, causal, *, tma, dtype, device, tiles):
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
 @pytest.mark.parametrize("shape_q,n_k,causal", [((2, 45, 24), 77, True), ((2, 50, 16), 37, False)])
 def test_interp_schedule_options_keep_the_results(shape_q, n_k, causal, tma):
-    """The loop-schedule options (FMA_SOFTMAX, EARLY_DP, WS, HEADS_INNER) against the same tiles
-    without them. EARLY_DP only moves a product earlier, WS only how warps are assigned and
-    HEADS_INNER only which program takes which tile (two heads, several tiles each), so those are exact;
+    """The loop-schedule options (FMA_SOFTMAX, EARLY_DP, WS) against the same tiles without them.
+    EARLY_DP only moves a product earlier and WS only how warps are assigned, so those are exact;
     FMA_SOFTMAX takes the row max before the scale, exact too for a positive scale (the interpreter
     does not fuse the multiply-add, so its roundings are the same)."""
     scheduled, base = _schedule_pair(shape_q, n_k, causal, tma=tma, dtype=torch.float32, device="cpu",
                                      tiles=((16, 32), (32, 16), (16, 32), 4, 1))
     for got, want in zip(scheduled, base):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_interp_head_groups_keep_the_results(causal, tma):
+    """The launch order's head group only changes which program takes which (tile, head), so every
+    group gives the same bits: five heads of three query tiles and two key tiles, in groups of 1,
+    2 (the last group holds one head), 3, and 5 or more (one group)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(5, 45, 24, generator=gen) for _ in range(4))
+    tiles = ((16, 32), (16, 32), (16, 32), 4, 1)
+    ws = {"WS": False} if tma else {}
+    options = dict(fwd_options=dict(FMA_SOFTMAX=True, **ws), bwd_options=dict(EARLY_DP=False, **ws))
+    want = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles, head_group=1, **options)
+    for group in (2, 3, 5, 8):
+        got = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles, head_group=group, **options)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"head_group {group}: {m}")
 
 
 def _tma_kernels_ran(dtype) -> set[str]:
@@ -289,17 +306,27 @@ def test_specialisation_separates_what_triton_compiles_separately():
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")
-def test_tile_grid_puts_the_heads_first_with_heads_inner():
-    # kernels._program_tile reads the swapped grid; that it still covers every tile of every head
-    # once is the schedule test's (its outputs start as torch.empty)
-    from systems.attention.flash_triton.launch import _tile_grid
+def test_head_group_rule():
+    from systems.attention.flash_triton.launch import _tile_grid, head_group, resolve_head_group
 
-    grid = _tile_grid(1000, "BLOCK_M", 6)
-    assert grid({"BLOCK_M": 64}) == (16, 6)
-    assert grid({"BLOCK_M": 64, "HEADS_INNER": False}) == (16, 6)
-    assert grid({"BLOCK_M": 64, "HEADS_INNER": True}) == (6, 16)
-    with pytest.raises(ValueError, match="HEADS_INNER=False"):  # past CUDA's 65535 on the second dimension
-        _tile_grid(2**20 + 16, "BLOCK_M", 2)({"BLOCK_M": 16, "HEADS_INNER": True})
+    assert _tile_grid(1000, "BLOCK_M", 6)({"BLOCK_M": 64}) == (96, 1)  # 16 tiles x 6 heads, one dimension
+
+    h100 = dict(sms=132, l2_bytes=50 * 2**20)
+    # the leaderboard shape, bf16: 4 x 132 tiles want 3 heads of 256; d = 128's K and V (8 MiB a
+    # head) fit 3 heads in half of L2
+    assert head_group(n_bh=16, n_rows=16384, d=64, itemsize=2, **h100) == 3
+    assert head_group(n_bh=16, n_rows=16384, d=128, itemsize=2, **h100) == 3
+    assert head_group(n_bh=16, n_rows=16384, d=128, itemsize=4, **h100) == 1  # fp32: one head's 16 MiB
+    assert head_group(n_bh=16, n_rows=4096, d=64, itemsize=2, **h100) == 9  # 64 tiles a head
+    assert head_group(n_bh=128, n_rows=512, d=64, itemsize=2, **h100) == 66  # 8 tiles a head
+    assert head_group(n_bh=4, n_rows=512, d=64, itemsize=2, **h100) == 4  # at most every head
+    assert head_group(n_bh=1, n_rows=65536, d=128, itemsize=2, **h100) == 1
+    assert head_group(n_bh=8, n_rows=2**20, d=128, itemsize=2, **h100) == 1  # nothing fits: still 1
+    x = torch.zeros(6, 100, 16)
+    assert resolve_head_group(x, 6, 100, 16, None) == 1  # not on a GPU: the order within each head
+    assert resolve_head_group(x, 6, 100, 16, 4) == 4 and resolve_head_group(x, 6, 100, 16, 9) == 6
+    with pytest.raises(ValueError, match="at least 1"):
+        resolve_head_group(x, 6, 100, 16, 0)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -381,7 +408,7 @@ def test_fp32_dot_precision_compiles_to_its_instructions():
     from systems.testing import compile_ptx_for_h100
 
     fn = kernels.flash_fwd_kernel
-    kinds = {"L": "*fp32", "n_q": "i32", "n_k": "i32", "SEQ_BUCKET": "i32", "qk_scale": "fp32"}
+    kinds = {"L": "*fp32", "n_q": "i32", "n_k": "i32", "head_group": "i32", "SEQ_BUCKET": "i32", "qk_scale": "fp32"}
     signature = {name: kinds.get(name, "*fp32" if name in "QKVO" else "constexpr") for name in fn.arg_names}
     counts = {}
     for precision in ("ieee", "tf32", "tf32x3"):
@@ -519,7 +546,8 @@ def test_atomic_kernel_compiles_for_h100(defer):
 
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "dO": "*bf16", "L": "*fp32", "Delta": "*fp32",
                 "dK": "*bf16", "dV": "*bf16", "DQ_ACC": "*fp32"}
-    scalars = {"n_q": "i32", "n_k": "i32", "qk_scale": "fp32", "sm_scale": "fp32", "SEQ_BUCKET": "i32"}
+    scalars = {"n_q": "i32", "n_k": "i32", "head_group": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
+               "SEQ_BUCKET": "i32"}
     constexprs = dict(HEAD_DIM=64, BLOCK_D=64, IS_CAUSAL=True, INPUT_PRECISION="ieee", BLOCK_M3=64, BLOCK_N3=128,
                       DEFER_DQ_ADD=defer)
     signature = {**pointers, **scalars, **{name: "constexpr" for name in constexprs}}
@@ -545,8 +573,8 @@ def test_tma_kernels_compile_for_h100(kernel, tiles):
     from systems.testing import compile_ptx_for_h100
 
     fn = getattr(kernels, kernel)
-    kinds = {"L": "*fp32", "Delta": "*fp32", "n_q": "i32", "n_k": "i32", "SEQ_BUCKET": "i32", "qk_scale": "fp32",
-             "sm_scale": "fp32"}
+    kinds = {"L": "*fp32", "Delta": "*fp32", "n_q": "i32", "n_k": "i32", "head_group": "i32", "SEQ_BUCKET": "i32",
+             "qk_scale": "fp32", "sm_scale": "fp32"}
     signature = {name: kinds.get(name, "*bf16" if name[-1] in "QKVO" or name.startswith("d") else "constexpr")
                  for name in fn.arg_names}
     signature.update({name: "constexpr" for name in fn.arg_names if name.isupper() and len(name) > 2})

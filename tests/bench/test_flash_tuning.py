@@ -144,19 +144,20 @@ def test_schedule_candidates_put_each_option_beside_its_tiles_without_it(capsys)
     assert "drop --dtype fp32" in capsys.readouterr().err
 
 
-def test_launch_order_candidates_pair_each_table_config_with_heads_inner(capsys):
+def test_launch_order_candidates_give_each_table_config_every_head_group(capsys):
     from systems.attention.flash_triton import tuning
     from systems.bench import flash_tuning
 
+    groups = flash_tuning.LAUNCH_ORDER_GROUPS
+    assert groups[0] == 1 and None in groups  # the order before groups, and the rule's choice
     for kernel in flash_tuning.LAUNCH_ORDER_KERNELS:
         table = flash_tuning.launch_order_candidates(kernel)
-        half = len(table) // 2
-        assert half == len(tuning.CONFIGS[kernel]["half"]) and len(table) == 2 * half
-        off, on = table[0::2], table[1::2]  # each pair back to back
-        for a, b in zip(off, on):  # the same tiles and options, only the launch order differs
-            assert a[:4] == b[:4] and a[4]["HEADS_INNER"] is False and b[4]["HEADS_INNER"] is True
-            assert {k: v for k, v in a[4].items() if k != "HEADS_INNER"} == {
-                k: v for k, v in b[4].items() if k != "HEADS_INNER"}
+        assert len(table) == len(groups) * len(tuning.CONFIGS[kernel]["half"])
+        for start in range(0, len(table), len(groups)):  # one config's groups back to back
+            run = table[start:start + len(groups)]
+            assert [c[4]["head_group"] for c in run] == list(groups)
+            assert len({(c[:4], tuple(sorted((k, v) for k, v in c[4].items() if k != "head_group")))
+                        for c in run}) == 1
     with pytest.raises(ValueError, match="unknown kernel 'atomic'"):
         flash_tuning.launch_order_candidates("atomic")
     for argv in (["--launch-order", "--dtype", "fp32"], ["--launch-order", "--schedule"]):
@@ -166,20 +167,23 @@ def test_launch_order_candidates_pair_each_table_config_with_heads_inner(capsys)
     assert "drop --dtype fp32" in err and "give one" in err
 
 
-def test_option_ratios_pair_rows_that_differ_only_in_the_option():
+def test_head_group_ratios_divide_by_one_head_a_group():
     from systems.bench import flash_tuning
 
-    def row(ms, inner, status="ok", ws=False, kernel="dq_tma"):
+    def row(ms, group, status="ok", ws=False, kernel="dq_tma", used=None):
         return dict(kernel=kernel, impl="triton", batch=16, seq=16384, d=64, block_m=128, block_n=64, warps=8,
-                    stages=3, status=status, ms=ms, meta=dict(EARLY_DP=True, WS=ws, HEADS_INNER=inner))
+                    stages=3, status=status, ms=ms, head_group_used=used or group,
+                    meta=dict(EARLY_DP=True, WS=ws, head_group=group))
 
-    rows = [row(2.0, False), row(1.5, True),  # a pair: 0.75x
-            row(3.0, False, ws=True), row(9.0, True, ws=True, status="error"),  # the on side failed: no pair
-            row(1.0, True, kernel="fwd_tma"),  # no off side
+    rows = [row(2.0, 1), row(1.5, 4), row(1.6, None, used=3),
+            row(3.0, 1, ws=True), row(9.0, 4, ws=True, status="error"),  # a failed group: left out
+            row(1.0, 4, kernel="fwd_tma"),  # no one-head-a-group row to divide by: left out
             dict(kernel="baseline", impl="sdpa_cudnn", status="ok")]
-    ratios = flash_tuning.option_ratios(rows, "HEADS_INNER")
-    assert len(ratios) == 1
-    assert ratios[0]["tile"] == "128x64/8/3" and ratios[0]["ratio"] == pytest.approx(0.75)
+    got = {(r["tile"], r["group"]): r for r in flash_tuning.head_group_ratios(rows)}
+    assert set(got) == {("128x64/8/3", 1), ("128x64/8/3", 4), ("128x64/8/3", "rule")}  # the WS config's 1 only
+    assert len(flash_tuning.head_group_ratios(rows)) == 4
+    assert got[("128x64/8/3", 4)]["ratio"] == pytest.approx(0.75)
+    assert got[("128x64/8/3", "rule")]["group_used"] == 3 and got[("128x64/8/3", "rule")]["ratio"] == pytest.approx(0.8)
 
 
 @needs_triton

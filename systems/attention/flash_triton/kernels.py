@@ -8,7 +8,7 @@ What makes them fast:
   unmasked loop (off-diagonal tiles, no mask arithmetic, no bounds checks) and a short
   masked loop over the tiles that touch the diagonal or the ragged end of the sequence.
 - causal tiles are launched longest-first so the last wave is made of short programs: within each
-  (batch, head), or over the whole launch (the HEADS_INNER option, _program_tile).
+  (batch, head), or over groups of heads (_program_tile; launch.head_group picks the group).
 - two backwards: the "split" pair, a dQ kernel that walks key tiles for one query tile, then a
   dK/dV kernel that walks query tiles for one key tile (no atomics, but both recompute S and dP:
   seven matmuls); and one "atomic" kernel over key tiles that also adds each query tile's dS K
@@ -32,6 +32,9 @@ LOG2E = 1.4426950408889634  # scores are scaled by sm_scale * log2(e) so the ker
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
 _MASKED = tl.constexpr(-1e6)  # the handout's masked score (in base-2 units here; exp2 of it is 0)
+# The launch order's argument changes with the batch but not the code: compiled once, not again
+# for a group of one head or a multiple of 16 (what Triton specialises an int on by default)
+_ORDER_ARGS = ["head_group"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -105,26 +108,29 @@ def _diagonal_query_tiles(n0, offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _program_tile(BLOCK: tl.constexpr, LONGEST_LAST: tl.constexpr, HEADS_INNER: tl.constexpr):
-    """(tile, (batch, head)) of this program, for a kernel with one program per BLOCK rows and per
-    (batch, head), launched longest tile first: with LONGEST_LAST (causal query tiles: the last
-    sees the most keys) the tile order is reversed, else tile 0 is the longest (causal key tiles)
-    or all are equal.
+def _program_tile(n_rows, head_group, BLOCK: tl.constexpr, LONGEST_LAST: tl.constexpr):
+    """(tile, (batch, head)) of this program, in a one-dimensional grid of one program per BLOCK
+    rows of n_rows and per (batch, head), launched longest tile first: with LONGEST_LAST (causal
+    query tiles: the last sees the most keys) the tile order is reversed, else tile 0 is the
+    longest (causal key tiles) or all are equal.
 
-    The grid's first dimension varies fastest in launch order. HEADS_INNER: the grid is (batch,
-    tiles), so every head's longest tile launches before any head's second longest: longest-first
-    over the whole launch. The grid (tiles, batch) is longest-first within each head only, so the
-    last head's long tiles start late and run past everyone else's short ones (the kernel's tail).
-    A swap of the two dimensions, not one flattened dimension: a division and a remainder by the
-    head count cost a dQ config 6-9% on an H200 where they did not change the order (notes entry 14)."""
-    if HEADS_INNER:
-        rank = tl.program_id(1)
-        n_tiles = tl.num_programs(1)
-        bh = tl.program_id(0)
-    else:
-        rank = tl.program_id(0)
-        n_tiles = tl.num_programs(0)
-        bh = tl.program_id(1)
+    Programs launch in grid order. The heads go in groups of head_group (the last may be
+    smaller); within a group the tile rank varies slowest, so each of its heads' longest tiles
+    launches before any of their second longest. head_group = 1 is longest-first within each head
+    only: the last head's long tiles then start late and run past everyone else's short ones (the
+    kernel's tail). All heads in one group is longest-first over the whole launch, but its
+    programs then stream every head's K and V (or Q and dO) at once, which can overflow L2
+    (launch.head_group picks between the two; notes entry 14)."""
+    n_tiles = tl.cdiv(n_rows, BLOCK)
+    n_bh = tl.num_programs(0) // n_tiles
+    pid = tl.program_id(0)
+    per_group = head_group * n_tiles
+    group = pid // per_group
+    first = group * head_group
+    size = tl.minimum(head_group, n_bh - first)
+    within = pid - group * per_group
+    rank = within // size
+    bh = first + within % size
     tile = rank
     if LONGEST_LAST:
         tile = n_tiles - 1 - rank
@@ -198,13 +204,13 @@ def _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, q
 
 
 @triton.jit
-def _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _fwd_program(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, TMA: tl.constexpr, FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr,
-                 HEADS_INNER: tl.constexpr):
-    """Grid (query tiles, batch), or (batch, tiles) (_program_tile). One program: one query
-    tile against all (visible) key tiles. TMA: K and V stream through tensor descriptors (Q and O, touched once, stay pointer accesses)."""
-    tile, bh = _program_tile(BLOCK_M, IS_CAUSAL, HEADS_INNER)
+                 BLOCK_N: tl.constexpr, TMA: tl.constexpr, FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr):
+    """Grid (query tiles x batch, in _program_tile's order). One program: one query tile against
+    all (visible) key tiles. TMA: K and V stream through tensor descriptors (Q and O, touched
+    once, stay pointer accesses)."""
+    tile, bh = _program_tile(n_q, head_group, BLOCK_M, IS_CAUSAL)
     m0 = tile * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -235,22 +241,22 @@ def _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM: tl.constexpr, BLOC
 
 # Each program body is one @triton.jit function behind two kernels, pointer and TMA: two kernels give
 # two autotuners (tuning.py) with their own config lists and their own plans (launch.py).
-@triton.jit
-def flash_fwd_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
+@triton.jit(do_not_specialize=_ORDER_ARGS)
+def flash_fwd_kernel(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, SEQ_BUCKET,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                       INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      FMA_SOFTMAX: tl.constexpr, HEADS_INNER: tl.constexpr):
-    _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL, INPUT_PRECISION, BLOCK_M, BLOCK_N,
-                 False, FMA_SOFTMAX, False, HEADS_INNER)
+                      FMA_SOFTMAX: tl.constexpr):
+    _fwd_program(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL, INPUT_PRECISION,
+                 BLOCK_M, BLOCK_N, False, FMA_SOFTMAX, False)
 
 
-@triton.jit
-def flash_fwd_tma_kernel(Q, K, V, O, L, n_q, n_k, qk_scale, SEQ_BUCKET,
+@triton.jit(do_not_specialize=_ORDER_ARGS)
+def flash_fwd_tma_kernel(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, SEQ_BUCKET,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                           INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr, HEADS_INNER: tl.constexpr):
-    _fwd_program(Q, K, V, O, L, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL, INPUT_PRECISION, BLOCK_M, BLOCK_N,
-                 True, FMA_SOFTMAX, WS, HEADS_INNER)
+                          FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr):
+    _fwd_program(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL, INPUT_PRECISION,
+                 BLOCK_M, BLOCK_N, True, FMA_SOFTMAX, WS)
 
 # ----------------------------------------------------------------------------- backward: dK/dV of the split pair
 
@@ -293,14 +299,14 @@ def _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_
 
 
 @triton.jit
-def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
+def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, TMA: tl.constexpr,
-                  EARLY_DP: tl.constexpr, WS: tl.constexpr, HEADS_INNER: tl.constexpr):
-    """Grid (key tiles, batch), or (batch, tiles) (_program_tile). One program owns dK and dV
+                  EARLY_DP: tl.constexpr, WS: tl.constexpr):
+    """Grid (key tiles x batch, in _program_tile's order). One program owns dK and dV
     of one key tile: no atomics.
     Runs after the dQ kernel, which wrote Delta. TMA: Q and dO stream through tensor descriptors."""
-    tile, bh = _program_tile(BLOCK_N1, False, HEADS_INNER)
+    tile, bh = _program_tile(n_k, head_group, BLOCK_N1, False)
     n0 = tile * BLOCK_N1
     offs_n = n0 + tl.arange(0, BLOCK_N1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -337,22 +343,22 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale,
     _store_rows(dV + kv_tile, dv.to(dV.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
 
 
-@triton.jit
-def flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
+@triton.jit(do_not_specialize=_ORDER_ARGS)
+def flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale, SEQ_BUCKET,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                            INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-                           EARLY_DP: tl.constexpr, HEADS_INNER: tl.constexpr):
-    _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False, EARLY_DP, False, HEADS_INNER)
+                           EARLY_DP: tl.constexpr):
+    _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
+                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False, EARLY_DP, False)
 
 
-@triton.jit
-def flash_bwd_dkdv_tma_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
+@triton.jit(do_not_specialize=_ORDER_ARGS)
+def flash_bwd_dkdv_tma_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale, SEQ_BUCKET,
                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                                INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-                               EARLY_DP: tl.constexpr, WS: tl.constexpr, HEADS_INNER: tl.constexpr):
-    _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, True, EARLY_DP, WS, HEADS_INNER)
+                               EARLY_DP: tl.constexpr, WS: tl.constexpr):
+    _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
+                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, True, EARLY_DP, WS)
 
 # ----------------------------------------------------------------------------- backward: dQ of the split pair
 
@@ -385,17 +391,17 @@ def _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offs
 
 
 @triton.jit
-def _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale,
+def _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group, qk_scale, sm_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, TMA: tl.constexpr,
-                EARLY_DP: tl.constexpr, WS: tl.constexpr, HEADS_INNER: tl.constexpr):
-    """Grid (query tiles, batch), or (batch, tiles) (_program_tile). One program owns dQ of
+                EARLY_DP: tl.constexpr, WS: tl.constexpr):
+    """Grid (query tiles x batch, in _program_tile's order). One program owns dQ of
     one query tile: no atomics.
     TMA: K and V stream through tensor descriptors.
 
     Its prologue computes D = rowsum(O * dO) (handout eq. 19's helper) for its rows and stores it
     for the dK/dV kernel, which runs next: one launch fewer than a separate D kernel."""
-    tile, bh = _program_tile(BLOCK_M2, IS_CAUSAL, HEADS_INNER)
+    tile, bh = _program_tile(n_q, head_group, BLOCK_M2, IS_CAUSAL)
     m0 = tile * BLOCK_M2
     offs_m = m0 + tl.arange(0, BLOCK_M2)
     offs_d = tl.arange(0, BLOCK_D)
@@ -420,22 +426,22 @@ def _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale,
     _store_rows(dQ + q_tile, dq.to(dQ.dtype.element_ty), offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
 
 
-@triton.jit
-def flash_bwd_dq_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
+@triton.jit(do_not_specialize=_ORDER_ARGS)
+def flash_bwd_dq_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group, qk_scale, sm_scale, SEQ_BUCKET,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                          INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                         EARLY_DP: tl.constexpr, HEADS_INNER: tl.constexpr):
-    _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, False, EARLY_DP, False, HEADS_INNER)
+                         EARLY_DP: tl.constexpr):
+    _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
+                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, False, EARLY_DP, False)
 
 
-@triton.jit
-def flash_bwd_dq_tma_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
+@triton.jit(do_not_specialize=_ORDER_ARGS)
+def flash_bwd_dq_tma_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group, qk_scale, sm_scale, SEQ_BUCKET,
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                              INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                             EARLY_DP: tl.constexpr, WS: tl.constexpr, HEADS_INNER: tl.constexpr):
-    _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, True, EARLY_DP, WS, HEADS_INNER)
+                             EARLY_DP: tl.constexpr, WS: tl.constexpr):
+    _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
+                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, True, EARLY_DP, WS)
 
 # ----------------------------------------------------------------------------- backward: one kernel with atomic dQ
 
@@ -506,16 +512,16 @@ def _atomic_query_loop(dk, dv, dq_prev, rows_prev, k, v, Q_bh, dO_bh, L_bh, D_bh
     return dk, dv, dq_prev, rows_prev
 
 
-@triton.jit
-def flash_bwd_atomic_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, qk_scale, sm_scale, SEQ_BUCKET,
+@triton.jit(do_not_specialize=_ORDER_ARGS)
+def flash_bwd_atomic_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale, sm_scale,
+                             SEQ_BUCKET,
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                              INPUT_PRECISION: tl.constexpr, BLOCK_M3: tl.constexpr, BLOCK_N3: tl.constexpr,
                              DEFER_DQ_ADD: tl.constexpr):
-    """Grid (key tiles, batch). One program owns dK and dV of one key tile, as the dK/dV kernel,
-    and adds its share of dQ into DQ_ACC (zeroed, with D written, by the prep kernel). Key tile 0
-    sees the most query tiles when causal, so the natural order is already longest-first."""
-    tile = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    """Grid (key tiles x batch, in _program_tile's order). One program owns dK and dV of one key
+    tile, as the dK/dV kernel, and adds its share of dQ into DQ_ACC (zeroed, with D written, by the
+    prep kernel). Key tile 0 sees the most query tiles when causal: it is the longest."""
+    tile, bh = _program_tile(n_k, head_group, BLOCK_N3, False)
     n0 = tile * BLOCK_N3
     offs_n = n0 + tl.arange(0, BLOCK_N3)
     offs_d = tl.arange(0, BLOCK_D)

@@ -422,52 +422,86 @@ def _pick(twins: tuple[TunedKernel, TunedKernel], tma: bool) -> TunedKernel:
     return twins[tma]
 
 
-_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the first takes 2^31 - 1)
-
-
 def _tile_grid(n_rows: int, block: str, batch: int):
-    """The grid of a kernel with one program per ``block`` rows of ``n_rows`` and per (batch, head):
-    (tiles, batch), or (batch, tiles) where the config sets HEADS_INNER (kernels._program_tile)."""
-    def grid(meta):
-        tiles = triton.cdiv(n_rows, meta[block])
-        if not meta.get("HEADS_INNER"):
-            return tiles, batch
-        if tiles > _MAX_GRID_Y:
-            raise ValueError(f"{n_rows} rows make {tiles} tiles of {meta[block]}, more than a grid's second "
-                             f"dimension takes ({_MAX_GRID_Y}); split the sequence or run with HEADS_INNER=False")
-        return batch, tiles
-    return grid
+    """The grid of a kernel with one program per ``block`` rows of ``n_rows`` and per (batch,
+    head): one dimension, in the order kernels._program_tile reads (a second of 1: the direct
+    launch passes two)."""
+    return lambda meta: (triton.cdiv(n_rows, meta[block]) * batch, 1)
+
+
+# head_group's rule, in 64-row tiles (the tables' most common tile): a group holds enough heads
+# that its tiles number _GROUP_TILES_PER_SM per SM, so the group's longest tiles launch while
+# there is still that much work left to run beside them, and at most as many heads as have their
+# two streamed operands (K and V, or Q and dO) within half of L2 (the other half for the rest).
+_GROUP_TILE_ROWS = 64
+_GROUP_TILES_PER_SM = 4
+
+
+def head_group(*, n_bh: int, n_rows: int, d: int, itemsize: int, sms: int, l2_bytes: int) -> int:
+    """How many of ``n_bh`` (batch, head)s a launch interleaves (kernels._program_tile), for a
+    kernel streaming two (n_rows, d) operands per head on a GPU with ``sms`` SMs and ``l2_bytes``
+    of L2: the rule above, at least 1."""
+    tiles = triton.cdiv(n_rows, _GROUP_TILE_ROWS)
+    enough = triton.cdiv(_GROUP_TILES_PER_SM * sms, tiles)
+    fits = (l2_bytes // 2) // (2 * n_rows * d * itemsize)
+    return max(1, min(n_bh, enough, fits))
+
+
+@functools.lru_cache(maxsize=1024)
+def _device_head_group(n_bh: int, n_rows: int, d: int, itemsize: int, device_index: int) -> int:
+    # cached: it is on every call's host path
+    props = torch.cuda.get_device_properties(device_index)
+    return head_group(n_bh=n_bh, n_rows=n_rows, d=d, itemsize=itemsize, sms=props.multi_processor_count,
+                      l2_bytes=props.L2_cache_size)
+
+
+def resolve_head_group(t: torch.Tensor, batch: int, n_rows: int, d: int, given: int | None) -> int:
+    """The head group a launch streaming ``t`` ((batch, n_rows, d) rows) runs with: ``given``
+    (checked, at most ``batch``), or head_group's rule."""
+    if given is not None:
+        if given < 1:
+            raise ValueError(f"head_group must be at least 1, got {given}")
+        return min(given, batch)
+    if not t.is_cuda:  # the interpreter: the order within each head (tests give groups explicitly)
+        return 1
+    return _device_head_group(batch, n_rows, d, t.element_size(), t.device.index)
 
 
 # The launchers take contiguous tensors shaped (..., seq, d) (every leading dim is batch) and
 # L, D shaped (..., n_q) fp32. ``fp32_dot``: FlashVariant.fp32_dot; ``meta``: ``_common``'s dict
-# when the caller already has it (then it holds the dot precision).
+# when the caller already has it (then it holds the dot precision); ``head_group``: the launch
+# order's group of heads (kernels._program_tile), head_group()'s rule where None.
 
 def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None = None, tma: bool = False,
-                   fp32_dot: str = "auto") -> None:
+                   fp32_dot: str = "auto", head_group: int | None = None) -> None:
     """Fill O (like Q) and L (Q's leading dims and n_q, fp32) from Q (..., n_q, d) and K, V
     (..., n_k, d). tma: the TMA kernel (the tensors must pass tma_usable)."""
     batch, n_q, n_k, d = _dims(q3, k3)
     grid = _tile_grid(n_q, "BLOCK_M", batch)
-    _launch(_pick(_FWD, tma), grid, (q3, k3, v3, o, lse, n_q, n_k, d ** -0.5 * kernels.LOG2E),
+    group = resolve_head_group(k3, batch, n_k, d, head_group)  # the forward streams K and V
+    _launch(_pick(_FWD, tma), grid, (q3, k3, v3, o, lse, n_q, n_k, group, d ** -0.5 * kernels.LOG2E),
             _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
 
 def launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal: bool, *, config: dict | None = None,
-              meta: dict | None = None, tma: bool = False, fp32_dot: str = "auto") -> None:
+              meta: dict | None = None, tma: bool = False, fp32_dot: str = "auto",
+              head_group: int | None = None) -> None:
     """Fill dQ and D = rowsum(O * dO) (the dK/dV kernel's input), given L."""
     batch, n_q, n_k, d = _dims(q3, k3)
     grid = _tile_grid(n_q, "BLOCK_M2", batch)
-    args = (q3, k3, v3, o3, do3, lse, delta, dq, n_q, n_k, d ** -0.5 * kernels.LOG2E, d ** -0.5)
+    group = resolve_head_group(k3, batch, n_k, d, head_group)  # dQ streams K and V
+    args = (q3, k3, v3, o3, do3, lse, delta, dq, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
     _launch(_pick(_DQ, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
 
 def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config: dict | None = None,
-                meta: dict | None = None, tma: bool = False, fp32_dot: str = "auto") -> None:
+                meta: dict | None = None, tma: bool = False, fp32_dot: str = "auto",
+                head_group: int | None = None) -> None:
     """Fill dK and dV, given L and D (written by launch_dq)."""
     batch, n_q, n_k, d = _dims(q3, k3)
     grid = _tile_grid(n_k, "BLOCK_N1", batch)
-    args = (q3, k3, v3, do3, lse, delta, dk, dv, n_q, n_k, d ** -0.5 * kernels.LOG2E, d ** -0.5)
+    group = resolve_head_group(q3, batch, n_q, d, head_group)  # dK/dV streams Q and dO
+    args = (q3, k3, v3, do3, lse, delta, dk, dv, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
     _launch(_pick(_DKDV, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot),
             config)
 
@@ -487,7 +521,8 @@ def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, 
     """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D."""
     batch, n_q, n_k, d = _dims(q3, k3)
     grid = _tile_grid(n_k, "BLOCK_N3", batch)
-    args = (q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, n_q, n_k, d ** -0.5 * kernels.LOG2E, d ** -0.5)
+    group = resolve_head_group(q3, batch, n_q, d, None)  # as dK/dV: streams Q and dO
+    args = (q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
     _launch(TUNED["atomic"], grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
 
