@@ -63,7 +63,7 @@ TRITON_VARIANTS = {"triton": {}, "triton_split": dict(forward="pointer", backwar
                    "triton_atomic": dict(forward="pointer", backward="atomic"),
                    "triton_tma": dict(forward="tma", backward="tma"),
                    "triton_tf32x3": dict(fp32_dot="tf32x3"), "triton_ieee": dict(fp32_dot="ieee"),
-                   "triton_pytorch_bwd": dict(backward="pytorch")}
+                   "triton_pytorch_bwd": dict(backward="pytorch"), "triton_per_head": dict(launch_order="per_head")}
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
 
 

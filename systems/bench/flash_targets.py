@@ -168,6 +168,17 @@ def format_table(table: list[dict], verdict_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_also(table: list[dict], also: list[str]) -> str:
+    """Ours over each ``also`` implementation per shape and pass (median over rounds,
+    lowest-highest round in brackets), from ``ratios``' table."""
+    lines = [f"{'dtype':>5} {'shape (bh, seq, d)':>20} {'ours / ':>7}" + " ".join(f"{p:>17}" for p in PASSES)]
+    for impl in also:
+        for dtype, shape in dict.fromkeys((c["dtype"], c["shape"]) for c in table if c["baseline"] == impl):
+            cells = {c["pass_"]: c for c in table if (c["dtype"], c["shape"], c["baseline"]) == (dtype, shape, impl)}
+            lines.append(f"{dtype:>5} {str(shape):>20} {impl} " + " ".join(_cell(cells.get(p)) for p in PASSES))
+    return "\n".join(lines)
+
+
 def warm_calls(*, bf16_shapes=BF16_SHAPES, fp32_shapes=FP32_SHAPES) -> list:
     """The Triton calls whose kernels systems.bench.flash.prewarm compiles before round one."""
     from systems.bench.flash import WarmCall, distinct_warm_calls
@@ -186,7 +197,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stored-plans", action="store_true",
                         help="launch the tuned plans earlier processes persisted instead of tuning afresh")
     parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/flash/flash_targets.jsonl")
+    parser.add_argument("--also", action="append", default=[], metavar="IMPL",
+                        help="another implementation timed in every round beside the others (repeatable; e.g. "
+                             "triton_per_head, the launch order before head groups); ours / it is printed after "
+                             "the table")
     args = parser.parse_args(argv)
+    from systems.bench.flash import get_impl
+
+    for impl in args.also:
+        try:
+            get_impl(impl)
+        except ValueError as exc:
+            parser.error(f"--also: {exc}")
+    impls = {dtype: (*names, *(i for i in args.also if i not in names)) for dtype, names in IMPLS.items()}
     import tempfile
 
     import torch
@@ -211,10 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         # (notebook 06's sweep calls small shapes first) would time these shapes with tiles picked
         # for others (notes entry 13). By default each key is tuned here, at the table's first shape.
         with environ_set({} if args.stored_plans else {CACHE_ENV: fresh}):
-            rows = measure(rounds=args.rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, writer=writer,
-                           progress=lambda s: print(s, flush=True))
+            rows = measure(rounds=args.rounds, impls=impls, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                           writer=writer, progress=lambda s: print(s, flush=True))
     table = ratios(rows)
     print(format_table(table, verdicts(table)))
+    if args.also:
+        print(format_also(table, args.also))
     print(f"rows: {writer.path}")
     return 0
 

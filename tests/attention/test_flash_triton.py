@@ -306,6 +306,16 @@ def test_specialisation_separates_what_triton_compiles_separately():
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")
+def test_launch_order_variant_picks_the_head_group():
+    from systems.attention.flash_triton import FlashVariant
+
+    assert FlashVariant().head_group is None  # the rule's
+    assert FlashVariant(launch_order="per_head").head_group == 1
+    with pytest.raises(ValueError, match="launch_order"):
+        FlashVariant(launch_order="heads")
+
+
+@pytest.mark.skipif(not have_triton(), reason="needs triton")
 def test_head_group_rule():
     from systems.attention.flash_triton.launch import _tile_grid, head_group, resolve_head_group
 

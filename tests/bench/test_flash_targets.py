@@ -9,7 +9,7 @@ from systems.bench import flash_targets as ft
 from systems.measure.results import ResultWriter
 
 # ms per pass of each implementation; ours is slower than cuDNN in round 1 only (a host hiccup)
-BASE = {"triton": 1.0, "sdpa_cudnn": 1.0, "sdpa_flash": 2.0, "naive": 1.5}
+BASE = {"triton": 1.0, "sdpa_cudnn": 1.0, "sdpa_flash": 2.0, "naive": 1.5, "triton_per_head": 1.25}
 
 
 def fake_timer(calls):
@@ -88,3 +88,18 @@ def test_warm_calls_cover_each_kernel_class_once():
     calls = ft.warm_calls()
     keys = [c.kernels_key() for c in calls]
     assert len(keys) == len(set(keys)) and {c.dtype for c in calls} == {"bf16", "fp32"}
+
+
+def test_also_times_another_implementation_beside_the_others(capsys):
+    impls = {dtype: (*names, "triton_per_head") for dtype, names in ft.IMPLS.items()}
+    rows = ft.measure(rounds=3, impls=impls, timer=fake_timer([]), progress=None, **SHAPES)
+    table = ft.ratios(rows)
+    cell = next(c for c in table if c["shape"] == (16, 16384, 64) and c["baseline"] == "triton_per_head"
+                and c["pass_"] == "e2e")
+    assert cell["ratio"] == pytest.approx(0.8) and cell["high"] == pytest.approx(1.2)  # 1.0 / 1.25; round 1 1.5x
+    text = ft.format_also(table, ["triton_per_head"])
+    assert text.count("triton_per_head") == 3 and "0.80 (0.80-1.20)" in text  # one line per shape
+    assert {v["target"] for v in ft.verdicts(table)} == {t.name for t in ft.TARGETS}  # the targets are unchanged
+    with pytest.raises(SystemExit):
+        ft.main(["--also", "triton_typo"])
+    assert "--also: unknown implementation 'triton_typo'" in capsys.readouterr().err

@@ -44,9 +44,11 @@ from systems.config import check_choice
 Forward = Literal["auto", "pointer", "tma"]
 Backward = Literal["auto", "split", "tma", "atomic", "pytorch"]
 Fp32Dot = Literal["auto", "ieee", "tf32x3", "tf32"]
+LaunchOrder = Literal["auto", "per_head"]
 FORWARDS: tuple[str, ...] = get_args(Forward)
 BACKWARDS: tuple[str, ...] = get_args(Backward)
 FP32_DOTS: tuple[str, ...] = get_args(Fp32Dot)
+LAUNCH_ORDERS: tuple[str, ...] = get_args(LaunchOrder)
 # Longest sequence (max of queries, keys) the "auto" variants still run on the pointer kernels. On
 # the H100 the TMA kernels were faster at 16k and 64k (d 64 and 128) but slower at 4k, d 64 (bare
 # launches: fwd 0.048 against 0.037 ms, backward 0.127 against 0.094): building descriptors costs
@@ -73,15 +75,25 @@ class FlashVariant:
     a TF32 high and low part, three TF32 tensor-core products: near-fp32 accuracy), "tf32" (one
     TF32 product: 10 mantissa bits), or "auto" ("tf32" where torch.backends.cuda.matmul.allow_tf32
     is on, else "tf32x3"; "ieee" under the interpreter and before sm_80: ``dot_precision``).
+    launch_order: the order the forward and split-backward programs start in (kernels._program_tile):
+    "auto" (longest tile first over groups of heads, head_group's rule) or "per_head" (longest
+    first within each head, one head after another: the order before groups, notes entry 14).
     """
     forward: Forward = "auto"
     backward: Backward = "auto"
     fp32_dot: Fp32Dot = "auto"
+    launch_order: LaunchOrder = "auto"
 
     def __post_init__(self):
         check_choice("FlashVariant forward", self.forward, FORWARDS)
         check_choice("FlashVariant backward", self.backward, BACKWARDS)
         check_choice("FlashVariant fp32_dot", self.fp32_dot, FP32_DOTS)
+        check_choice("FlashVariant launch_order", self.launch_order, LAUNCH_ORDERS)
+
+    @property
+    def head_group(self) -> int | None:
+        """The launchers' head_group: None (the rule's) for "auto", 1 for "per_head"."""
+        return 1 if self.launch_order == "per_head" else None
 
     def forward_tma(self, *tensors: torch.Tensor) -> bool:
         """Whether the forward reads these (..., seq, d) tensors through TMA descriptors."""
@@ -546,7 +558,8 @@ def flash_forward_triton(q3, k3, v3, is_causal: bool, *, variant: FlashVariant =
     _contiguous(q3, k3, v3)
     o = torch.empty_like(q3)
     lse = torch.empty(q3.shape[:-1], device=q3.device, dtype=torch.float32)
-    launch_forward(q3, k3, v3, o, lse, is_causal, tma=variant.forward_tma(q3, k3, v3), fp32_dot=variant.fp32_dot)
+    launch_forward(q3, k3, v3, o, lse, is_causal, tma=variant.forward_tma(q3, k3, v3), fp32_dot=variant.fp32_dot,
+                   head_group=variant.head_group)
     return o, lse
 
 
@@ -569,6 +582,6 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
         return dq, dk, dv
     dq = torch.empty_like(q3)
     tma = variant.backward_tma(q3, k3, v3, o3, do3)
-    launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta, tma=tma)
-    launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal, meta=meta, tma=tma)
+    launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta, tma=tma, head_group=variant.head_group)
+    launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal, meta=meta, tma=tma, head_group=variant.head_group)
     return dq, dk, dv
