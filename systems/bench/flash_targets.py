@@ -188,6 +188,14 @@ def warm_calls(*, bf16_shapes=BF16_SHAPES, fp32_shapes=FP32_SHAPES) -> list:
                                for bh, seq, d in shapes)
 
 
+def _shape_arg(text: str) -> tuple[int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"a shape is three positive integers BH,SEQ,D (batch x heads, "
+                                         f"sequence, head dim), got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m systems.bench.flash_targets", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -197,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stored-plans", action="store_true",
                         help="launch the tuned plans earlier processes persisted instead of tuning afresh")
     parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/flash/flash_targets.jsonl")
+    parser.add_argument("--shape", action="append", type=_shape_arg, metavar="BH,SEQ,D",
+                        help="a bf16 shape to time instead of the table's (repeatable; no fp32 shapes then): a "
+                             "target whose shapes did not run is reported as not measured")
     parser.add_argument("--also", action="append", default=[], metavar="IMPL",
                         help="another implementation timed in every round beside the others (repeatable; e.g. "
                              "triton_per_head, the launch order before head groups); ours / it is printed after "
@@ -210,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(f"--also: {exc}")
     impls = {dtype: (*names, *(i for i in args.also if i not in names)) for dtype, names in IMPLS.items()}
+    shapes = dict(bf16_shapes=tuple(args.shape), fp32_shapes=()) if args.shape else {}
     import tempfile
 
     import torch
@@ -224,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_prewarm:
         from systems.bench.flash import prewarm
 
-        done = prewarm(warm_calls())
+        done = prewarm(warm_calls(**shapes))
         print(f"prewarm: {done['calls']} calls in {done['workers']} workers, {done['seconds']:.0f} s"
               + (f"; {len(done['failed'])} failed" if done["failed"] else ""), flush=True)
     writer = ResultWriter(args.out)
@@ -235,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         # for others (notes entry 13). By default each key is tuned here, at the table's first shape.
         with environ_set({} if args.stored_plans else {CACHE_ENV: fresh}):
             rows = measure(rounds=args.rounds, impls=impls, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-                           writer=writer, progress=lambda s: print(s, flush=True))
+                           writer=writer, progress=lambda s: print(s, flush=True), **shapes)
     table = ratios(rows)
     print(format_table(table, verdicts(table)))
     if args.also:

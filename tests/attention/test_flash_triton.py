@@ -322,14 +322,17 @@ def test_head_group_rule():
     assert _tile_grid(1000, "BLOCK_M", 6)({"BLOCK_M": 64}) == (96, 1)  # 16 tiles x 6 heads, one dimension
 
     h100 = dict(sms=132, l2_bytes=50 * 2**20)
-    # the leaderboard shape, bf16: 4 x 132 tiles want 3 heads of 256; d = 128's K and V (8 MiB a
-    # head) fit 3 heads in half of L2
-    assert head_group(n_bh=16, n_rows=16384, d=64, itemsize=2, **h100) == 3
-    assert head_group(n_bh=16, n_rows=16384, d=128, itemsize=2, **h100) == 3
-    assert head_group(n_bh=16, n_rows=16384, d=128, itemsize=4, **h100) == 1  # fp32: one head's 16 MiB
-    assert head_group(n_bh=16, n_rows=4096, d=64, itemsize=2, **h100) == 9  # 64 tiles a head
-    assert head_group(n_bh=128, n_rows=512, d=64, itemsize=2, **h100) == 66  # 8 tiles a head
+    # the leaderboard shape: 256 tiles of 64 rows a head, about 2 x 132: one head a group
+    assert head_group(n_bh=16, n_rows=16384, d=64, itemsize=2, **h100) == 1
+    assert head_group(n_bh=32, n_rows=8192, d=128, itemsize=2, **h100) == 2  # 128 tiles a head
+    assert head_group(n_bh=16, n_rows=4096, d=64, itemsize=2, **h100) == 4  # 64 tiles
+    assert head_group(n_bh=32, n_rows=2048, d=128, itemsize=2, **h100) == 8  # 32 tiles
+    assert head_group(n_bh=128, n_rows=512, d=64, itemsize=2, **h100) == 33  # 8 tiles
     assert head_group(n_bh=4, n_rows=512, d=64, itemsize=2, **h100) == 4  # at most every head
+    # at most as many heads as have K and V in half of L2: 6 MiB a head at 4k fp32, d = 192
+    assert head_group(n_bh=16, n_rows=4096, d=192, itemsize=4, **h100) == 4
+    assert head_group(n_bh=16, n_rows=4096, d=192, itemsize=4, sms=264, l2_bytes=50 * 2**20) == 4
+    assert head_group(n_bh=16, n_rows=4096, d=64, itemsize=2, sms=264, l2_bytes=50 * 2**20) == 8
     assert head_group(n_bh=1, n_rows=65536, d=128, itemsize=2, **h100) == 1
     assert head_group(n_bh=8, n_rows=2**20, d=128, itemsize=2, **h100) == 1  # nothing fits: still 1
     x = torch.zeros(6, 100, 16)

@@ -103,3 +103,11 @@ def test_also_times_another_implementation_beside_the_others(capsys):
     with pytest.raises(SystemExit):
         ft.main(["--also", "triton_typo"])
     assert "--also: unknown implementation 'triton_typo'" in capsys.readouterr().err
+
+
+def test_shape_arguments_are_checked(capsys):
+    assert ft._shape_arg("16,4096,64") == (16, 4096, 64)
+    for bad in ("16,4096", "16,4096,0", "a,b,c"):
+        with pytest.raises(SystemExit):
+            ft.main(["--shape", bad])
+    assert "three positive integers BH,SEQ,D" in capsys.readouterr().err
