@@ -376,11 +376,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="bf16 matmul rate MFU is relative to (e.g. a measured ceiling)")
     parser.add_argument("--out", default=None, help="JSON-lines results file")
+    parser.add_argument("--trace-variant", default=None, choices=list(VARIANTS),
+                        help="profile one more step of this variant (one of --variants), export its Chrome trace "
+                             "to --trace and print its kernel time per category and its top kernels")
+    parser.add_argument("--trace", default="train_step_trace.json.gz", help="where --trace-variant's trace goes")
     args = parser.parse_args(argv)
+    if args.trace_variant and args.trace_variant not in args.variants:
+        parser.error(f"--trace-variant {args.trace_variant} is not among --variants {args.variants}")
     try:
         rows = run_variants(model=args.model, variants=args.variants,
                             writer=ResultWriter(args.out) if args.out else None,
                             peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+                            trace_variant=args.trace_variant, trace_path=args.trace,
                             batch_size=args.batch_size, context_length=args.context_length,
                             steps=args.steps, warmup=args.warmup)
     except ValueError as exc:
@@ -388,7 +395,27 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         extra = f"{r['step_ms']:.1f} ms/step" if r["status"] == "ok" else r["status"]
         print(f"{r['model']:>6} {r['variant']:>14}: {extra}")
+    traced = [r for r in rows if r.get("trace")]
+    if traced:
+        print(trace_summary(traced[0]["trace"]))
     return 0 if all(r["status"] == "ok" for r in rows) else 3
+
+
+def trace_summary(trace_path: str | Path, *, top: int = 15) -> str:
+    """One profiled step as text: kernel time per category and per phase, and the top kernels."""
+    import pandas as pd
+
+    from systems.measure import profiler
+
+    items, ranges = profiler.parse_trace(profiler.load_trace(trace_path))
+    items = profiler.attribute(items, ranges)
+    with pd.option_context("display.width", 160, "display.max_colwidth", 70):
+        return "\n\n".join([
+            f"trace: {trace_path}",
+            profiler.category_table(items).to_string(index=False, float_format="%.3f"),
+            profiler.range_table(items, ranges).to_string(index=False, float_format="%.3f"),
+            profiler.kernel_table(items, top=top).drop(columns=["name"]).to_string(index=False, float_format="%.3f"),
+        ])
 
 
 if __name__ == "__main__":

@@ -181,6 +181,21 @@ def test_measure_reports_phases_that_add_up(variant, tmp_path):
     assert row["tokens_per_s"] > 0 and (tmp_path / "t.json").exists()
 
 
+def test_cli_traces_one_variant_and_prints_where_its_time_goes(tmp_path, capsys):
+    trace = tmp_path / "t.json"
+    argv = ["--model", "debug", "--variants", "ours_eager", "--batch-size", "2", "--context-length", "32",
+            "--steps", "2", "--warmup", "1", "--trace-variant", "ours_eager", "--trace", str(trace)]
+    assert ts.main(argv) == 0
+    out = capsys.readouterr().out
+    assert trace.exists() and f"trace: {trace}" in out
+    # the category table (every category named), the phases, then the top kernels (here CPU operators)
+    assert all(c in out for c in ("matmul", "elementwise", "reduction/softmax")) and "forward" in out
+    assert "instances_per_step" in out and "mean_us" in out
+    with pytest.raises(SystemExit):
+        ts.main(["--model", "debug", "--variants", "ours_eager", "--trace-variant", "ours_fused"])
+    assert "not among --variants" in capsys.readouterr().err
+
+
 def test_overlap_variant_builds_one_optimizer_per_block_and_measures(monkeypatch):
     from systems.kernels.fused_adamw import FusedAdamW
     from systems.train import OptimizerInBackward
