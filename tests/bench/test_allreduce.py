@@ -107,10 +107,12 @@ def test_ctrl_c_keeps_the_rows_measured_so_far_and_the_rerun_finishes(tmp_path):
     import time
 
     out = tmp_path / "allreduce.jsonl"
-    sizes = ["0.1", "0.2", "0.3", "0.4", "0.5", "0.6", "0.7", "0.8"]
+    sizes = ["24", "32", "40", "48", "56", "64", "72", "80"]
     cmd = [sys.executable, "-m", "systems.bench.allreduce", "--backend", "gloo", "--world-sizes", "2",
            "--sizes-mb", *sizes, "--out", str(out)]
-    # each size takes at least its warm-up and 5 timed calls of 2 s budget: ~ 10 s per size
+    # a size runs up to 50 calls or 2 s: gloo takes about 30 ms a call for 32 MB on a CI core, so
+    # each size lasts 1-2 s and the interrupt (polled every 0.2 s) lands while later sizes remain;
+    # sub-MB sizes finished all eight in milliseconds and raced the interrupt
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (out.exists() and read_records(out)):
