@@ -113,7 +113,10 @@ def test_ctrl_c_keeps_the_rows_measured_so_far_and_the_rerun_finishes(tmp_path):
     # a size runs up to 50 calls or 2 s: gloo takes about 30 ms a call for 32 MB on a CI core, so
     # each size lasts 1-2 s and the interrupt (polled every 0.2 s) lands while later sizes remain;
     # sub-MB sizes finished all eight in milliseconds and raced the interrupt
-    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # SIGINT back to its default in the child: a shell starts background jobs with it ignored, and
+    # Python (and so the command and its ranks) then keeps ignoring Ctrl-C
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (out.exists() and read_records(out)):
         time.sleep(0.2)
