@@ -8,7 +8,9 @@ shared fields and builds the model config (so a bad option is reported before a 
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -62,6 +64,21 @@ class RunConfig:
         if self.batch_size % world_size:
             raise ValueError(f"batch_size {self.batch_size} (the global batch) does not split evenly over "
                              f"{world_size} ranks")
+
+
+def shape_argument(names: str) -> Callable[[str], tuple[int, ...]]:
+    """An argparse ``type`` for a shape written as comma-separated positive integers, one per name
+    of ``names`` ("B,H,SEQ,D"): "1,16,4096,64" -> (1, 16, 4096, 64); anything else is a usage error
+    that names the expected form."""
+    count = len(names.split(","))
+
+    def parse(text: str) -> tuple[int, ...]:
+        parts = text.split(",")
+        if len(parts) != count or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"a shape is {count} positive integers {names}, got {text!r}")
+        return tuple(int(p) for p in parts)
+
+    return parse
 
 
 def add_distributed_arguments(parser, defaults: RunConfig, *, precisions, tool: str) -> None:

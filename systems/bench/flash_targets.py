@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from systems.bench.config import DEFAULT_OUT_ROOT
+from systems.bench.config import DEFAULT_OUT_ROOT, shape_argument
 from systems.measure.results import ResultWriter
 
 # (batch x heads, seq, d): the table of issue #25
@@ -188,14 +188,6 @@ def warm_calls(*, bf16_shapes=BF16_SHAPES, fp32_shapes=FP32_SHAPES) -> list:
                                for bh, seq, d in shapes)
 
 
-def _shape_arg(text: str) -> tuple[int, int, int]:
-    parts = text.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"a shape is three positive integers BH,SEQ,D (batch x heads, "
-                                         f"sequence, head dim), got {text!r}")
-    return tuple(int(p) for p in parts)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m systems.bench.flash_targets", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -205,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stored-plans", action="store_true",
                         help="launch the tuned plans earlier processes persisted instead of tuning afresh")
     parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/flash/flash_targets.jsonl")
-    parser.add_argument("--shape", action="append", type=_shape_arg, metavar="BH,SEQ,D",
+    parser.add_argument("--shape", action="append", type=shape_argument("BH,SEQ,D"), metavar="BH,SEQ,D",
                         help="a bf16 shape to time instead of the table's (repeatable; no fp32 shapes then): a "
                              "target whose shapes did not run is reported as not measured")
     parser.add_argument("--also", action="append", default=[], metavar="IMPL",

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from systems.bench.config import DEFAULT_OUT_ROOT
+from systems.bench.config import DEFAULT_OUT_ROOT, shape_argument
 from systems.measure import flops as flop_count
 from systems.measure.devices import DTYPES, release_memory
 from systems.measure.results import ResultWriter
@@ -255,7 +255,7 @@ def explore(*, shapes=SHAPES, candidates=CANDIDATES, dtype: str = "bf16", out_pa
                            warps=cfg[2], stages=cfg[3], meta={**tuning.kernel_options(kernel), **(cfg[4:] or [{}])[0]},
                            status="ok")
                 if "head_group" in row["meta"]:  # what the launcher ran with (None: the rule's choice)
-                    row["head_group_used"] = resolve_head_group(x.q, batch, seq, d, row["meta"]["head_group"])
+                    row["head_group_used"] = resolve_head_group(x.q, x.k, row["meta"]["head_group"])
                 try:
                     fn = launch(kernel, x, cfg)
                     fn()
@@ -508,13 +508,6 @@ def best_configs(rows: list[dict]) -> dict:
     return best
 
 
-def _shape_arg(text: str) -> tuple[int, int, int, int]:
-    parts = text.split(",")
-    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"a shape is four positive integers B,H,SEQ,D, got {text!r}")
-    return tuple(int(p) for p in parts)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/flash/06_flash_attention_tuning.jsonl")
@@ -528,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-check", action="store_true", help="--compare-backward without the correctness check")
     parser.add_argument("--paths", default=",".join(COMPARE_PATHS),
                         help=f"comma-separated paths --compare-backward checks and times, of {list(COMPARE_PATHS)}")
-    parser.add_argument("--shape", action="append", type=_shape_arg, metavar="B,H,SEQ,D",
+    parser.add_argument("--shape", action="append", type=shape_argument("B,H,SEQ,D"), metavar="B,H,SEQ,D",
                         help="a point to measure (repeatable); default: COMPARE_SHAPES for --compare-backward, "
                              "SHAPES for the exploration (where B x H is the batch)")
     parser.add_argument("--schedule", action="store_true",

@@ -336,10 +336,10 @@ def test_head_group_rule():
     assert head_group(n_bh=1, n_rows=65536, d=128, itemsize=2, **h100) == 1
     assert head_group(n_bh=8, n_rows=2**20, d=128, itemsize=2, **h100) == 1  # nothing fits: still 1
     x = torch.zeros(6, 100, 16)
-    assert resolve_head_group(x, 6, 100, 16, None) == 1  # not on a GPU: the order within each head
-    assert resolve_head_group(x, 6, 100, 16, 4) == 4 and resolve_head_group(x, 6, 100, 16, 9) == 6
+    assert resolve_head_group(x, x, None) == 1  # not on a GPU: the order within each head
+    assert resolve_head_group(x, x, 4) == 4 and resolve_head_group(x, x, 9) == 6  # at most the 6 heads
     with pytest.raises(ValueError, match="at least 1"):
-        resolve_head_group(x, 6, 100, 16, 0)
+        resolve_head_group(x, x, 0)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")

@@ -106,8 +106,10 @@ def test_also_times_another_implementation_beside_the_others(capsys):
 
 
 def test_shape_arguments_are_checked(capsys):
-    assert ft._shape_arg("16,4096,64") == (16, 4096, 64)
+    from systems.bench.config import shape_argument
+
+    assert shape_argument("BH,SEQ,D")("16,4096,64") == (16, 4096, 64)
     for bad in ("16,4096", "16,4096,0", "a,b,c"):
         with pytest.raises(SystemExit):
             ft.main(["--shape", bad])
-    assert "three positive integers BH,SEQ,D" in capsys.readouterr().err
+    assert "3 positive integers BH,SEQ,D" in capsys.readouterr().err

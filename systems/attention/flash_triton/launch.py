@@ -471,16 +471,18 @@ def _device_head_group(n_bh: int, n_rows: int, d: int, itemsize: int, device_ind
                       l2_bytes=props.L2_cache_size)
 
 
-def resolve_head_group(t: torch.Tensor, batch: int, n_rows: int, d: int, given: int | None) -> int:
-    """The head group a launch streaming ``t`` ((batch, n_rows, d) rows) runs with: ``given``
-    (checked, at most ``batch``), or head_group's rule."""
+def resolve_head_group(q3: torch.Tensor, k3: torch.Tensor, given: int | None) -> int:
+    """The head group the kernels of one call on Q (..., n_q, d) and K (..., n_k, d) run with:
+    ``given`` (checked, at most the batch), or head_group's rule for the longer of the two
+    sequences (the one _common buckets on; they are equal in self-attention)."""
+    batch, n_q, n_k, d = _dims(q3, k3)
     if given is not None:
         if given < 1:
             raise ValueError(f"head_group must be at least 1, got {given}")
         return min(given, batch)
-    if not t.is_cuda:  # the interpreter: the order within each head (tests give groups explicitly)
+    if not q3.is_cuda:  # the interpreter: the order within each head (tests give groups explicitly)
         return 1
-    return _device_head_group(batch, n_rows, d, t.element_size(), t.device.index)
+    return _device_head_group(batch, max(n_q, n_k), d, q3.element_size(), q3.device.index)
 
 
 # The launchers take contiguous tensors shaped (..., seq, d) (every leading dim is batch) and
@@ -494,7 +496,7 @@ def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None =
     (..., n_k, d). tma: the TMA kernel (the tensors must pass tma_usable)."""
     batch, n_q, n_k, d = _dims(q3, k3)
     grid = _tile_grid(n_q, "BLOCK_M", batch)
-    group = resolve_head_group(k3, batch, n_k, d, head_group)  # the forward streams K and V
+    group = resolve_head_group(q3, k3, head_group)
     _launch(_pick(_FWD, tma), grid, (q3, k3, v3, o, lse, n_q, n_k, group, d ** -0.5 * kernels.LOG2E),
             _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
@@ -505,7 +507,7 @@ def launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal: bool, *, config: d
     """Fill dQ and D = rowsum(O * dO) (the dK/dV kernel's input), given L."""
     batch, n_q, n_k, d = _dims(q3, k3)
     grid = _tile_grid(n_q, "BLOCK_M2", batch)
-    group = resolve_head_group(k3, batch, n_k, d, head_group)  # dQ streams K and V
+    group = resolve_head_group(q3, k3, head_group)
     args = (q3, k3, v3, o3, do3, lse, delta, dq, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
     _launch(_pick(_DQ, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
@@ -516,7 +518,7 @@ def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config:
     """Fill dK and dV, given L and D (written by launch_dq)."""
     batch, n_q, n_k, d = _dims(q3, k3)
     grid = _tile_grid(n_k, "BLOCK_N1", batch)
-    group = resolve_head_group(q3, batch, n_q, d, head_group)  # dK/dV streams Q and dO
+    group = resolve_head_group(q3, k3, head_group)
     args = (q3, k3, v3, do3, lse, delta, dk, dv, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
     _launch(_pick(_DKDV, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot),
             config)
@@ -537,7 +539,7 @@ def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, 
     """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D."""
     batch, n_q, n_k, d = _dims(q3, k3)
     grid = _tile_grid(n_k, "BLOCK_N3", batch)
-    group = resolve_head_group(q3, batch, n_q, d, None)  # as dK/dV: streams Q and dO
+    group = resolve_head_group(q3, k3, None)
     args = (q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
     _launch(TUNED["atomic"], grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
@@ -586,6 +588,7 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
         return dq, dk, dv
     dq = torch.empty_like(q3)
     tma = variant.backward_tma(q3, k3, v3, o3, do3)
-    launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta, tma=tma, head_group=variant.head_group)
-    launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal, meta=meta, tma=tma, head_group=variant.head_group)
+    group = resolve_head_group(q3, k3, variant.head_group)  # once for both launches
+    launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta, tma=tma, head_group=group)
+    launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal, meta=meta, tma=tma, head_group=group)
     return dq, dk, dv
