@@ -491,6 +491,24 @@ class GroupedOptimizer:
                                "one step; each group is updated once between step() calls")
         self._launch(group)
 
+    def fold_gradients(self, addends: dict[torch.Tensor, torch.Tensor] | None, scale: float = 1.0) -> None:
+        """Each group optimizer's ``fold_gradients`` (``FusedAdamW``'s) with its parameters' addends;
+        ``None`` ends the fold everywhere."""
+        per_group: dict[int, dict] = {id(g): {} for g in self._groups}
+        for param, addend in (addends or {}).items():
+            group = self._owner.get(id(param))
+            if group is None:
+                raise ValueError(f"fold_gradients: a parameter of shape {tuple(param.shape)} is in no group")
+            per_group[id(group)][param] = addend
+        for group in self._groups:
+            fold = getattr(group.optimizer, "fold_gradients", None)
+            if fold is None:
+                if addends:
+                    raise ValueError(f"fold_gradients: the group optimizers ({type(group.optimizer).__name__}) "
+                                     "cannot fold gradient addends; use FusedAdamW or MasterWeightAdamW")
+                continue
+            fold(per_group[id(group)] if addends is not None else None, scale)
+
     @torch.no_grad()
     def _launch(self, group: _Group) -> None:
         group.optimizer.step()

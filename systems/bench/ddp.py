@@ -17,6 +17,10 @@ Variants, timed in this order:
   trace showed some of the backward's matmuls taking twice as long beside NCCL's thread blocks,
   and N SMs left to NCCL were to keep them in one wave (measured: no gain, training-step notes
   entry 8);
+- ``peer_update`` (the master-weights setting only): no all-reduce; each gradient is copied by
+  the copy engines into the other ranks' memory as soon as the backward produces it, and each
+  block's update sums and averages the received gradients in its own pass
+  (``systems.parallel.peer.DDPPeer``): no SM moves or reduces a gradient;
 - ``torch_ddp``: torch.nn.parallel.DistributedDataParallel with its defaults, last (it keeps
   hooks on the parameters until it is deleted).
 
@@ -71,7 +75,9 @@ from systems.train import OptimizerSpec, StepSpec, TrainStep, build_optimizer
 
 PRECISIONS = ("fp32", "bf16")
 VARIANT_KINDS = ("nosync", "naive", "flat", "overlap", "bucketed", "bucketed_tail", "bucketed_lp", "bucketed_update",
-                 "torch_ddp")
+                 "peer_update", "torch_ddp")
+# variants that update the master-weights setting's grouped optimizer themselves
+GROUPED_KINDS = ("bucketed_update", "peer_update")
 MASTER_SETTING = "bf16-master"
 HANDOUT_BUCKETS_MB = (1.0, 10.0, 100.0, 1000.0)
 
@@ -93,7 +99,8 @@ class DDPBenchConfig(RunConfig):
     include_torch_ddp: bool = True
     # after the other settings: bf16 with bf16 weights and fp32 masters (module docstring)
     master_weights: bool = False
-    master_variants: tuple[str, ...] = ("nosync", "overlap", "bucketed:100", "bucketed_update", "torch_ddp")
+    master_variants: tuple[str, ...] = ("nosync", "overlap", "bucketed:100", "bucketed_update", "peer_update",
+                                        "torch_ddp")
     profile: bool = True
     profile_steps: int = 2
     tf32: bool = False
@@ -130,9 +137,10 @@ class DDPBenchConfig(RunConfig):
                 raise ValueError(f"unknown {what} {unknown}")
         for v in (*self.variants, *self.master_variants):  # a malformed argument fails here, before any rank starts
             variant_plan(v)
-        if any(v.split(":")[0] == "bucketed_update" for v in self.variants):
-            raise ValueError("bucketed_update updates the blocks of the master-weights setting's grouped optimizer: "
-                             "list it in master_variants (with master_weights=True)")
+        grouped = sorted({v.split(":")[0] for v in self.variants} & set(GROUPED_KINDS))
+        if grouped:
+            raise ValueError(f"{', '.join(grouped)} update the blocks of the master-weights setting's grouped "
+                             "optimizer: list them in master_variants (with master_weights=True)")
         if self.master_weights and "bucketed_lp" in {v.split(":")[0] for v in self.master_variants}:
             raise ValueError("bucketed_lp converts fp32 gradients to bf16; the master-weights setting's gradients "
                              "are bf16 already: use bucketed")
@@ -173,6 +181,8 @@ def variant_plan(name: str) -> ParallelPlan:
     if kind == "bucketed_update":
         variant_sm_carveout(name)  # a malformed <N> fails with the plan
         return ParallelPlan(data_parallel="bucketed", update_per_bucket=True)
+    if kind == "peer_update":
+        return ParallelPlan(data_parallel="peer")
     return ParallelPlan(data_parallel=kind)
 
 
@@ -205,7 +215,8 @@ def notebook_config(*, profile: str, handout: str) -> DDPBenchConfig:
         return DDPBenchConfig(model="debug", context_length=64, batch_size=4, bucket_sizes_mb=(0.05, 0.2, 1.0),
                               tail_buckets_mb=((1.0, 0.05),), lp_reduce_buckets_mb=(1.0,), warmup=1, steps=3,
                               profile_steps=1, master_weights=True,
-                              master_variants=("nosync", "overlap", "bucketed:0.2", "bucketed_update", "torch_ddp"))
+                              master_variants=("nosync", "overlap", "bucketed:0.2", "bucketed_update", "peer_update",
+                                               "torch_ddp"))
     model = preset_of("xl", handout)
     if handout == "2025":
         return DDPBenchConfig(model=model, context_length=512, batch_size=4, lp_reduce_buckets_mb=(1000.0,),

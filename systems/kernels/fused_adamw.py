@@ -42,9 +42,10 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 BLOCK = 2048
 NUM_WARPS = 8
 ALIGN_BYTES = 16  # the kernel tells the compiler addresses are 16-byte aligned when they all are
-# columns of the address table: param, grad, exp_avg, exp_avg_sq, and the copy or, for a split
-# master, its low half (0 when neither; a split master's param column holds its bf16 high half)
-N_POINTERS = 5
+# columns of the address table: param, grad, exp_avg, exp_avg_sq, the copy or, for a split
+# master, its low half (0 when neither; a split master's param column holds its bf16 high half),
+# and a gradient addend (0 without one; ``FusedAdamW.fold_gradients``)
+N_POINTERS = 6
 LOW_BITS = "master_low_bits"  # the state key of a split master's low half (int16)
 # the kernels' views of the two (jit'ed code reads module globals only as constexprs)
 _ALIGN_BYTES = tl.constexpr(ALIGN_BYTES)
@@ -104,14 +105,16 @@ class _Bucket:
     exp_avg_sqs: list[torch.Tensor]
     copies: list[torch.Tensor] | None  # all or none: whether a copy is written is a compile-time flag
     lows: list[torch.Tensor] | None  # split masters (all or none): their low halves; params are the high halves
+    addends: list[torch.Tensor] | None = None  # all or none: the update reads grad_scale * (grad + addend)
+    grad_scale: float = 1.0
 
 
 def _kernel_applies(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                    copy: torch.Tensor | None, low: torch.Tensor | None) -> bool:
+                    copy: torch.Tensor | None, low: torch.Tensor | None, addend: torch.Tensor | None = None) -> bool:
     # the kernel indexes flat memory, so every tensor must be dense and in row-major order,
     # and it reads the moments in the master's dtype: the parameter's, or fp32 for a split one
     master_dtype = p.dtype if low is None else torch.float32
-    tensors = [t for t in (p, g, m, v, copy, low) if t is not None]
+    tensors = [t for t in (p, g, m, v, copy, low, addend) if t is not None]
     return ((p.is_cuda or triton_interpreting()) and p.dtype in KERNEL_DTYPES and g.dtype in KERNEL_DTYPES
             and m.dtype == v.dtype == master_dtype and all(t.is_contiguous() for t in tensors))
 
@@ -147,7 +150,10 @@ def _foreach_step(bucket: _Bucket) -> None:
     split masters, the update of masters joined for the step, split back into their halves)."""
     split = bucket.lows is not None
     masters = [join_master(p, low) for p, low in zip(bucket.params, bucket.lows)] if split else bucket.params
-    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(masters, bucket.grads)]
+    grads = bucket.grads
+    if bucket.addends is not None:  # summed in fp32, as the kernel does, then scaled
+        grads = [(g.float() + a.float()) * bucket.grad_scale for g, a in zip(grads, bucket.addends)]
+    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(masters, grads)]
     adamw_foreach_(masters, grads, bucket.exp_avgs, bucket.exp_avg_sqs, group=bucket.group, step=bucket.step)
     if split:
         halves = [split_master(master) for master in masters]
@@ -186,14 +192,16 @@ def _split_bits(x):
 
 
 @triton.jit
-def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel,
+def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, a_ptr, offs, numel, grad_scale,
                  decay, lerp_weight, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps,
-                 HAS_COPY: tl.constexpr, SPLIT: tl.constexpr, MASKED: tl.constexpr):
+                 HAS_COPY: tl.constexpr, SPLIT: tl.constexpr, HAS_ADDEND: tl.constexpr, MASKED: tl.constexpr):
     if SPLIT:
         p = _join_bits(load(p_ptr, offs, numel, MASKED), load(c_ptr, offs, numel, MASKED))
     else:
         p = load_f32(p_ptr, offs, numel, MASKED)
     g = load_f32(g_ptr, offs, numel, MASKED)
+    if HAS_ADDEND:  # the other ranks' gradients, summed here instead of in a pass of their own
+        g = (g + load_f32(a_ptr, offs, numel, MASKED)) * grad_scale
     m = load_f32(m_ptr, offs, numel, MASKED)
     v = load_f32(v_ptr, offs, numel, MASKED)
     p = p * decay  # decoupled decay acts on the pre-update weights
@@ -216,15 +224,17 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel,
 
 
 @triton.jit
-def _adamw_kernel(Addresses, Numels, FirstBlock, BlockTensor,
+def _adamw_kernel(Addresses, Numels, FirstBlock, BlockTensor, grad_scale,
                   decay, lerp_weight, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps,
                   PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr,
-                  HAS_COPY: tl.constexpr, SPLIT: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                  HAS_COPY: tl.constexpr, SPLIT: tl.constexpr, HAS_ADDEND: tl.constexpr, ALIGNED: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """Grid (blocks of all tensors,). One program: BLOCK elements of one tensor of the bucket.
 
     PARAM_DTYPE: the master's dtype, which the moments share. SPLIT (not with HAS_COPY): every
     master is fp32 split in two int16 halves, the bf16 high half in the param column and the low
-    half in the copy column (``split_master``)."""
+    half in the copy column (``split_master``). HAS_ADDEND: the gradient is grad_scale * (grad +
+    addend), the addend (in the gradient's dtype) in the sixth column."""
     pid = tl.program_id(0)
     t = tl.load(BlockTensor + pid).to(tl.int64)
     numel = tl.load(Numels + t)
@@ -241,14 +251,17 @@ def _adamw_kernel(Addresses, Numels, FirstBlock, BlockTensor,
         c_ptr = p_ptr
         if HAS_COPY:
             c_ptr = _pointer(tl.load(row + 4), COPY_DTYPE, ALIGNED)
+    a_ptr = g_ptr
+    if HAS_ADDEND:
+        a_ptr = _pointer(tl.load(row + 5), GRAD_DTYPE, ALIGNED)
     offs = start + tl.arange(0, BLOCK)
     # full blocks unmasked (the masks of a runtime numel would keep loads scalar), the tail masked
     if start + BLOCK <= numel:
-        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel, decay, lerp_weight, beta2,
-                     one_minus_beta2, step_size, bias_correction2_sqrt, eps, HAS_COPY, SPLIT, False)
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, a_ptr, offs, numel, grad_scale, decay, lerp_weight, beta2,
+                     one_minus_beta2, step_size, bias_correction2_sqrt, eps, HAS_COPY, SPLIT, HAS_ADDEND, False)
     else:
-        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, offs, numel, decay, lerp_weight, beta2,
-                     one_minus_beta2, step_size, bias_correction2_sqrt, eps, HAS_COPY, SPLIT, True)
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, a_ptr, offs, numel, grad_scale, decay, lerp_weight, beta2,
+                     one_minus_beta2, step_size, bias_correction2_sqrt, eps, HAS_COPY, SPLIT, HAS_ADDEND, True)
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -263,6 +276,11 @@ class FusedAdamW(AdamW):
     so state dicts move between the two; the copies are not part of the state. A parameter whose
     state also holds ``LOW_BITS`` is the bf16 high half of a split fp32 master (fp32 moments):
     ``MasterWeightAdamW(split_masters=True)`` makes those.
+
+    ``fold_gradients(addends, scale)``: from then on the update of a parameter with an addend
+    reads the gradient ``scale * (grad + addend)``, summed in fp32 in the same kernel pass. A
+    data-parallel wrapper that lands the other ranks' gradients in persistent buffers
+    (``systems.parallel.peer.DDPPeer``) averages them here, with no pass of its own.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -273,6 +291,8 @@ class FusedAdamW(AdamW):
         # launch tables of the last step, reused while addresses and sizes stay the same
         self._tables: dict[tuple, torch.Tensor] = {}
         self._block_maps: dict[tuple, _BlockMap] = {}
+        self._addends: dict[int, torch.Tensor] = {}  # id(the model's parameter) -> its gradient addend
+        self._grad_scale = 1.0
         for param, copy in (low_precision_copies or {}).items():
             self.attach_copy(param, copy)
 
@@ -282,6 +302,8 @@ class FusedAdamW(AdamW):
         self.__dict__.setdefault("_copies", {})
         self.__dict__.setdefault("_tables", {})
         self.__dict__.setdefault("_block_maps", {})
+        self.__dict__.setdefault("_addends", {})
+        self.__dict__.setdefault("_grad_scale", 1.0)
 
     @torch.no_grad()
     def attach_copy(self, param: torch.Tensor, copy: torch.Tensor) -> None:
@@ -301,9 +323,36 @@ class FusedAdamW(AdamW):
         copy.copy_(param)
         self._copies[param] = copy
 
+    def _model_param(self, p: torch.Tensor) -> torch.Tensor:
+        """The model's tensor behind ``p`` of the param groups, which carries the gradient
+        (``MasterWeightAdamW``'s masters stand for the model's bf16 parameters)."""
+        return p
+
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
-        """The gradient the update of ``p`` reads (``MasterWeightAdamW`` reads another tensor's)."""
-        return p.grad
+        """The gradient the update of ``p`` reads."""
+        return self._model_param(p).grad
+
+    @torch.no_grad()
+    def fold_gradients(self, addends: dict[torch.Tensor, torch.Tensor] | None, scale: float = 1.0) -> None:
+        """From the next step on, update each parameter of ``addends`` (the model's parameters)
+        with ``scale * (param.grad + addends[param])``; ``None`` goes back to plain gradients.
+        The addends are read at every step: they must stay allocated (and be written before the
+        step, on its stream) while folded. Each must match its parameter's shape and device, be
+        contiguous, and share the gradient's dtype."""
+        if addends is None:
+            self._addends, self._grad_scale = {}, 1.0
+            return
+        mine = {id(self._model_param(p)) for group in self.param_groups for p in group["params"]}
+        for param, addend in addends.items():
+            if id(param) not in mine:
+                raise ValueError(f"fold_gradients: a parameter of shape {tuple(param.shape)} is not updated by this "
+                                 "optimizer")
+            if addend.shape != param.shape or addend.device != param.device or not addend.is_contiguous():
+                raise ValueError(f"fold_gradients: an addend must be a contiguous tensor of its parameter's shape "
+                                 f"{tuple(param.shape)} on {param.device}, got {tuple(addend.shape)} on "
+                                 f"{addend.device}")
+        self._addends = {id(param): addend for param, addend in addends.items()}
+        self._grad_scale = float(scale)
 
     def _buckets(self) -> tuple[list[_Bucket], list[_Bucket]]:
         """Advance every stepped parameter's count; group them into (kernel buckets, foreach buckets)."""
@@ -315,16 +364,21 @@ class FusedAdamW(AdamW):
                     continue
                 if grad.is_sparse:
                     raise ValueError("FusedAdamW does not support sparse gradients")
+                addend = self._addends.get(id(self._model_param(p)))
+                if addend is not None and addend.dtype != grad.dtype:  # before any state advances
+                    raise ValueError(f"fold_gradients: an addend is {addend.dtype}, its gradient {grad.dtype}: "
+                                     "give addends in the gradients' dtype")
                 state = advance_state(self.state[p], p)
                 copy, low = self._copies.get(p), state.get(LOW_BITS)
-                use_kernel = _kernel_applies(p, grad, state["exp_avg"], state["exp_avg_sq"], copy, low)
+                use_kernel = _kernel_applies(p, grad, state["exp_avg"], state["exp_avg_sq"], copy, low, addend)
                 key = (index, state["step"], p.device, p.dtype, grad.dtype,
-                       copy.dtype if copy is not None else None, low is not None)
+                       copy.dtype if copy is not None else None, low is not None, addend is not None)
                 buckets = kernel if use_kernel else fallback
                 if key not in buckets:
                     buckets[key] = _Bucket(group=group, step=state["step"], params=[], grads=[],
                                            exp_avgs=[], exp_avg_sqs=[], copies=[] if copy is not None else None,
-                                           lows=[] if low is not None else None)
+                                           lows=[] if low is not None else None,
+                                           addends=[] if addend is not None else None, grad_scale=self._grad_scale)
                 b = buckets[key]
                 b.params.append(p)
                 b.grads.append(grad)
@@ -334,6 +388,8 @@ class FusedAdamW(AdamW):
                     b.copies.append(copy)
                 if low is not None:
                     b.lows.append(low)
+                if addend is not None:
+                    b.addends.append(addend)
         return list(kernel.values()), list(fallback.values())
 
     def _launch(self, bucket: _Bucket, tables: dict, block_maps: dict) -> None:
@@ -341,10 +397,11 @@ class FusedAdamW(AdamW):
         # the fifth column: the copies or the split masters' low halves (address 0 for neither)
         fifth = bucket.copies if bucket.copies is not None else bucket.lows
         fifth = fifth if fifth is not None else [None] * len(bucket.params)
-        addresses = tuple(a for p, g, m, v, c in zip(bucket.params, bucket.grads, bucket.exp_avgs,
-                                                     bucket.exp_avg_sqs, fifth)
+        sixth = bucket.addends if bucket.addends is not None else [None] * len(bucket.params)
+        addresses = tuple(a for p, g, m, v, c, add in zip(bucket.params, bucket.grads, bucket.exp_avgs,
+                                                          bucket.exp_avg_sqs, fifth, sixth)
                           for a in (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
-                                    c.data_ptr() if c is not None else 0))
+                                    c.data_ptr() if c is not None else 0, add.data_ptr() if add is not None else 0))
         map_key = (p0.device, tuple(p.numel() for p in bucket.params))
         block_map = self._block_maps.get(map_key)
         if block_map is None:
@@ -358,12 +415,12 @@ class FusedAdamW(AdamW):
         s = _Scalars.of(bucket.group, bucket.step)
         copy_dtype = bucket.copies[0].dtype if bucket.copies is not None else torch.bfloat16  # unused without copies
         _adamw_kernel[(block_map.n_blocks,)](
-            table, block_map.numels, block_map.first_block, block_map.block_tensor,
+            table, block_map.numels, block_map.first_block, block_map.block_tensor, bucket.grad_scale,
             s.decay, s.lerp_weight, s.beta2, s.one_minus_beta2, s.step_size, s.bias_correction2_sqrt, s.eps,
             # the master's dtype is the moments' (a split master's param is its bf16 high half)
             PARAM_DTYPE=_TL_DTYPES[bucket.exp_avgs[0].dtype], GRAD_DTYPE=_TL_DTYPES[bucket.grads[0].dtype],
             COPY_DTYPE=_TL_DTYPES[copy_dtype], HAS_COPY=bucket.copies is not None, SPLIT=bucket.lows is not None,
-            ALIGNED=all(a % ALIGN_BYTES == 0 for a in addresses), BLOCK=BLOCK, num_warps=NUM_WARPS)
+            HAS_ADDEND=bucket.addends is not None, ALIGNED=all(a % ALIGN_BYTES == 0 for a in addresses), BLOCK=BLOCK, num_warps=NUM_WARPS)
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -460,9 +517,9 @@ class MasterWeightAdamW(FusedAdamW):
             self.state[p].update({"step": 0, "exp_avg": torch.zeros_like(low, dtype=torch.float32),
                                   "exp_avg_sq": torch.zeros_like(low, dtype=torch.float32), LOW_BITS: low})
 
-    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+    def _model_param(self, p: torch.Tensor) -> torch.Tensor:
         # a master's gradient is its model parameter's (the copy); other parameters carry their own
-        return self._copies.get(p, p).grad
+        return self._copies.get(p, p)
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         """The fp32 master of a parameter held in low precision (the parameter itself otherwise);

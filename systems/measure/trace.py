@@ -6,7 +6,9 @@ Range names: the training step (``systems.train``) opens ``STEP_RANGE`` around e
 ``PHASE_RANGES`` around its phases, so every profile of a step can be cut the same way.
 
 GPU traces: kernels (memcpy and memset included) are device work; communication is a kernel
-whose name contains "nccl". CPU (gloo) traces have no kernels: communication is the "gloo:*"
+whose name contains "nccl" or symmetric memory's barrier kernel, and every memcpy on a stream
+that runs one of those (the copy-engine exchange of ``systems.parallel.peer`` copies gradients
+on the stream of its barriers). CPU (gloo) traces have no kernels: communication is the "gloo:*"
 ranges the gloo worker threads record, computation the "aten::*" operators of the other threads.
 
     exposed communication = time some communication runs while no computation does
@@ -64,7 +66,19 @@ def device_events(events: list[dict]) -> list[dict]:
 
 
 def is_comm_kernel(name: str) -> bool:
-    return "nccl" in name.lower()
+    n = name.lower()
+    return "nccl" in n or "barrier_kernel" in n
+
+
+def stream_of(e: dict):
+    return (e.get("args") or {}).get("stream")
+
+
+def comm_events(kernels: list[dict]) -> list[dict]:
+    """The device events that communicate: comm kernels, and memcpys on the streams that run them."""
+    streams = {stream_of(e) for e in kernels if is_comm_kernel(e["name"])} - {None}
+    return [e for e in kernels if is_comm_kernel(e["name"])
+            or (category(e) in ("gpu_memcpy", "memcpy") and stream_of(e) in streams)]
 
 
 def is_gather(name: str) -> bool:
@@ -198,14 +212,15 @@ def comm_compute_intervals(trace: dict | list | str | Path, *, step_range: str =
     kernels = device_events(events)
     if kernels:
         kind = "gpu"
-        comm = [span(e) for e in kernels if is_comm_kernel(e["name"])]
-        compute = [span(e) for e in kernels if not is_comm_kernel(e["name"])]
+        communicating = {id(e) for e in comm_events(kernels)}
+        comm = [span(e) for e in kernels if id(e) in communicating]
+        compute = [span(e) for e in kernels if id(e) not in communicating]
         steps = launched_spans(events, step_range) or gpu_annotation_spans(events, step_range)
     else:
         kind = "cpu"
-        comm_events = [e for e in events if e["name"].startswith("gloo:")]
-        comm_threads = {e.get("tid") for e in comm_events}
-        comm = [span(e) for e in comm_events]
+        gloo = [e for e in events if e["name"].startswith("gloo:")]
+        comm_threads = {e.get("tid") for e in gloo}
+        comm = [span(e) for e in gloo]
         compute = [span(e) for e in events if category(e) == "cpu_op" and e["name"].startswith("aten::")
                    and e.get("tid") not in comm_threads]
         steps = []
@@ -244,7 +259,7 @@ def collective_timeline(trace: dict | list | str | Path, *, step_range: str = ST
     the first profiled step."""
     iv = comm_compute_intervals(trace, step_range=step_range)
     events = iv.events
-    comm_events = ([e for e in device_events(events) if is_comm_kernel(e["name"])] if iv.kind == "gpu"
+    collectives = ([e for e in device_events(events) if is_comm_kernel(e["name"])] if iv.kind == "gpu"
                    else [e for e in events if e["name"].startswith("gloo:")])
     annotation = "gpu_user_annotation" if iv.kind == "gpu" else "user_annotation"
     units = []
@@ -256,7 +271,7 @@ def collective_timeline(trace: dict | list | str | Path, *, step_range: str = ST
     ms = lambda xs: [((a - iv.origin) / 1e3, (b - iv.origin) / 1e3) for a, b in sorted(xs)]  # noqa: E731
     return {"kind": iv.kind,
             "compute": [(a / 1e3, b / 1e3) for a, b in iv.compute],
-            "gather": ms(span(e) for e in comm_events if is_gather(e["name"])),
-            "reduce": ms(span(e) for e in comm_events if is_reduce_scatter(e["name"])),
+            "gather": ms(span(e) for e in collectives if is_gather(e["name"])),
+            "reduce": ms(span(e) for e in collectives if is_reduce_scatter(e["name"])),
             "units": [(i, (a - iv.origin) / 1e3, (b - iv.origin) / 1e3) for i, a, b in sorted(units, key=lambda u: u[1])],
             "step": (iv.steps[0][0] / 1e3, iv.steps[0][1] / 1e3) if iv.steps else None}

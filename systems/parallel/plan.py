@@ -4,15 +4,17 @@
 
 1. activation checkpointing (the model's layer runner; ``systems.parallel.checkpoint``);
 2. torch.compile, per block or of the whole model (``systems.parallel.compile``);
-3. data parallelism: our DDP variants (``systems.parallel.ddp``), torch's DDP, our FSDP
-   (``systems.parallel.fsdp``) or torch's FSDP2 (``fully_shard`` per block and on the root).
+3. data parallelism: our DDP variants (``systems.parallel.ddp``; ``peer``: gradients copied into
+   the other ranks' memory by copy engines and averaged inside the update, ``systems.parallel.peer``),
+   torch's DDP, our FSDP (``systems.parallel.fsdp``) or torch's FSDP2 (``fully_shard`` per block
+   and on the root).
 
 Checkpointing goes first so that compiling a block compiles the block itself (the runner calls
 the compiled blocks); data parallelism goes last because its hooks live on the parameters and
 modules that the earlier steps leave in place. The optimizer is built afterwards over
 ``Parallelized.params_owner`` (FSDP trains its shards, not the model's parameters), except for
-``update_per_bucket``, whose buckets are the groups of an optimizer built first and passed to
-``apply``.
+``update_per_bucket`` and ``peer``, whose units are the groups of an optimizer built first and
+passed to ``apply``.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from systems.parallel.checkpoint import (CHECKPOINT_SAVES, apply_activation_chec
                                         apply_nested_checkpointing)
 from systems.parallel.compile import COMPILE_SCOPES, apply_compile
 
-DATA_PARALLEL = ("none", "naive", "flat", "overlap", "bucketed", "torch_ddp", "fsdp", "fsdp2")
-OURS_DDP = ("naive", "flat", "overlap", "bucketed")
+DATA_PARALLEL = ("none", "naive", "flat", "overlap", "bucketed", "peer", "torch_ddp", "fsdp", "fsdp2")
+OURS_DDP = ("naive", "flat", "overlap", "bucketed", "peer")
+# data parallelism that updates the optimizer's groups itself: apply needs that optimizer
+NEEDS_GROUPED_OPTIMIZER = ("peer",)
 # data parallelism whose work happens in the wrapper's own forward or in module hooks on the root:
 # a step must call the wrapper (the logits loss), not model.hidden_states (the fused loss)
 FORWARD_WRAPPERS = ("torch_ddp", "fsdp", "fsdp2")
@@ -132,6 +136,11 @@ def _data_parallel(model: nn.Module, plan: ParallelPlan, device: torch.device,
                    optimizer) -> tuple[nn.Module | None, object]:
     """(wrapper, grad_sync) for the plan's data parallelism."""
     kind = plan.data_parallel
+    if kind == "peer":
+        from systems.parallel.peer import DDPPeer
+
+        ddp = DDPPeer(model, optimizer=optimizer)
+        return ddp, ddp
     if kind in OURS_DDP:
         from systems.parallel.ddp import make_ddp
 
@@ -169,9 +178,14 @@ def apply(model: nn.Module, plan: ParallelPlan, *, device: torch.device | None =
     """Apply ``plan`` to ``model`` (in place where it can), in the module docstring's order.
     ``optimizer``: with ``update_per_bucket``, the ``GroupedOptimizer`` (``systems.train``) over
     ``model`` whose groups become the buckets; build it first (``OptimizerSpec(grouped=True)``)."""
-    if plan.update_per_bucket and not (hasattr(optimizer, "groups") and hasattr(optimizer, "step_group")):
+    grouped = hasattr(optimizer, "groups") and hasattr(optimizer, "step_group")
+    if plan.update_per_bucket and not grouped:
         raise ValueError("update_per_bucket needs the optimizer whose groups become the buckets: build "
                          "build_optimizer(model, OptimizerSpec(grouped=True, ...)) first and pass it as optimizer=")
+    if plan.data_parallel in NEEDS_GROUPED_OPTIMIZER and not (grouped and hasattr(optimizer, "fold_gradients")):
+        raise ValueError(f"data_parallel={plan.data_parallel!r} updates the optimizer's groups and folds the other "
+                         "ranks' gradients into the update: build build_optimizer(model, OptimizerSpec(kind='fused', "
+                         "grouped=True, ...)) first and pass it as optimizer=")
     if plan.distributed:
         import torch.distributed as dist
 

@@ -36,25 +36,30 @@ def test_ddp_benchmark_compiled_setting_runs_after_eager(tmp_path):
 def test_ddp_benchmark_master_weights_setting_runs_last_with_bf16_gradients(tmp_path):
     """The master-weights setting converts the model after the others: its rows come last, carry
     master_weights and the bf16 gradient bytes (about half of fp32's), and bucketed_update (each
-    block updated as its bucket lands) trains through the same step as the other variants."""
+    block updated as its bucket lands) and peer_update (the other ranks' gradients summed inside
+    each block's update) train through the same step as the other variants."""
     cfg = DDPBenchConfig(model="debug", context_length=32, batch_size=2, precisions=("fp32",),
                          variants=("nosync", "bucketed:0.05"), master_weights=True,
-                         master_variants=("nosync", "bucketed_update", "torch_ddp"), include_torch_ddp=False,
+                         master_variants=("nosync", "bucketed_update", "peer_update", "torch_ddp"),
+                         include_torch_ddp=False,
                          warmup=1, steps=2, profile=False, out_path=str(tmp_path / "ddp.jsonl"),
                          overlap_path=str(tmp_path / "overlap.jsonl"), trace_dir=str(tmp_path / "traces"))
     run_ddp_benchmark(cfg, world_size=2, backend="gloo", timeout_s=300)
     rows = read_records(tmp_path / "ddp.jsonl")
     assert [(r["setting"], r["variant"]) for r in rows] == [
         ("fp32", "nosync"), ("fp32", "bucketed:0.05"),
-        ("bf16-master", "nosync"), ("bf16-master", "bucketed_update"), ("bf16-master", "torch_ddp")]
+        ("bf16-master", "nosync"), ("bf16-master", "bucketed_update"), ("bf16-master", "peer_update"),
+        ("bf16-master", "torch_ddp")]
     fp32, master = rows[0], rows[-1]
     assert master["master_weights"] and not fp32["master_weights"]
     # the debug model's matmul weights are most of its parameters; embedding and norms stay fp32
     assert 0.5 * fp32["grad_bytes"] < master["grad_bytes"] < 0.8 * fp32["grad_bytes"]
-    update = rows[3]
+    update, peer = rows[3], rows[4]
     assert update["status"] == "ok" and update["n_buckets"] > 1
+    assert peer["status"] == "ok"
     # the updates run inside the gradient sync, so little is left for the optimizer phase
     assert update["optimizer_ms"] < update["sync_wait_ms"]
+    assert peer["optimizer_ms"] < peer["sync_wait_ms"]
 
 
 def test_ddp_bench_config_rejects_unknown_compiled_precision():
@@ -67,8 +72,9 @@ def test_ddp_bench_config_rejects_unknown_compiled_precision():
     assert DDPBenchConfig(precisions=(), compiled_precisions=("bf16",)).settings() == [("bf16", True, False)]
     assert DDPBenchConfig(precisions=(), compiled_precisions=("bf16",), master_weights=True).settings()[-1] == (
         "bf16", True, True)
-    with pytest.raises(ValueError, match="list it in master_variants"):
-        DDPBenchConfig(variants=("nosync", "bucketed_update"))
+    for grouped in ("bucketed_update", "peer_update"):
+        with pytest.raises(ValueError, match=f"{grouped} update the blocks.*list them in master_variants"):
+            DDPBenchConfig(variants=("nosync", grouped))
     with pytest.raises(ValueError, match="positive count of SMs"):
         DDPBenchConfig(master_weights=True, master_variants=("nosync", "bucketed_update:x"))
     with pytest.raises(ValueError, match="gradients are bf16 already"):

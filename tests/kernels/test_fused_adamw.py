@@ -189,6 +189,77 @@ def test_master_weights_follow_adamw_and_round_into_the_model():
         assert b.grad is None  # zero_grad reached the model's parameters, not only the masters
 
 
+def run_fold_pair(*, device="cpu", steps=3, grad_dtype=torch.float32, scale=0.5, master=False):
+    """AdamW fed ``scale * (g + a)`` (summed in fp32), against FusedAdamW (or, with ``master``,
+    MasterWeightAdamW over bf16 model weights and one fp32 gain) fed ``g`` with ``a`` folded in
+    (``fold_gradients``): the addends stay the same tensors, rewritten in place every step, as a
+    data-parallel wrapper's receive buffers are. Returns (reference params, ours, our optimizer)."""
+    gen = torch.Generator(device=device).manual_seed(2)
+    shapes = ((7, 13), (2 * BLOCK + 5,), (5,))
+    ref = [torch.nn.Parameter(torch.randn(s, generator=gen, device=device)) for s in shapes]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    opt_ref = AdamW(ref, weight_decay=0.1, **HYPER)
+    if master:
+        opt = MasterWeightAdamW(ours, weight_decay=0.1, **HYPER, low_precision=ours[:2], split_masters=True)
+    else:
+        opt = FusedAdamW(ours, weight_decay=0.1, **HYPER)
+    if grad_dtype != torch.float32 and not master:
+        if not hasattr(ours[0], "grad_dtype"):
+            pytest.skip("this torch cannot give fp32 parameters grads of another dtype")
+        for b in ours:
+            b.grad_dtype = grad_dtype
+    addends = {p: torch.zeros(p.shape, dtype=grad_dtype if not master else p.dtype, device=device) for p in ours}
+    opt.fold_gradients(addends, scale)
+    for _ in range(steps):
+        for a, b in zip(ref, ours):
+            dtype = b.dtype if master else grad_dtype
+            b.grad = torch.randn(a.shape, generator=gen, device=device).to(dtype)
+            addends[b].copy_(torch.randn(a.shape, generator=gen, device=device))
+            a.grad = (b.grad.float() + addends[b].float()) * scale
+        opt_ref.step()
+        opt.step()
+    return ref, ours, opt
+
+
+@pytest.mark.skipif(INTERPRETING, reason="the fallback runs for CPU tensors outside the interpreter")
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_fallback_folds_the_addends(grad_dtype):
+    # the fallback sums in fp32 and scales, then runs AdamW's own operations: bit-identical
+    ref, ours, opt = run_fold_pair(grad_dtype=grad_dtype)
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(INTERPRETING, reason="the fallback runs for CPU tensors outside the interpreter")
+def test_fold_is_keyed_by_the_model_parameters_of_split_masters():
+    # addends are given for the model's bf16 parameters, whose split masters the optimizer updates
+    ref, ours, opt = run_fold_pair(master=True)
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(opt.master_of(b), a.detach(), atol=0, rtol=0)
+
+
+def test_fold_gradients_validates_and_resets():
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    opt = FusedAdamW([p], **HYPER)
+    with pytest.raises(ValueError, match="not updated by this optimizer"):
+        opt.fold_gradients({q: torch.zeros(3)}, 0.5)
+    with pytest.raises(ValueError, match="parameter's shape"):
+        opt.fold_gradients({p: torch.zeros(4)}, 0.5)
+    opt.fold_gradients({p: torch.zeros(3, dtype=torch.bfloat16)}, 0.5)
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match="in the gradients' dtype"):
+        opt.step()
+    # None goes back to the plain gradient: the same update as an optimizer that never folded
+    opt.fold_gradients(None)
+    other = torch.nn.Parameter(torch.randn(3))
+    other.data.copy_(p.data)
+    plain = FusedAdamW([other], **HYPER)
+    other.grad = torch.ones(3)
+    opt.step()
+    plain.step()
+    torch.testing.assert_close(p, other, atol=0, rtol=0)
+
+
 def test_master_weights_validate_their_input():
     p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
     with pytest.raises(ValueError, match="not in params"):
@@ -418,33 +489,36 @@ def test_triton_kernel_in_interpreter_subprocess():
 
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
 @pytest.mark.parametrize("grad", ["fp32", "bf16"])
-@pytest.mark.parametrize("fifth", ["copy", "none", "split"])
+@pytest.mark.parametrize("fifth", ["copy", "none", "split", "split+addend"])
 def test_kernel_compiles_for_h100(grad, fifth):
     import triton.language as tl
 
     from systems.kernels.fused_adamw import NUM_WARPS, _adamw_kernel
 
-    scalars = ("decay", "lerp_weight", "beta2", "one_minus_beta2", "step_size", "bias_correction2_sqrt", "eps")
-    flags = ("PARAM_DTYPE", "GRAD_DTYPE", "COPY_DTYPE", "HAS_COPY", "SPLIT", "ALIGNED", "BLOCK")
+    scalars = ("grad_scale", "decay", "lerp_weight", "beta2", "one_minus_beta2", "step_size",
+               "bias_correction2_sqrt", "eps")
+    flags = ("PARAM_DTYPE", "GRAD_DTYPE", "COPY_DTYPE", "HAS_COPY", "SPLIT", "HAS_ADDEND", "ALIGNED", "BLOCK")
     signature = {"Addresses": "*i64", "Numels": "*i64", "FirstBlock": "*i64", "BlockTensor": "*i32",
                  **{k: "fp32" for k in scalars}, **{k: "constexpr" for k in flags}}
+    addend = fifth == "split+addend"  # the data-parallel fold (DDPPeer): the other ranks' gradient sum
+    fifth = fifth.removesuffix("+addend")
     constexprs = dict(PARAM_DTYPE=tl.float32, GRAD_DTYPE=tl.bfloat16 if grad == "bf16" else tl.float32,
-                      COPY_DTYPE=tl.bfloat16, HAS_COPY=fifth == "copy", SPLIT=fifth == "split", ALIGNED=True,
-                      BLOCK=BLOCK)
+                      COPY_DTYPE=tl.bfloat16, HAS_COPY=fifth == "copy", SPLIT=fifth == "split", HAS_ADDEND=addend,
+                      ALIGNED=True, BLOCK=BLOCK)
     ptx = compile_ptx_for_h100(_adamw_kernel, signature=signature, constexprs=constexprs,
                                aligned_args=(0, 1, 2, 3), num_warps=NUM_WARPS)
     # aligned full blocks move every tensor in 16-byte vectors: per thread BLOCK / (32 * NUM_WARPS)
     # elements, so two vectors of an fp32 tensor and one of a 16-bit one (a split master: two)
     vectors = {"fp32": 2, "bf16": 1}
     param = 2  # fp32, or the two int16 halves of a split master
-    loads = param + vectors[grad] + 2 + 2  # p, g, m, v
+    loads = param + vectors[grad] * (1 + addend) + 2 + 2  # p, g (and its addend), m, v
     stores = param + 2 + 2 + (fifth == "copy")  # p, m, v and the bf16 copy
     assert (ptx.count("ld.global.v4"), ptx.count("st.global.v4")) == (loads, stores)
     assert "sqrt.rn" in ptx and "sqrt.approx" not in ptx  # rounded as torch's sqrt
 
 
 INTERP_CASES = [(0.1, torch.float32, None), (0.0, torch.bfloat16, None), (0.1, torch.float32, (1, 2))]
-N_INTERP_TESTS = len(INTERP_CASES) + 4 + len(SPLIT_SEEDS)
+N_INTERP_TESTS = len(INTERP_CASES) + 5 + len(SPLIT_SEEDS)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -460,6 +534,15 @@ def test_interp_kernel_matches_adamw(weight_decay, grad_dtype, skip):
     # every parameter went through the kernel: one address table per (group, step count) bucket
     n_buckets = 2 + (skip is not None)
     assert len(opt._tables) == n_buckets
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_interp_kernel_folds_the_addends():
+    # the kernel sums and scales in fp32 registers, then AdamW's operations: KERNEL_TOL as above
+    ref, ours, opt = run_fold_pair(grad_dtype=torch.float32)
+    assert opt._tables  # through the kernel
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(b, a, **KERNEL_TOL)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -560,3 +643,14 @@ def test_gpu_split_masters_are_fp32_masters():
     # fp32 master, everything else bit for bit (run_split_pair)
     ties, opt = run_split_pair(device="cuda", shapes=((50304, 768), (768, 3072), (3 * BLOCK - 1,)))
     assert ties > 0 and opt._tables
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("master", [False, True])
+def test_gpu_kernel_folds_the_addends(master):
+    # fp32 grads and addends, or a split master's bf16 ones: summed and scaled in fp32 registers
+    ref, ours, opt = run_fold_pair(device="cuda", steps=4, master=master)
+    assert opt._tables  # the kernel ran
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(opt.master_of(b) if master else b, a.detach(), **KERNEL_TOL)

@@ -116,3 +116,21 @@ def test_gpu_steps_are_where_their_launches_ran_not_the_host_ranges(tmp_path, tr
     # starts at 210) and 320-325 (backward ends at 320, adam starts at 325)
     assert stats["comm_ms"] == pytest.approx(70 / 2 / 1e3)
     assert stats["exposed_comm_ms"] == pytest.approx(15 / 2 / 1e3)
+
+
+def test_copy_engine_exchange_counts_as_communication(tmp_path):
+    """systems.parallel.peer copies gradients (memcpys, no kernel) on the stream of its symmetric-
+    memory barriers: those memcpys are communication; a memcpy on the compute stream is not."""
+    events = [
+        {"ph": "X", "name": "step", "cat": "gpu_user_annotation", "ts": 1000, "dur": 200, "pid": 0, "tid": 1},
+        _kernel("nvjet_sm90_tst_320x64", 1000, 150, stream=1, correlation=1),
+        _kernel("Memcpy DtoD (Device -> Device)", 1150, 20, stream=1, correlation=2) | {"cat": "gpu_memcpy"},
+        _kernel("Memcpy PtoP (Device -> Device)", 1010, 100, stream=7, correlation=3) | {"cat": "gpu_memcpy"},
+        _kernel("void c10d::symmetric_memory::barrier_kernel<...>", 1160, 30, stream=7, correlation=4),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    stats = overlap_stats(comm_compute_intervals(path))
+    assert stats["comm_ms"] == pytest.approx(130 / 1e3)
+    # the copy runs under the matmul; the barrier's last 20 us run beside nothing
+    assert stats["exposed_comm_ms"] == pytest.approx(20 / 1e3)

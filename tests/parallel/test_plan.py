@@ -28,3 +28,17 @@ def test_update_per_bucket_needs_the_grouped_optimizer_before_anything_is_applie
     # refused before the process-group check: the message names the missing optimizer
     with pytest.raises(ValueError, match="OptimizerSpec\\(grouped=True"):
         apply(nn.Linear(2, 2), plan)
+
+
+def test_peer_needs_a_grouped_fused_optimizer_before_anything_is_applied():
+    import torch
+
+    from systems.train import GroupedOptimizer
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="kind='fused'"):
+        apply(model, ParallelPlan(data_parallel="peer"))
+    # grouped, but of an optimizer that cannot fold: refused too, naming the ones that can
+    sgd = GroupedOptimizer([list(model.parameters())], make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    with pytest.raises(ValueError, match="FusedAdamW or MasterWeightAdamW"):
+        sgd.fold_gradients({model.weight: torch.zeros(2, 2)}, 0.5)

@@ -1,0 +1,269 @@
+"""Data parallelism through copy engines: each rank writes its gradients into the other ranks'
+memory, and the optimizer's update sums them.
+
+Why: NCCL's all-reduce runs as thread blocks on the SMs and streams the gradients through HBM
+beside the backward's matmuls, which then run up to twice as long (docs/training_step_notes.md,
+entries 3, 7 and 8); fewer NCCL thread blocks left the all-reduce too slow to hide, and matmuls
+planned for fewer SMs lose what NCCL would have taken. Here no SM moves a gradient:
+
+- every rank holds a receive buffer in symmetric memory (``torch.distributed._symmetric_memory``:
+  each rank maps the others' buffers into its address space), one slot per other rank;
+- as soon as the backward has produced a parameter's gradient, a side stream copies it into its
+  place in every other rank's slot for this rank: a plain ``copy_`` between two dense tensors of
+  one dtype, which is a ``cudaMemcpyAsync`` and runs on the GPU's copy engines over NVLink;
+- the sum is folded into the update (``FusedAdamW.fold_gradients``): a parameter's update reads
+  its own gradient and the received one and averages them in registers, so the reduction makes
+  no pass of its own over the gradients either (with more than one peer the received slots are
+  first added into one, one pass).
+
+The gradients stay where the backward put them (no bucket copy, no pre-scaling), and ``.grad``
+keeps this rank's own gradient: unlike ``systems.parallel.ddp``'s wrappers, the average exists
+only inside the update, so this wrapper needs the optimizer (a ``GroupedOptimizer`` of
+``FusedAdamW`` or ``MasterWeightAdamW``, whose groups are the units synchronised and updated).
+
+Synchronisation, on the side stream, with symmetric memory's barrier (a one-block kernel that
+signals every peer and waits for theirs):
+- before a step's first copy: every rank has finished the previous step's updates, which read
+  its receive buffer (the side stream first waits for this rank's compute stream);
+- after each group's copies, in one fixed order (the groups reversed: the backward's order): the
+  group's gradients from every peer have landed; the group's update waits for that barrier.
+
+On gloo (CPU) the same wrapper moves each group's gradients with ``all_gather`` into plain
+receive slots (in ``finish``, after the ranks' agreement), so the CPU tests check everything but
+the copy engines. On GPUs a gradient that only some ranks have still raises there, naming it, but
+a rank's barrier for a group its peers never close then waits until its timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from systems.parallel.ddp import _DDPBase
+
+ALIGN_BYTES = 256  # each gradient's place in a slot: the fused update's 16-byte vector loads need 16
+
+
+class _Layout:
+    """Byte offsets of the parameters' gradients in one receive slot."""
+
+    def __init__(self, params: Sequence[nn.Parameter]):
+        self.offsets, self.nbytes = [], []
+        end = 0
+        for p in params:
+            self.offsets.append(end)
+            n = p.numel() * p.element_size()
+            self.nbytes.append(n)
+            end += -(-n // ALIGN_BYTES) * ALIGN_BYTES
+        self.slot_bytes = max(end, ALIGN_BYTES)
+
+    def view(self, buffer: torch.Tensor, slot: int, index: int, like: torch.Tensor) -> torch.Tensor:
+        """Parameter ``index``'s place in ``slot`` of a flat byte ``buffer``, as a tensor shaped like ``like``."""
+        start = slot * self.slot_bytes + self.offsets[index]
+        return buffer[start:start + self.nbytes[index]].view(like.dtype).view(like.shape)
+
+
+def slot_of(source: int, receiver: int) -> int:
+    """The slot of rank ``source``'s gradients in rank ``receiver``'s buffer (no slot for itself)."""
+    if source == receiver:
+        raise ValueError("a rank keeps no slot for its own gradients")
+    return source if source < receiver else source - 1
+
+
+class _CopyEngineTransport:
+    """Receive slots in symmetric memory; copies on a side stream; barriers as stream events."""
+
+    def __init__(self, params, layout: _Layout, group, rank: int, world_size: int, device: torch.device,
+                 timeout_s: float):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.rank, self.world_size, self.params, self.layout = rank, world_size, params, layout
+        self.timeout_ms = int(timeout_s * 1000)
+        self.buffer = symm_mem.empty((world_size - 1) * layout.slot_bytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, group if group is not None else dist.group.WORLD)
+        self.stream = torch.cuda.Stream(device)
+        peers = [r for r in range(world_size) if r != rank]
+        remote = {q: self.handle.get_buffer(q, (self.buffer.numel(),), torch.uint8) for q in peers}
+        # per parameter, its place in every peer's slot for this rank
+        self.destinations = [[layout.view(remote[q], slot_of(rank, q), i, p) for q in peers]
+                             for i, p in enumerate(params)]
+        self.group_events: dict[int, torch.cuda.Event] = {}
+
+    def _barrier(self) -> None:
+        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+
+    def begin_step(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self._barrier()
+
+    def push(self, index: int, grad: torch.Tensor) -> None:
+        # The gradient is read here on the side stream and may be freed by the next step's
+        # zero_grad; its memory is reused only by work queued on the compute stream after that,
+        # which already waits for this group's barrier (after this copy) in finish: no record_stream.
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for destination in self.destinations[index]:
+                destination.copy_(grad)  # same dtype, both dense: a cudaMemcpyAsync, on a copy engine
+
+    def close_group(self, group: int, indices: Sequence[int]) -> None:
+        with torch.cuda.stream(self.stream):
+            self._barrier()
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.group_events[group] = event
+
+    def wait_group(self, group: int) -> None:
+        torch.cuda.current_stream().wait_event(self.group_events.pop(group))
+
+
+class _GatherTransport:
+    """gloo: each group's gradients all-gathered when the group is waited for (in finish, after
+    the ranks agreed on which gradients exist: a mismatch then raises instead of pairing wrong)."""
+
+    def __init__(self, params, layout: _Layout, group, rank: int, world_size: int, device: torch.device):
+        self.rank, self.world_size, self.params, self.layout, self.group = rank, world_size, params, layout, group
+        self.buffer = torch.zeros((world_size - 1) * layout.slot_bytes, dtype=torch.uint8, device=device)
+        self.grads: dict[int, torch.Tensor] = {}
+        self.closed: dict[int, Sequence[int]] = {}
+
+    def begin_step(self) -> None:
+        self.grads.clear()
+
+    def push(self, index: int, grad: torch.Tensor) -> None:
+        self.grads[index] = grad
+
+    def close_group(self, group: int, indices: Sequence[int]) -> None:
+        self.closed[group] = indices
+
+    def wait_group(self, group: int) -> None:
+        sent = [i for i in self.closed.pop(group) if i in self.grads]
+        if not sent:
+            return
+        flat = torch.cat([self.grads.pop(i).detach().reshape(-1).view(torch.uint8) for i in sent])
+        gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
+        dist.all_gather(gathered, flat, group=self.group)
+        for source, data in enumerate(gathered):
+            if source == self.rank:
+                continue
+            start = 0
+            for i in sent:
+                n = self.layout.nbytes[i]
+                place = self.layout.view(self.buffer, slot_of(source, self.rank), i, self.params[i])
+                place.view(-1).view(torch.uint8).copy_(data[start:start + n])
+                start += n
+
+
+class DDPPeer(_DDPBase):
+    """Gradients copied into every other rank's memory by copy engines and averaged inside the
+    update (the module docstring). ``optimizer``: a ``GroupedOptimizer`` over the wrapped module
+    whose group optimizers fold addends (``FusedAdamW``, ``MasterWeightAdamW``); each group is
+    updated in ``finish_gradient_synchronization`` as soon as every peer's gradients of it have
+    landed, so ``optimizer.step()`` afterwards has nothing left to do. ``.grad`` holds this
+    rank's own gradient, not the average."""
+
+    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *, optimizer,
+                 check_gradients: bool = True, timeout_s: float = 300.0):
+        if not (hasattr(optimizer, "groups") and hasattr(optimizer, "step_group")
+                and hasattr(optimizer, "fold_gradients")):
+            raise ValueError("DDPPeer updates each group as its gradients land and folds the other ranks' gradients "
+                             "into the update: pass a GroupedOptimizer of FusedAdamW or MasterWeightAdamW "
+                             "(build_optimizer(model, OptimizerSpec(kind='fused', grouped=True, ...)))")
+        super().__init__(module, process_group, check_gradients=check_gradients)
+        if self.world_size < 2:
+            raise ValueError("DDPPeer needs at least 2 ranks (it copies gradients to the other ranks)")
+        params = self._params
+        position = {id(p): i for i, p in enumerate(params)}
+        self.optimizer = optimizer
+        self._groups: list[list[int]] = []
+        for g, group in enumerate(optimizer.groups):
+            missing = [tuple(p.shape) for p in group if id(p) not in position]
+            if missing:
+                raise ValueError(f"optimizer group {g} has a parameter of shape {missing[0]} that is not a trainable "
+                                 "parameter of the wrapped module")
+            self._groups.append([position[id(p)] for p in group])
+        covered = {i for group in self._groups for i in group}
+        if len(covered) != len(params):
+            raise ValueError(f"{len(params) - len(covered)} trainable parameters are in no optimizer group: the "
+                             "groups must cover every parameter that gets a gradient")
+        self._group_of = {i: g for g, group in enumerate(self._groups) for i in group}
+        self._order = list(reversed(range(len(self._groups))))  # the backward produces the last groups first
+        self.layout = _Layout(params)
+        device = params[0].device
+        if device.type == "cuda":
+            self.transport = _CopyEngineTransport(params, self.layout, process_group, self.rank, self.world_size,
+                                                  device, timeout_s)
+        else:
+            self.transport = _GatherTransport(params, self.layout, process_group, self.rank, self.world_size, device)
+        n_peers = self.world_size - 1
+        # the addend of each parameter: the first peer's slot, into which finish adds the others'
+        self._addends = {p: self.layout.view(self.transport.buffer, 0, i, p) for i, p in enumerate(params)}
+        self._slots = [[self.layout.view(self.transport.buffer, s, i, p) for s in range(n_peers)]
+                       for i, p in enumerate(params)]
+        optimizer.fold_gradients(self._addends, scale=1.0 / self.world_size)
+        self._reset_step()
+        for p in params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _reset_step(self) -> None:
+        self._started = False
+        self._arrived = [0] * len(self._groups)
+        self._ready: set[int] = set()  # parameters whose gradient was pushed this step
+        self._closed = 0  # groups closed this step: a prefix of self._order
+
+    def on_train_batch_start(self) -> None:
+        self._reset_step()
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        self.optimizer.fold_gradients(None)  # the next wrapper's (or none's) plain gradients
+
+    def _issue_order(self) -> list[int]:
+        return [0 if i in self._ready else -1 for i in range(len(self._params))]
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._started:
+            self.transport.begin_step()
+            self._started = True
+        i = self._position[id(param)]
+        self.transport.push(i, param.grad)
+        self._ready.add(i)
+        g = self._group_of[i]
+        self._arrived[g] += 1
+        if self._arrived[g] == len(self._groups[g]):
+            self._close_groups(complete_only=True)
+
+    def _close_groups(self, *, complete_only: bool) -> None:
+        """Close groups in the fixed order (the ranks' barriers pair by count), while complete."""
+        while self._closed < len(self._order):
+            g = self._order[self._closed]
+            if complete_only and self._arrived[g] < len(self._groups[g]):
+                return
+            self.transport.close_group(g, self._groups[g])
+            self._closed += 1
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        try:
+            self._check_same_gradients()  # before any rank waits on a barrier its peers may never reach
+        except RuntimeError:
+            self._reset_step()
+            raise
+        if self._ready:
+            if not self._started:  # unreachable with gradients, kept for the pairing's sake
+                self.transport.begin_step()
+            self._close_groups(complete_only=False)
+            for g in self._order:
+                self.transport.wait_group(g)
+                indices = [i for i in self._groups[g] if i in self._ready]
+                if not indices:
+                    continue
+                for i in indices:  # more than one peer: their slots added into the first
+                    for slot in self._slots[i][1:]:
+                        self._slots[i][0].add_(slot)
+                self.optimizer.step_group([self._params[i] for i in self._groups[g]])
+        self._reset_step()

@@ -1,0 +1,194 @@
+"""DDPPeer: 2 and 3 gloo ranks on CPU (gradients all-gathered into the receive slots; the copy
+engines need GPUs, tests marked gpu) must train like one process on the full batch, with the
+sum folded into FusedAdamW's update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from systems.kernels.fused_adamw import FusedAdamW
+from systems.parallel.launch import DistributedRunError, spawn
+from systems.parallel.peer import DDPPeer, _Layout, slot_of
+from systems.train import GroupedOptimizer
+from tests.parallel.test_ddp import FrozenToy, SometimesExtra, TiedToy
+
+STEPS = 3
+BATCH = 12  # divisible by 2 and 3 ranks
+HYPER = dict(lr=1e-2, weight_decay=0.1)
+
+
+def _make(kind: str, seed: int):
+    torch.manual_seed(seed)
+    return FrozenToy() if kind == "frozen" else TiedToy()
+
+
+def _groups(kind: str, model) -> list[list[nn.Parameter]]:
+    if kind == "frozen":  # the frozen layer is no trainable parameter; `unused` never gets a gradient
+        return [[model.fc1.weight, model.fc1.bias], [model.fc2.weight, model.fc2.bias, model.unused]]
+    return [[model.embed.weight], [model.mix.weight]]
+
+
+def _batch(kind: str, step: int, rank: int, world_size: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    local = BATCH // world_size
+    rows = slice(rank * local, (rank + 1) * local)
+    if kind == "frozen":
+        return torch.randn(BATCH, 10, generator=g)[rows], torch.randint(0, 4, (BATCH,), generator=g)[rows]
+    tokens, targets = torch.randint(0, 12, (BATCH, 5), generator=g), torch.randint(0, 12, (BATCH, 5), generator=g)
+    return tokens[rows], targets[rows].flatten()
+
+
+def _train(kind: str, *, rank: int = 0, world_size: int = 1, seed: int = 17):
+    """STEPS steps of a GroupedOptimizer of FusedAdamW; with world_size > 1, through DDPPeer."""
+    model = _make(kind, seed)
+    opt = GroupedOptimizer(_groups(kind, model), make_optimizer=lambda ps: FusedAdamW(ps, **HYPER))
+    ddp = DDPPeer(model, optimizer=opt) if world_size > 1 else None
+    for step in range(STEPS):
+        x, y = _batch(kind, step, rank, world_size)
+        opt.zero_grad(set_to_none=True)
+        if ddp is not None:
+            ddp.on_train_batch_start()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if ddp is not None:
+            ddp.finish_gradient_synchronization()
+        opt.step()  # with DDPPeer every group was updated in finish: nothing left
+    folded = [dict(o._addends) for o in opt.optimizers]
+    if ddp is not None:
+        ddp.remove_hooks()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return state, {"folded_while_wrapped": [len(f) for f in folded],
+                   "folded_after_removal": [len(o._addends) for o in opt.optimizers],
+                   "tied": kind != "tied" or model.head.weight is model.embed.weight}
+
+
+def _peer_worker(ctx, kinds):
+    return {kind: _train(kind, rank=ctx.rank, world_size=ctx.world_size, seed=17 + ctx.rank) for kind in kinds}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_peer_matches_single_process(world_size):
+    # ranks start from different weights on purpose: the constructor's broadcast must fix them
+    results = spawn(_peer_worker, world_size, "gloo", args=(("frozen", "tied"),), timeout_s=60, deadline_s=150)
+    for kind in ("frozen", "tied"):
+        reference, _ = _train(kind)  # rank 0's initial weights, the full batch, one process
+        initial = _make(kind, seed=17).state_dict()
+        for rank, states in enumerate(results):
+            state, info = states[kind]
+            for key in reference:
+                # fp32: the average of the ranks' partial-batch gradients differs from the full
+                # batch's by summation order (~1e-7 relative); AdamW's steps keep that under 1e-5
+                torch.testing.assert_close(state[key], reference[key], rtol=1e-5, atol=1e-6,
+                                           msg=f"{world_size} ranks, rank {rank}, {kind}: {key}")
+            assert info["tied"]
+            # every trainable parameter was folded while wrapped; removal ends the fold
+            assert sum(info["folded_while_wrapped"]) == (5 if kind == "frozen" else 2)
+            assert info["folded_after_removal"] == [0, 0]
+            if kind == "frozen":
+                torch.testing.assert_close(state["frozen.weight"], initial["frozen.weight"], atol=0, rtol=0)
+                torch.testing.assert_close(state["unused"], initial["unused"], atol=0, rtol=0)
+
+
+def _one_rank_uses_a_parameter_worker(ctx):
+    torch.manual_seed(0)
+    model = SometimesExtra()
+    opt = GroupedOptimizer([list(model.parameters())], make_optimizer=lambda ps: FusedAdamW(ps, **HYPER))
+    ddp = DDPPeer(model, optimizer=opt)
+    g = torch.Generator().manual_seed(ctx.rank)
+    for step in range(3):
+        model.use_extra = ctx.rank == 0 and step == 2
+        opt.zero_grad(set_to_none=True)
+        ddp.on_train_batch_start()
+        nn.functional.cross_entropy(model(torch.randn(4, 6, generator=g)),
+                                    torch.randint(0, 3, (4,), generator=g)).backward()
+        ddp.finish_gradient_synchronization()
+        opt.step()
+
+
+@pytest.mark.slow
+def test_a_parameter_used_on_one_rank_only_is_named():
+    # checked before any rank waits for its peers' gradients of it
+    with pytest.raises(DistributedRunError, match=r"parameter 'extra\.weight' got a gradient on rank\(s\) \[0\] "
+                                                  r"but not on rank\(s\) \[1\]"):
+        spawn(_one_rank_uses_a_parameter_worker, 2, "gloo", timeout_s=30, deadline_s=90)
+
+
+def _errors_worker(ctx):
+    model = FrozenToy()
+    messages = []
+    for make in (lambda: DDPPeer(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
+                 lambda: DDPPeer(model, optimizer=GroupedOptimizer([[model.fc1.weight]],
+                                                                   make_optimizer=lambda ps: FusedAdamW(ps)))):
+        try:
+            make()
+        except ValueError as exc:
+            messages.append(str(exc))
+    dist.barrier()
+    return messages
+
+
+@pytest.mark.slow
+def test_peer_refuses_optimizers_it_cannot_fold_into_and_uncovered_parameters():
+    messages = spawn(_errors_worker, 2, "gloo", timeout_s=30, deadline_s=90)[0]
+    assert len(messages) == 2
+    assert "GroupedOptimizer of FusedAdamW" in messages[0]
+    assert "in no optimizer group" in messages[1]
+
+
+def test_layout_aligns_every_gradient_and_slots_skip_the_receiver():
+    params = [torch.zeros(3), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(()), torch.zeros(0)]
+    layout = _Layout(params)
+    assert layout.offsets == [0, 256, 512, 768]
+    assert layout.slot_bytes == 768
+    buffer = torch.zeros(2 * layout.slot_bytes, dtype=torch.uint8)
+    view = layout.view(buffer, 1, 1, params[1])
+    assert view.dtype == torch.bfloat16 and view.shape == (5,)
+    view.fill_(1.0)
+    assert buffer[768 + 256:768 + 256 + 10].view(torch.bfloat16).eq(1.0).all()
+    assert [slot_of(s, 2) for s in (0, 1, 3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="no slot for its own"):
+        slot_of(1, 1)
+
+
+# ----------------------------------------------------------------------------- GPU (copy engines)
+
+
+def _gpu_worker(ctx):
+    """The copy-engine path on the debug model: bf16 weights, split fp32 masters, one group a block."""
+    from systems.config import get_config
+    from systems.model import TransformerLM
+    from systems.train import OptimizerSpec, build_optimizer
+
+    torch.manual_seed(ctx.rank)
+    model = TransformerLM(get_config("debug"), device=ctx.device)
+    opt = build_optimizer(model, OptimizerSpec(kind="fused", lr=1e-3, master_weights=True, split_masters=True,
+                                               grouped=True))
+    ddp = DDPPeer(model, optimizer=opt)
+    g = torch.Generator().manual_seed(ctx.rank)
+    vocab = model.cfg.vocab_size
+    for _ in range(3):
+        tokens = torch.randint(0, vocab, (2, 33), generator=g).to(ctx.device)
+        opt.zero_grad(set_to_none=True)
+        ddp.on_train_batch_start()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+        nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        ddp.finish_gradient_synchronization()
+        opt.step()
+    ddp.remove_hooks()
+    torch.cuda.synchronize()
+    return {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_copy_engines_keep_the_replicas_equal():
+    # the ranks' own gradients differ (their halves of the batch): the replicas stay equal only if
+    # each update read the other rank's gradient, and bit for bit because fp32 addition commutes
+    # (rank 0 sums a + b, rank 1 b + a) and everything else is the same arithmetic
+    states = spawn(_gpu_worker, 2, "nccl", timeout_s=120, deadline_s=300)
+    for name in states[0]:
+        torch.testing.assert_close(states[1][name], states[0][name], atol=0, rtol=0, msg=name)
