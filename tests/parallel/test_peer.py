@@ -138,6 +138,28 @@ def test_peer_refuses_optimizers_it_cannot_fold_into_and_uncovered_parameters():
     assert "in no optimizer group" in messages[1]
 
 
+def _state_broadcast_worker(ctx):
+    from systems.kernels.fused_adamw import MasterWeightAdamW
+
+    model = _make("frozen", seed=17 + ctx.rank)  # different weights, so different masters, per rank
+    weights = {id(model.fc1.weight), id(model.fc2.weight)}
+    opt = GroupedOptimizer(_groups("frozen", model), make_optimizer=lambda ps: MasterWeightAdamW(
+        ps, low_precision=[p for p in ps if id(p) in weights], split_masters=True))
+    DDPPeer(model, optimizer=opt)
+    return [opt.master_of(p).clone() for p in (model.fc1.weight, model.fc2.weight, model.fc2.bias)]
+
+
+@pytest.mark.slow
+def test_the_optimizers_masters_are_broadcast_too():
+    # a split master's low half lives in the optimizer, built before the wrapper's broadcast of the
+    # module: without broadcasting it the replicas' fp32 masters would differ in their low bits
+    masters = spawn(_state_broadcast_worker, 2, "gloo", timeout_s=30, deadline_s=90)
+    initial = _make("frozen", seed=17)
+    for ours, theirs, fp32 in zip(masters[0], masters[1], (initial.fc1.weight, initial.fc2.weight, initial.fc2.bias)):
+        torch.testing.assert_close(theirs, ours, atol=0, rtol=0)
+        torch.testing.assert_close(ours, fp32.detach(), atol=0, rtol=0)  # rank 0's, exactly (split and joined)
+
+
 def test_layout_aligns_every_gradient_and_slots_skip_the_receiver():
     params = [torch.zeros(3), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(()), torch.zeros(0)]
     layout = _Layout(params)
