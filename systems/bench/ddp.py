@@ -20,7 +20,8 @@ Variants, timed in this order:
 - ``peer_update`` (the master-weights setting only): no all-reduce; each gradient is copied by
   the copy engines into the other ranks' memory as soon as the backward produces it, and each
   block's update sums and averages the received gradients in its own pass
-  (``systems.parallel.peer.DDPPeer``): no SM moves or reduces a gradient;
+  (``systems.parallel.peer.DDPPeer``): no SM moves or reduces a gradient; ``peer_update:<N>``
+  spreads the copies over N side streams, which may run on several copy engines at once;
 - ``torch_ddp``: torch.nn.parallel.DistributedDataParallel with its defaults, last (it keeps
   hooks on the parameters until it is deleted).
 
@@ -182,7 +183,9 @@ def variant_plan(name: str) -> ParallelPlan:
         variant_sm_carveout(name)  # a malformed <N> fails with the plan
         return ParallelPlan(data_parallel="bucketed", update_per_bucket=True)
     if kind == "peer_update":
-        return ParallelPlan(data_parallel="peer")
+        if arg and not (arg.isdigit() and int(arg) > 0):
+            raise ValueError(f"peer_update:<N> takes a positive count of copy streams, got {arg!r}")
+        return ParallelPlan(data_parallel="peer", copy_streams=int(arg) if arg else 1)
     return ParallelPlan(data_parallel=kind)
 
 

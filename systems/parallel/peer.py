@@ -74,17 +74,20 @@ def slot_of(source: int, receiver: int) -> int:
 
 
 class _CopyEngineTransport:
-    """Receive slots in symmetric memory; copies on a side stream; barriers as stream events."""
+    """Receive slots in symmetric memory; copies on side streams (``copy_streams`` of them, taken
+    in turn, so that several copy engines can run at once); barriers on the first, as events."""
 
     def __init__(self, params, layout: _Layout, group, rank: int, world_size: int, device: torch.device,
-                 timeout_s: float):
+                 timeout_s: float, copy_streams: int = 1):
         from torch.distributed import _symmetric_memory as symm_mem
 
         self.rank, self.world_size, self.params, self.layout = rank, world_size, params, layout
         self.timeout_ms = int(timeout_s * 1000)
         self.buffer = symm_mem.empty((world_size - 1) * layout.slot_bytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group if group is not None else dist.group.WORLD)
-        self.stream = torch.cuda.Stream(device)
+        self.streams = [torch.cuda.Stream(device) for _ in range(copy_streams)]
+        self.stream = self.streams[0]  # the barriers'
+        self._turn = 0
         peers = [r for r in range(world_size) if r != rank]
         remote = {q: self.handle.get_buffer(q, (self.buffer.numel(),), torch.uint8) for q in peers}
         # per parameter, its place in every peer's slot for this rank
@@ -99,17 +102,23 @@ class _CopyEngineTransport:
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             self._barrier()
+        for other in self.streams[1:]:  # no copy of this step before the barrier
+            other.wait_stream(self.stream)
 
     def push(self, index: int, grad: torch.Tensor) -> None:
         # The gradient is read here on the side stream and may be freed by the next step's
         # zero_grad; its memory is reused only by work queued on the compute stream after that,
         # which already waits for this group's barrier (after this copy) in finish: no record_stream.
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
+        stream = self.streams[self._turn]
+        self._turn = (self._turn + 1) % len(self.streams)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             for destination in self.destinations[index]:
                 destination.copy_(grad)  # same dtype, both dense: a cudaMemcpyAsync, on a copy engine
 
     def close_group(self, group: int, indices: Sequence[int]) -> None:
+        for other in self.streams[1:]:  # the group's copies on every stream come before its barrier
+            self.stream.wait_stream(other)
         with torch.cuda.stream(self.stream):
             self._barrier()
             event = torch.cuda.Event()
@@ -166,12 +175,14 @@ class DDPPeer(_DDPBase):
     rank's own gradient, not the average."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *, optimizer,
-                 check_gradients: bool = True, timeout_s: float = 300.0):
+                 copy_streams: int = 1, check_gradients: bool = True, timeout_s: float = 300.0):
         if not (hasattr(optimizer, "groups") and hasattr(optimizer, "step_group")
                 and hasattr(optimizer, "fold_gradients")):
             raise ValueError("DDPPeer updates each group as its gradients land and folds the other ranks' gradients "
                              "into the update: pass a GroupedOptimizer of FusedAdamW or MasterWeightAdamW "
                              "(build_optimizer(model, OptimizerSpec(kind='fused', grouped=True, ...)))")
+        if not (isinstance(copy_streams, int) and copy_streams >= 1):
+            raise ValueError(f"copy_streams must be a positive integer, got {copy_streams!r}")
         super().__init__(module, process_group, check_gradients=check_gradients)
         if self.world_size < 2:
             raise ValueError("DDPPeer needs at least 2 ranks (it copies gradients to the other ranks)")
@@ -195,7 +206,7 @@ class DDPPeer(_DDPBase):
         device = params[0].device
         if device.type == "cuda":
             self.transport = _CopyEngineTransport(params, self.layout, process_group, self.rank, self.world_size,
-                                                  device, timeout_s)
+                                                  device, timeout_s, copy_streams)
         else:
             self.transport = _GatherTransport(params, self.layout, process_group, self.rank, self.world_size, device)
         n_peers = self.world_size - 1

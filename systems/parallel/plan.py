@@ -56,6 +56,7 @@ class ParallelPlan:
     # bucketed: one bucket per group of a GroupedOptimizer (apply's ``optimizer``), each group
     # updated as soon as its gradients are averaged, while later buckets are still in flight
     update_per_bucket: bool = False
+    copy_streams: int = 1  # peer: side streams the gradient copies take in turn (copy engines at once)
     param_dtype: str | None = None  # fsdp / fsdp2: compute (and communicate) in this dtype ("bf16")
     prefetch: int = 1  # fsdp: units whose all-gather runs ahead of the forward
 
@@ -82,6 +83,10 @@ class ParallelPlan:
         for name in ("bucket_size_mb", "last_bucket_mb", "reduce_dtype", "update_per_bucket"):
             if getattr(self, name) not in (None, False) and not bucketed:
                 raise ValueError(f"{name} applies to data_parallel='bucketed' only")
+        if not (isinstance(self.copy_streams, int) and self.copy_streams >= 1):
+            raise ValueError(f"copy_streams must be a positive integer, got {self.copy_streams!r}")
+        if self.copy_streams != 1 and self.data_parallel != "peer":
+            raise ValueError("copy_streams applies to data_parallel='peer' only")
         if self.last_bucket_mb is not None and not self.last_bucket_mb > 0:
             raise ValueError(f"last_bucket_mb must be positive, got {self.last_bucket_mb!r}")
         for name in ("reduce_dtype", "param_dtype"):
@@ -139,7 +144,7 @@ def _data_parallel(model: nn.Module, plan: ParallelPlan, device: torch.device,
     if kind == "peer":
         from systems.parallel.peer import DDPPeer
 
-        ddp = DDPPeer(model, optimizer=optimizer)
+        ddp = DDPPeer(model, optimizer=optimizer, copy_streams=plan.copy_streams)
         return ddp, ddp
     if kind in OURS_DDP:
         from systems.parallel.ddp import make_ddp

@@ -75,6 +75,8 @@ def test_ddp_bench_config_rejects_unknown_compiled_precision():
     for grouped in ("bucketed_update", "peer_update"):
         with pytest.raises(ValueError, match=f"{grouped} update the blocks.*list them in master_variants"):
             DDPBenchConfig(variants=("nosync", grouped))
+    with pytest.raises(ValueError, match="positive count of copy streams"):
+        DDPBenchConfig(master_weights=True, master_variants=("nosync", "peer_update:0"))
     with pytest.raises(ValueError, match="positive count of SMs"):
         DDPBenchConfig(master_weights=True, master_variants=("nosync", "bucketed_update:x"))
     with pytest.raises(ValueError, match="gradients are bf16 already"):

@@ -178,7 +178,7 @@ def test_layout_aligns_every_gradient_and_slots_skip_the_receiver():
 # ----------------------------------------------------------------------------- GPU (copy engines)
 
 
-def _gpu_worker(ctx):
+def _gpu_worker(ctx, copy_streams):
     """The copy-engine path on the debug model: bf16 weights, split fp32 masters, one group a block."""
     from systems.config import get_config
     from systems.model import TransformerLM
@@ -188,7 +188,7 @@ def _gpu_worker(ctx):
     model = TransformerLM(get_config("debug"), device=ctx.device)
     opt = build_optimizer(model, OptimizerSpec(kind="fused", lr=1e-3, master_weights=True, split_masters=True,
                                                grouped=True))
-    ddp = DDPPeer(model, optimizer=opt)
+    ddp = DDPPeer(model, optimizer=opt, copy_streams=copy_streams)
     g = torch.Generator().manual_seed(ctx.rank)
     vocab = model.cfg.vocab_size
     for _ in range(3):
@@ -207,10 +207,11 @@ def _gpu_worker(ctx):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_gpu_copy_engines_keep_the_replicas_equal():
+@pytest.mark.parametrize("copy_streams", [1, 3])
+def test_gpu_copy_engines_keep_the_replicas_equal(copy_streams):
     # the ranks' own gradients differ (their halves of the batch): the replicas stay equal only if
     # each update read the other rank's gradient, and bit for bit because fp32 addition commutes
     # (rank 0 sums a + b, rank 1 b + a) and everything else is the same arithmetic
-    states = spawn(_gpu_worker, 2, "nccl", timeout_s=120, deadline_s=300)
+    states = spawn(_gpu_worker, 2, "nccl", args=(copy_streams,), timeout_s=120, deadline_s=300)
     for name in states[0]:
         torch.testing.assert_close(states[1][name], states[0][name], atol=0, rtol=0, msg=name)

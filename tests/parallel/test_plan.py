@@ -16,6 +16,8 @@ from systems.parallel.plan import ParallelPlan, apply
     (dict(data_parallel="bucketed", reduce_dtype="int8", bucket_size_mb=1), "reduce_dtype must be one of"),
     (dict(checkpoint_save="attention"), "set checkpoint_group too"),
     (dict(compile_mode="reduce-overhead"), "needs compile='blocks' or 'model'"),
+    (dict(data_parallel="bucketed", bucket_size_mb=1, copy_streams=2), "applies to data_parallel='peer' only"),
+    (dict(data_parallel="peer", copy_streams=0), "positive integer"),
 ])
 def test_bad_plans_are_refused_with_what_to_set(kwargs, message):
     with pytest.raises(ValueError, match=message):
