@@ -8,9 +8,10 @@ planned for fewer SMs lose what NCCL would have taken. Here no SM moves a gradie
 
 - every rank holds a receive buffer in symmetric memory (``torch.distributed._symmetric_memory``:
   each rank maps the others' buffers into its address space), one slot per other rank;
-- as soon as the backward has produced a parameter's gradient, a side stream copies it into its
-  place in every other rank's slot for this rank: a plain ``copy_`` between two dense tensors of
-  one dtype, which is a ``cudaMemcpyAsync`` and runs on the GPU's copy engines over NVLink;
+- as soon as the backward has produced the gradients of a group (a block), a side stream copies
+  each into its place in every other rank's slot for this rank: a plain ``copy_`` between two
+  dense tensors of one dtype, which is a ``cudaMemcpyAsync`` and runs on the GPU's copy engines
+  over NVLink (a profile shows them as "Memcpy PtoP", no kernel);
 - the sum is folded into the update (``FusedAdamW.fold_gradients``): a parameter's update reads
   its own gradient and the received one and averages them in registers, so the reduction makes
   no pass of its own over the gradients either (with more than one peer the received slots are
@@ -105,16 +106,20 @@ class _CopyEngineTransport:
         for other in self.streams[1:]:  # no copy of this step before the barrier
             other.wait_stream(self.stream)
 
-    def push(self, index: int, grad: torch.Tensor) -> None:
-        # The gradient is read here on the side stream and may be freed by the next step's
-        # zero_grad; its memory is reused only by work queued on the compute stream after that,
-        # which already waits for this group's barrier (after this copy) in finish: no record_stream.
+    def push(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
+        # One stream switch and one wait per group, not per gradient: where the backward is
+        # host-bound (eager, or compiled without CUDA graphs) every host microsecond in the hooks
+        # is a gap on the GPU. The gradients are read here on a side stream and may be freed by
+        # the next step's zero_grad; their memory is reused only by work queued on the compute
+        # stream after that, which already waits for their group's barrier (after these copies)
+        # in finish: no record_stream.
         stream = self.streams[self._turn]
         self._turn = (self._turn + 1) % len(self.streams)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for destination in self.destinations[index]:
-                destination.copy_(grad)  # same dtype, both dense: a cudaMemcpyAsync, on a copy engine
+            for index, grad in grads:
+                for destination in self.destinations[index]:
+                    destination.copy_(grad)  # same dtype, both dense: a cudaMemcpyAsync, on a copy engine
 
     def close_group(self, group: int, indices: Sequence[int]) -> None:
         for other in self.streams[1:]:  # the group's copies on every stream come before its barrier
@@ -142,8 +147,8 @@ class _GatherTransport:
     def begin_step(self) -> None:
         self.grads.clear()
 
-    def push(self, index: int, grad: torch.Tensor) -> None:
-        self.grads[index] = grad
+    def push(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
+        self.grads.update(grads)
 
     def close_group(self, group: int, indices: Sequence[int]) -> None:
         self.closed[group] = indices
@@ -236,7 +241,8 @@ class DDPPeer(_DDPBase):
     def _reset_step(self) -> None:
         self._started = False
         self._arrived = [0] * len(self._groups)
-        self._ready: set[int] = set()  # parameters whose gradient was pushed this step
+        self._ready: set[int] = set()  # parameters whose gradient arrived this step
+        self._pending: dict[int, list] = {}  # per group not complete yet: (index, gradient) to push
         self._closed = 0  # groups closed this step: a prefix of self._order
 
     def on_train_batch_start(self) -> None:
@@ -255,11 +261,12 @@ class DDPPeer(_DDPBase):
             self.transport.begin_step()
             self._started = True
         i = self._position[id(param)]
-        self.transport.push(i, param.grad)
         self._ready.add(i)
         g = self._group_of[i]
+        self._pending.setdefault(g, []).append((i, param.grad))
         self._arrived[g] += 1
         if self._arrived[g] == len(self._groups[g]):
+            self.transport.push(self._pending.pop(g))
             self._close_groups(complete_only=True)
 
     def _close_groups(self, *, complete_only: bool) -> None:
@@ -281,6 +288,8 @@ class DDPPeer(_DDPBase):
         if self._ready:
             if not self._started:  # unreachable with gradients, kept for the pairing's sake
                 self.transport.begin_step()
+            for g in list(self._pending):  # groups some of whose parameters got no gradient on any rank
+                self.transport.push(self._pending.pop(g))
             self._close_groups(complete_only=False)
             for g in self._order:
                 self.transport.wait_group(g)

@@ -56,7 +56,7 @@ class ParallelPlan:
     # bucketed: one bucket per group of a GroupedOptimizer (apply's ``optimizer``), each group
     # updated as soon as its gradients are averaged, while later buckets are still in flight
     update_per_bucket: bool = False
-    copy_streams: int = 1  # peer: side streams the gradient copies take in turn (copy engines at once)
+    copy_streams: int = 1  # peer: side streams the groups' gradient copies take in turn (copy engines at once)
     param_dtype: str | None = None  # fsdp / fsdp2: compute (and communicate) in this dtype ("bf16")
     prefetch: int = 1  # fsdp: units whose all-gather runs ahead of the forward
 
