@@ -75,8 +75,9 @@ def slot_of(source: int, receiver: int) -> int:
 
 
 class _CopyEngineTransport:
-    """Receive slots in symmetric memory; copies on side streams (``copy_streams`` of them, taken
-    in turn, so that several copy engines can run at once); barriers on the first, as events."""
+    """Receive slots in symmetric memory; each group's copies on one of ``copy_streams`` side
+    streams, in turn (so that several copy engines can run at once); barriers on the first, whose
+    events the compute stream waits for."""
 
     def __init__(self, params, layout: _Layout, group, rank: int, world_size: int, device: torch.device,
                  timeout_s: float, copy_streams: int = 1):
@@ -285,9 +286,7 @@ class DDPPeer(_DDPBase):
         except RuntimeError:
             self._reset_step()
             raise
-        if self._ready:
-            if not self._started:  # unreachable with gradients, kept for the pairing's sake
-                self.transport.begin_step()
+        if self._ready:  # then the first gradient's hook began the step
             for g in list(self._pending):  # groups some of whose parameters got no gradient on any rank
                 self.transport.push(self._pending.pop(g))
             self._close_groups(complete_only=False)
