@@ -43,6 +43,22 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 MiB = 1024 * 1024
 
 
+@torch.no_grad()
+def broadcast_optimizer_state(optimizer, process_group: dist.ProcessGroup | None = None) -> None:
+    """Rank 0's optimizer tensors (its parameters, e.g. fp32 masters, and every state tensor) to
+    every rank. The wrappers broadcast the module's parameters; an optimizer built before the
+    wrapper (the grouped one a bucket-per-group or peer wrapper steps) may hold tensors taken from
+    each rank's own initial weights: ``MasterWeightAdamW``'s masters or split low halves.
+    ``optimizer``: a torch optimizer, or a ``GroupedOptimizer`` (its ``optimizers``)."""
+    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    for opt in getattr(optimizer, "optimizers", [optimizer]):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                tensors = [p.data] + [t for t in opt.state.get(p, {}).values() if torch.is_tensor(t) and t.dim()]
+                for t in tensors:  # as bytes: NCCL has no int16 (a split master's low half)
+                    dist.broadcast(t.view(-1).view(torch.uint8), src=src, group=process_group)
+
+
 def _unique_params(module: nn.Module) -> list[nn.Parameter]:
     # module.parameters() already drops repeats of a tied parameter (remove_duplicate=True)
     return list(module.parameters())

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from systems.parallel.ddp import _DDPBase
+from systems.parallel.ddp import _DDPBase, broadcast_optimizer_state
 
 ALIGN_BYTES = 256  # each gradient's place in a slot: the fused update's 16-byte vector loads need 16
 
@@ -220,24 +220,12 @@ class DDPPeer(_DDPBase):
         self._addends = {p: self.layout.view(self.transport.buffer, 0, i, p) for i, p in enumerate(params)}
         self._slots = [[self.layout.view(self.transport.buffer, s, i, p) for s in range(n_peers)]
                        for i, p in enumerate(params)]
-        self._broadcast_optimizer_state()
+        # the optimizer was built first, maybe from this rank's own initial weights
+        broadcast_optimizer_state(optimizer, process_group)
         optimizer.fold_gradients(self._addends, scale=1.0 / self.world_size)
         self._reset_step()
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-
-    @torch.no_grad()
-    def _broadcast_optimizer_state(self) -> None:
-        """Rank 0's optimizer tensors to every rank, as the constructor did for the module: a
-        ``MasterWeightAdamW`` built before this wrapper took its fp32 masters (or their low halves)
-        from each rank's own initial weights, which the module's broadcast does not reach."""
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        for opt in self.optimizer.optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    tensors = [p.data] + [t for t in opt.state.get(p, {}).values() if torch.is_tensor(t) and t.dim()]
-                    for t in tensors:  # as bytes: NCCL has no int16 (a split master's low half)
-                        dist.broadcast(t.view(-1).view(torch.uint8), src=src, group=self.process_group)
 
     def _reset_step(self) -> None:
         self._started = False

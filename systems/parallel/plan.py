@@ -156,6 +156,11 @@ def _data_parallel(model: nn.Module, plan: ParallelPlan, device: torch.device,
             if plan.update_per_bucket:
                 options.update(groups=optimizer.groups, on_synced=optimizer.step_group)
         ddp = make_ddp(kind, model, **options)
+        if plan.update_per_bucket:
+            from systems.parallel.ddp import broadcast_optimizer_state
+
+            # built before the wrapper's broadcast of the module: its masters are each rank's own
+            broadcast_optimizer_state(optimizer, ddp.process_group)
         return ddp, ddp
     if kind == "torch_ddp":
         from torch.nn.parallel import DistributedDataParallel

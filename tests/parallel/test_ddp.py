@@ -357,3 +357,29 @@ def test_bucketed_groups_are_checked_before_communicating():
         DDPBucketed(nn.Linear(2, 2), bucket_size_mb=1, groups=[])
     with pytest.raises(ValueError, match="pass groups too"):
         DDPBucketed(nn.Linear(2, 2), bucket_size_mb=1, on_synced=print)
+
+
+def _grouped_masters_worker(ctx):
+    """A MasterWeightAdamW per group, built from each rank's own weights, then the plan's
+    bucket-per-group DDP: the optimizer's split masters must end up rank 0's everywhere."""
+    from systems.kernels.fused_adamw import MasterWeightAdamW
+    from systems.parallel.plan import ParallelPlan, apply
+    from systems.train import GroupedOptimizer
+
+    model = _make("frozen", seed=17 + ctx.rank)
+    weights = {id(model.fc1.weight), id(model.fc2.weight)}
+    groups = [[model.fc1.weight, model.fc1.bias], [model.fc2.weight, model.fc2.bias, model.unused]]
+    opt = GroupedOptimizer(groups, make_optimizer=lambda ps: MasterWeightAdamW(
+        ps, low_precision=[p for p in ps if id(p) in weights], split_masters=True))
+    apply(model, ParallelPlan(data_parallel="bucketed", update_per_bucket=True), optimizer=opt)
+    return [opt.master_of(p).clone() for p in (model.fc1.weight, model.fc2.weight)]
+
+
+@pytest.mark.slow
+def test_update_per_bucket_broadcasts_the_optimizers_masters():
+    # the module broadcast reaches the bf16 high halves only; the low halves live in the optimizer
+    masters = spawn(_grouped_masters_worker, WORLD_SIZE, "gloo", timeout_s=30, deadline_s=90)
+    initial = _make("frozen", seed=17)
+    for ours, theirs, fp32 in zip(masters[0], masters[1], (initial.fc1.weight, initial.fc2.weight)):
+        torch.testing.assert_close(theirs, ours, atol=0, rtol=0)
+        torch.testing.assert_close(ours, fp32.detach(), atol=0, rtol=0)
