@@ -187,7 +187,9 @@ def apply(model: nn.Module, plan: ParallelPlan, *, device: torch.device | None =
           optimizer=None) -> Parallelized:
     """Apply ``plan`` to ``model`` (in place where it can), in the module docstring's order.
     ``optimizer``: with ``update_per_bucket``, the ``GroupedOptimizer`` (``systems.train``) over
-    ``model`` whose groups become the buckets; build it first (``OptimizerSpec(grouped=True)``)."""
+    ``model`` whose groups become the buckets; build it first (``OptimizerSpec(grouped=True)``).
+    With ``data_parallel="peer"`` the same, of fused optimizers (``OptimizerSpec(kind="fused",
+    grouped=True)``), which average the ranks' gradients inside their update."""
     grouped = hasattr(optimizer, "groups") and hasattr(optimizer, "step_group")
     if plan.update_per_bucket and not grouped:
         raise ValueError("update_per_bucket needs the optimizer whose groups become the buckets: build "
