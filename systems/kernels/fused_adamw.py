@@ -420,7 +420,8 @@ class FusedAdamW(AdamW):
             # the master's dtype is the moments' (a split master's param is its bf16 high half)
             PARAM_DTYPE=_TL_DTYPES[bucket.exp_avgs[0].dtype], GRAD_DTYPE=_TL_DTYPES[bucket.grads[0].dtype],
             COPY_DTYPE=_TL_DTYPES[copy_dtype], HAS_COPY=bucket.copies is not None, SPLIT=bucket.lows is not None,
-            HAS_ADDEND=bucket.addends is not None, ALIGNED=all(a % ALIGN_BYTES == 0 for a in addresses), BLOCK=BLOCK, num_warps=NUM_WARPS)
+            HAS_ADDEND=bucket.addends is not None, ALIGNED=all(a % ALIGN_BYTES == 0 for a in addresses), BLOCK=BLOCK,
+            num_warps=NUM_WARPS)
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):

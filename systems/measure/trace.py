@@ -67,7 +67,7 @@ def device_events(events: list[dict]) -> list[dict]:
 
 def is_comm_kernel(name: str) -> bool:
     n = name.lower()
-    return "nccl" in n or "barrier_kernel" in n
+    return "nccl" in n or "symmetric_memory::" in n  # c10d::symmetric_memory::barrier_kernel and its kin
 
 
 def stream_of(e: dict):

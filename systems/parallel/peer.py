@@ -45,7 +45,9 @@ import torch.nn as nn
 
 from systems.parallel.ddp import _DDPBase, broadcast_optimizer_state
 
-ALIGN_BYTES = 256  # each gradient's place in a slot: the fused update's 16-byte vector loads need 16
+# each gradient's place in a slot starts at a multiple of this (cudaMalloc's own alignment); the
+# fused update's 16-byte vector loads need 16
+ALIGN_BYTES = 256
 
 
 class _Layout:
@@ -83,7 +85,6 @@ class _CopyEngineTransport:
                  timeout_s: float, copy_streams: int = 1):
         from torch.distributed import _symmetric_memory as symm_mem
 
-        self.rank, self.world_size, self.params, self.layout = rank, world_size, params, layout
         self.timeout_ms = int(timeout_s * 1000)
         self.buffer = symm_mem.empty((world_size - 1) * layout.slot_bytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group if group is not None else dist.group.WORLD)
@@ -215,14 +216,12 @@ class DDPPeer(_DDPBase):
                                                   device, timeout_s, copy_streams)
         else:
             self.transport = _GatherTransport(params, self.layout, process_group, self.rank, self.world_size, device)
-        n_peers = self.world_size - 1
-        # the addend of each parameter: the first peer's slot, into which finish adds the others'
-        self._addends = {p: self.layout.view(self.transport.buffer, 0, i, p) for i, p in enumerate(params)}
-        self._slots = [[self.layout.view(self.transport.buffer, s, i, p) for s in range(n_peers)]
+        self._slots = [[self.layout.view(self.transport.buffer, s, i, p) for s in range(self.world_size - 1)]
                        for i, p in enumerate(params)]
         # the optimizer was built first, maybe from this rank's own initial weights
         broadcast_optimizer_state(optimizer, process_group)
-        optimizer.fold_gradients(self._addends, scale=1.0 / self.world_size)
+        # each parameter's addend is the first peer's slot, into which finish adds the others'
+        optimizer.fold_gradients({p: slots[0] for p, slots in zip(params, self._slots)}, scale=1.0 / self.world_size)
         self._reset_step()
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
