@@ -21,7 +21,8 @@ collectives cannot disturb. A parameter used on some ranks only, or gradients is
 different orders, raise a RuntimeError naming the parameter and the ranks instead of pairing the
 wrong gradients (a hang, gloo's "Connection reset by peer", or silently wrong averages). It costs
 one CPU round trip per step (``check_seconds`` accumulates it; the DDP benchmark reports it per
-step); ``check_gradients=False`` turns it off.
+step); ``check_gradients=False`` turns it off. ``_start_check`` and ``_complete_check`` split it for
+a wrapper that can queue its GPU work in between (``systems.parallel.peer``).
 
 Averaging: gradients are pre-scaled by 1/world_size and then summed, because gloo has no AVG
 reduction; for a power-of-two world size the pre-scaling is exact.
@@ -127,12 +128,27 @@ class _DDPBase(nn.Module):
 
     def _check_same_gradients(self) -> None:
         """Raise, on every rank, if the ranks disagree on ``_issue_order()``."""
+        self._complete_check(self._start_check())
+
+    def _start_check(self) -> tuple | None:
+        """Send this rank's ``_issue_order()`` to the agreement without waiting for the other ranks;
+        ``_complete_check`` waits and raises on a mismatch. In between, a wrapper may queue GPU work
+        that does not block the host (a wait for the others' hosts then overlaps the GPU's work)."""
         if self._check_group is None:
-            return
+            return None
         start = time.perf_counter()
         mine = self._issue_order()
         signature = torch.tensor(mine + [-x for x in mine], dtype=torch.int32)
-        dist.all_reduce(signature, op=dist.ReduceOp.MAX, group=self._check_group)
+        work = dist.all_reduce(signature, op=dist.ReduceOp.MAX, group=self._check_group, async_op=True)
+        self.check_seconds += time.perf_counter() - start
+        return mine, signature, work
+
+    def _complete_check(self, pending: tuple | None) -> None:
+        if pending is None:
+            return
+        start = time.perf_counter()
+        mine, signature, work = pending
+        work.wait()
         n, agreed = len(mine), signature.tolist()
         # max == -max(-x) == min only where every rank holds the same value
         mismatched = [i for i in range(n) if agreed[i] != -agreed[n + i]]

@@ -31,8 +31,11 @@ signals every peer and waits for theirs):
 
 On gloo (CPU) the same wrapper moves each group's gradients with ``all_gather`` into plain
 receive slots (in ``finish``, after the ranks' agreement), so the CPU tests check everything but
-the copy engines. On GPUs a gradient that only some ranks have still raises there, naming it, but
-a rank's barrier for a group its peers never close then waits until its timeout.
+the copy engines. On GPUs the ranks' agreement (a host round trip, which waits for the slowest
+host) is started before the updates are queued and waited for after: the updates only wait on the
+GPU for their barriers, so the round trip runs while the GPU works instead of between the backward
+and the updates. A gradient that only some ranks have still raises there, naming it, but a rank's
+barrier for a group its peers never close then waits until its timeout.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class _CopyEngineTransport:
     """Receive slots in symmetric memory; each group's copies on one of ``copy_streams`` side
     streams, in turn (so that several copy engines can run at once); barriers on the first, whose
     events the compute stream waits for."""
+
+    host_collectives = False  # every wait is queued on the GPU
 
     def __init__(self, params, layout: _Layout, group, rank: int, world_size: int, device: torch.device,
                  timeout_s: float, copy_streams: int = 1):
@@ -139,6 +144,8 @@ class _CopyEngineTransport:
 class _GatherTransport:
     """gloo: each group's gradients all-gathered when the group is waited for (in finish, after
     the ranks agreed on which gradients exist: a mismatch then raises instead of pairing wrong)."""
+
+    host_collectives = True
 
     def __init__(self, params, layout: _Layout, group, rank: int, world_size: int, device: torch.device):
         self.rank, self.world_size, self.params, self.layout, self.group = rank, world_size, params, layout, group
@@ -268,22 +275,28 @@ class DDPPeer(_DDPBase):
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
+        pending = self._start_check()
         try:
-            self._check_same_gradients()  # before any rank waits on a barrier its peers may never reach
-        except RuntimeError:
+            if self.transport.host_collectives:  # its waits pair on the host: agree before any
+                self._complete_check(pending)
+                pending = None
+            if self._ready:  # then the first gradient's hook began the step
+                for g in list(self._pending):  # groups some of whose parameters got no gradient on any rank
+                    self.transport.push(self._pending.pop(g))
+                self._close_groups(complete_only=False)
+                for g in self._order:
+                    self.transport.wait_group(g)
+                    indices = [i for i in self._groups[g] if i in self._ready]
+                    if not indices:
+                        continue
+                    for i in indices:  # more than one peer: their slots added into the first
+                        for slot in self._slots[i][1:]:
+                            self._slots[i][0].add_(slot)
+                    self.optimizer.step_group([self._params[i] for i in self._groups[g]])
+            # Copy engines: the updates above are only queued (each waits on the GPU for its group's
+            # barrier), so the hosts' round trip runs while the GPU updates. Where the ranks
+            # disagree, this raises after queueing updates whose barriers never pair; the error
+            # names the parameter, and the GPU's barrier then fails at its timeout.
+            self._complete_check(pending)
+        finally:
             self._reset_step()
-            raise
-        if self._ready:  # then the first gradient's hook began the step
-            for g in list(self._pending):  # groups some of whose parameters got no gradient on any rank
-                self.transport.push(self._pending.pop(g))
-            self._close_groups(complete_only=False)
-            for g in self._order:
-                self.transport.wait_group(g)
-                indices = [i for i in self._groups[g] if i in self._ready]
-                if not indices:
-                    continue
-                for i in indices:  # more than one peer: their slots added into the first
-                    for slot in self._slots[i][1:]:
-                        self._slots[i][0].add_(slot)
-                self.optimizer.step_group([self._params[i] for i in self._groups[g]])
-        self._reset_step()

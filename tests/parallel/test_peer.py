@@ -41,11 +41,14 @@ def _batch(kind: str, step: int, rank: int, world_size: int):
     return tokens[rows], targets[rows].flatten()
 
 
-def _train(kind: str, *, rank: int = 0, world_size: int = 1, seed: int = 17):
-    """STEPS steps of a GroupedOptimizer of FusedAdamW; with world_size > 1, through DDPPeer."""
+def _train(kind: str, *, rank: int = 0, world_size: int = 1, seed: int = 17, late_check: bool = False):
+    """STEPS steps of a GroupedOptimizer of FusedAdamW; with world_size > 1, through DDPPeer.
+    ``late_check``: the agreement completed after the updates are queued, as with copy engines."""
     model = _make(kind, seed)
     opt = GroupedOptimizer(_groups(kind, model), make_optimizer=lambda ps: FusedAdamW(ps, **HYPER))
     ddp = DDPPeer(model, optimizer=opt) if world_size > 1 else None
+    if late_check:
+        ddp.transport.host_collectives = False
     for step in range(STEPS):
         x, y = _batch(kind, step, rank, world_size)
         opt.zero_grad(set_to_none=True)
@@ -56,10 +59,11 @@ def _train(kind: str, *, rank: int = 0, world_size: int = 1, seed: int = 17):
             ddp.finish_gradient_synchronization()
         opt.step()  # with DDPPeer every group was updated in finish: nothing left
     folded = [dict(o._addends) for o in opt.optimizers]
+    checks = ddp.check_calls if ddp is not None else None
     if ddp is not None:
         ddp.remove_hooks()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return state, {"folded_while_wrapped": [len(f) for f in folded],
+    return state, {"checks": checks, "folded_while_wrapped": [len(f) for f in folded],
                    "folded_after_removal": [len(o._addends) for o in opt.optimizers],
                    "tied": kind != "tied" or model.head.weight is model.embed.weight}
 
@@ -90,6 +94,23 @@ def test_peer_matches_single_process(world_size):
             if kind == "frozen":
                 torch.testing.assert_close(state["frozen.weight"], initial["frozen.weight"], atol=0, rtol=0)
                 torch.testing.assert_close(state["unused"], initial["unused"], atol=0, rtol=0)
+
+
+def _late_check_worker(ctx):
+    return _train("tied", rank=ctx.rank, world_size=ctx.world_size, seed=17 + ctx.rank, late_check=True)
+
+
+@pytest.mark.slow
+def test_the_agreement_may_complete_after_the_updates_are_queued():
+    # the copy engines' order (start the check, queue the updates, then wait for it), run on gloo,
+    # whose all-gathers then pair with the peer while the check's all-reduce is in flight on its
+    # own group: the same training, and one completed check per step
+    results = spawn(_late_check_worker, 2, "gloo", timeout_s=60, deadline_s=120)
+    reference, _ = _train("tied")
+    for rank, (state, info) in enumerate(results):
+        assert info["checks"] == STEPS
+        for key in reference:  # tolerance as in test_peer_matches_single_process
+            torch.testing.assert_close(state[key], reference[key], rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
 
 
 def _one_rank_uses_a_parameter_worker(ctx):
