@@ -74,13 +74,6 @@ def _with(spec: str, **options) -> list[tuple]:
     return [(*tile, dict(options)) for tile in _tiles(spec)]
 
 
-def _poly_exp2(*configs: tuple[str, dict]) -> list[tuple]:
-    """POLY_EXP2 (notes entry 15: 1, 2 or 3 of every 4 exponentials of the unmasked loops by a
-    polynomial on the FMA pipes instead of the MUFU) on each (tiles spec, options) given: the TMA
-    kernels' table configs, with the options they carry in the table."""
-    return [c for spec, options in configs for n in (1, 2, 3) for c in _with(spec, **options, POLY_EXP2=n)]
-
-
 # The loop-schedule options (notes entry 13), each on the tables' winners (the leaderboard shape's
 # 64-row tiles and d = 128's larger ones) so they are timed beside the same tiles without them:
 # FMA_SOFTMAX (the forward's scale folded into one multiply-add), EARLY_DP (the backward's dP product
@@ -90,12 +83,9 @@ SCHEDULE_CANDIDATES: dict[str, list[tuple]] = {
     "fwd": _with("64x128/4/3, 128x64/8/3", FMA_SOFTMAX=False),
     "dkdv": _with("64x64/4/3, 64x128/8/3", EARLY_DP=True),
     "dq": _with("64x64/4/3, 128x64/8/3", EARLY_DP=True),
-    "fwd_tma": (_with("64x128/4/3, 128x128/8/3", FMA_SOFTMAX=False) + _with("128x128/8/3", WS=True)
-                + _poly_exp2(("64x128/4/3", {}), ("128x128/8/3", {}))),
-    "dkdv_tma": (_with("64x64/4/3, 64x128/8/3", EARLY_DP=True) + _with("64x64/4/3, 64x128/8/3", WS=True)
-                 + _poly_exp2(("64x64/4/3", {"EARLY_DP": True}), ("64x128/8/3", {}))),
-    "dq_tma": (_with("64x64/4/3, 128x64/8/3", EARLY_DP=True) + _with("64x64/4/3, 128x64/8/3", WS=True)
-               + _poly_exp2(("64x64/4/3", {}), ("128x64/8/3", {"EARLY_DP": True}))),
+    "fwd_tma": _with("64x128/4/3, 128x128/8/3", FMA_SOFTMAX=False) + _with("128x128/8/3", WS=True),
+    "dkdv_tma": _with("64x64/4/3, 64x128/8/3", EARLY_DP=True) + _with("64x64/4/3, 64x128/8/3", WS=True),
+    "dq_tma": _with("64x64/4/3, 128x64/8/3", EARLY_DP=True) + _with("64x64/4/3, 128x64/8/3", WS=True),
 }
 CANDIDATES = {kernel: tiles + SCHEDULE_CANDIDATES.get(kernel, []) for kernel, tiles in TILE_CANDIDATES.items()}
 

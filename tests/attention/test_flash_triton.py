@@ -142,8 +142,7 @@ def _schedule_pair(shape_q, n_k, causal, *, tma, dtype, device, tiles):
     gen = torch.Generator(device=device).manual_seed(n_k)
     shape_k = (*shape_q[:-2], n_k, shape_q[-1])
     q, k, v, do = (torch.randn(s, generator=gen, device=device).to(dtype) for s in (shape_q, shape_k, shape_k, shape_q))
-    # (POLY_EXP2 stays off: its inline PTX runs on GPUs only, test_gpu_poly_exp2_keeps_the_results)
-    off, on = ({"WS": False, "POLY_EXP2": 0}, {"WS": True, "POLY_EXP2": 0}) if tma else ({}, {})
+    off, on = {"WS": False} if tma else {}, {"WS": True} if tma else {}
     base = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles, fwd_options=dict(FMA_SOFTMAX=False, **off),
                        bwd_options=dict(EARLY_DP=False, **off))
     scheduled = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles, fwd_options=dict(FMA_SOFTMAX=True, **on),
@@ -175,7 +174,7 @@ def test_interp_head_groups_keep_the_results(causal, tma):
     gen = torch.Generator().manual_seed(5)
     q, k, v, do = (torch.randn(5, 45, 24, generator=gen) for _ in range(4))
     tiles = ((16, 32), (16, 32), (16, 32), 4, 1)
-    ws = {"WS": False, "POLY_EXP2": 0} if tma else {}
+    ws = {"WS": False} if tma else {}
     options = dict(fwd_options=dict(FMA_SOFTMAX=True, **ws), bwd_options=dict(EARLY_DP=False, **ws))
     want = _split_pass(q, k, v, do, causal, tma=tma, tiles=tiles, head_group=1, **options)
     for group in (2, 3, 5, 8):
@@ -583,14 +582,6 @@ def test_tma_kernels_compile_for_h100(kernel, tiles):
     """The TMA kernels at their largest leaderboard tiles (8 warps) compiled for sm_90: they build
     descriptors in the kernel (tensormap), their streamed loads are TMA bulk copies, the dots run
     on wgmma, and nothing spills to local memory."""
-    ptx = _tma_kernel_ptx(kernel, tiles, num_warps=8, POLY_EXP2=0)
-    assert "tensormap" in ptx and "cp.async.bulk.tensor" in ptx, kernel
-    assert "wgmma.mma_async" in ptx
-    assert "st.local" not in ptx
-
-
-def _tma_kernel_ptx(kernel: str, tiles: dict, *, num_warps: int, **options) -> str:
-    """PTX of one TMA kernel at d = 64, bf16, causal, compiled for sm_90 (test_tma_kernels_compile_for_h100)."""
     from systems.attention.flash_triton import kernels
     from systems.testing import compile_ptx_for_h100
 
@@ -600,32 +591,13 @@ def _tma_kernel_ptx(kernel: str, tiles: dict, *, num_warps: int, **options) -> s
     signature = {name: kinds.get(name, "*bf16" if name[-1] in "QKVO" or name.startswith("d") else "constexpr")
                  for name in fn.arg_names}
     signature.update({name: "constexpr" for name in fn.arg_names if name.isupper() and len(name) > 2})
-    defaults = {name: False for name in ("FMA_SOFTMAX", "WS", "EARLY_DP") if name in fn.arg_names}
-    constexprs = dict(HEAD_DIM=64, BLOCK_D=64, IS_CAUSAL=True, INPUT_PRECISION="ieee", **defaults, **tiles, **options)
+    constexprs = dict(HEAD_DIM=64, BLOCK_D=64, IS_CAUSAL=True, INPUT_PRECISION="ieee", **tiles)
     n_ptr = sum(kind.startswith("*") for kind in signature.values())
-    return compile_ptx_for_h100(fn, signature=signature, constexprs=constexprs,
-                                aligned_args=tuple(range(n_ptr)) + (n_ptr, n_ptr + 1), num_warps=num_warps)
-
-
-@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
-@pytest.mark.parametrize("kernel,tiles,warps,per_thread", [
-    ("flash_fwd_tma_kernel", dict(BLOCK_M=64, BLOCK_N=128), 4, 64),
-    ("flash_bwd_dkdv_tma_kernel", dict(BLOCK_M1=64, BLOCK_N1=64), 4, 32),
-])
-def test_poly_exp2_moves_exponentials_off_the_mufu(kernel, tiles, warps, per_thread):
-    """POLY_EXP2 = n takes n of every 4 exponentials of the unmasked loop's tile off ex2.approx
-    (the MUFU instruction) and onto the polynomial, whose mark is the shift of round(x) into the
-    exponent field; ptxas accepts the inline PTX and nothing spills. ``per_thread``: the unmasked
-    loop's scores per thread (tile / threads), so the counts are exact, not just smaller."""
-    import re
-
-    base = _tma_kernel_ptx(kernel, tiles, num_warps=warps, POLY_EXP2=0)
-    for n in (1, 2, 3):
-        ptx = _tma_kernel_ptx(kernel, tiles, num_warps=warps, POLY_EXP2=n)
-        moved = per_thread * n // 4
-        assert ptx.count("ex2.approx") == base.count("ex2.approx") - moved, (n, ptx.count("ex2.approx"))
-        assert len(re.findall(r"shl\.b32 \S+, \S+, 23;", ptx)) == moved
-        assert "st.local" not in ptx
+    ptx = compile_ptx_for_h100(fn, signature=signature, constexprs=constexprs,
+                               aligned_args=tuple(range(n_ptr)) + (n_ptr, n_ptr + 1), num_warps=8)
+    assert "tensormap" in ptx and "cp.async.bulk.tensor" in ptx, kernel
+    assert "wgmma.mma_async" in ptx
+    assert "st.local" not in ptx
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -832,55 +804,6 @@ def test_gpu_schedule_options_keep_the_results(causal, tma):
         scale = want.abs().max().item()
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2 * scale,
                                    msg=lambda m: f"{name}: {m}")
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("poly", [1, 2, 3])
-def test_gpu_poly_exp2_is_exp2(poly):
-    """kernels._exp2 with POLY of every 4 by the polynomial, against torch.exp2 over what the unmasked
-    loops feed it (x <= about 0: a score minus the row max or L): relative error under 1e-4 (the
-    fit's 7.5e-5 plus fp32 rounding) down to x = -126, and below that (the clamp) at most 2^-126
-    where the MUFU gives 0 or a denormal flushed to 0 (both are 0 to a bf16 P)."""
-    import triton
-    import triton.language as tl
-
-    from systems.attention.flash_triton import kernels
-
-    @triton.jit
-    def exp2_kernel(X, Y, POLY: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(Y + offs, kernels._exp2(tl.load(X + offs), POLY))
-
-    x = torch.cat([torch.linspace(-140.0, 0.5, 2**20), torch.tensor([0.0, -1.0, -126.0, -1e6] * 256)]).cuda()
-    y = torch.empty_like(x)
-    exp2_kernel[(x.numel() // 1024,)](x, y, POLY=poly, BLOCK=1024)
-    want = torch.exp2(x.double())
-    normal = x >= -126
-    rel = ((y.double() - want).abs() / want)[normal]
-    assert rel.max().item() < 1e-4, rel.max().item()
-    assert y[~normal].abs().max().item() <= 2.0**-126
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("causal", [True, False])
-def test_gpu_poly_exp2_keeps_the_results(causal):
-    """The TMA kernels with POLY_EXP2 against the same tiles without it (bf16): P moves by under
-    1e-4 relative, a fiftieth of a bf16 rounding, so every output stays within the loop-schedule
-    test's bound (about one bf16 rounding of the largest value)."""
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    q, k, v, do = (torch.randn((2, 2, 1000, 64), generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4))
-    tiles = ((64, 128), (64, 64), (64, 64), 4, 3)
-    base = _split_pass(q, k, v, do, causal, tma=True, tiles=tiles, fwd_options=dict(POLY_EXP2=0),
-                       bwd_options=dict(POLY_EXP2=0))
-    for poly in (1, 2, 3):
-        got = _split_pass(q, k, v, do, causal, tma=True, tiles=tiles, fwd_options=dict(POLY_EXP2=poly),
-                          bwd_options=dict(POLY_EXP2=poly))
-        for name, g, w in zip(("O", "L", "dQ", "dK", "dV"), got, base):
-            scale = w.abs().max().item()
-            torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=2e-2 * scale,
-                                       msg=lambda m: f"POLY_EXP2={poly} {name}: {m}")
 
 
 @pytest.mark.gpu

@@ -37,74 +37,6 @@ _MASKED = tl.constexpr(-1e6)  # the handout's masked score (in base-2 units here
 _ORDER_ARGS = ["head_group"]
 
 
-# ----------------------------------------------------------------------------- exponentials
-
-# Why a polynomial: at d = 64 a score costs the tensor cores 256-512 FLOPs (two products in the
-# forward, four in dK/dV) but one exponential on the SM's special-function unit, which does 16 a
-# clock against the tensor cores' thousands of FLOPs: at the leaderboard shape the exponentials of
-# one pass take about 0.55 ms of MUFU time beside 0.8-1.6 ms of products, and they overlap only in
-# part. The FMA pipes, 8x the MUFU's rate, can take a share: 2^x = 2^round(x) * 2^f with f in
-# [-0.5, 0.5], 2^f a degree-3 polynomial (relative error under 7.5e-5, a fiftieth of a bf16
-# rounding), 2^round(x) added into the exponent bits. Coefficients: a relative-error minimax fit
-# (Lawson's iterations on 4000 Chebyshev nodes), rounded to fp32; x is clamped at -126 so that the
-# exponent stays normal (2^-126 is 0 to a bf16 P). Only for loops whose x is finite and at most
-# about 0 (the unmasked loops: x = score - row max, or score - L).
-_EXP2_POLY = """{
-.reg .b32 ex_x, ex_t, ex_j, ex_f, ex_p, ex_e;
-max.ftz.f32 ex_x, IN, 0fC2FC0000;
-add.rn.ftz.f32 ex_t, ex_x, 0f4B400000;
-sub.rn.ftz.f32 ex_j, ex_t, 0f4B400000;
-sub.rn.ftz.f32 ex_f, ex_x, ex_j;
-fma.rn.ftz.f32 ex_p, ex_f, 0f3D61FBAF, 0f3E786F0D;
-fma.rn.ftz.f32 ex_p, ex_p, ex_f, 0f3F31798D;
-fma.rn.ftz.f32 ex_p, ex_p, ex_f, 0f3F7FFB49;
-shl.b32 ex_e, ex_t, 23;
-add.s32 OUT, ex_p, ex_e;
-}"""
-# (0x4B400000 = 1.5 * 2^23: adding it rounds x to an integer held in t's low mantissa bits, whose
-# low 9 bits shifted into the exponent field are round(x) << 23, as the constant's own are zero)
-EXP2_PACK = 4  # exponentials per inline-asm instance: POLY of them by the polynomial
-
-
-def _exp2_asm(n_poly: int) -> str:
-    """PTX for EXP2_PACK exponentials ($0..$3 from $4..$7): the first EXP2_PACK - n_poly on the MUFU
-    (ex2.approx, what tl.math.exp2 compiles to), the rest by the polynomial above."""
-    lines = []
-    for i in range(EXP2_PACK):
-        out, arg = f"${i}", f"${EXP2_PACK + i}"
-        if i < EXP2_PACK - n_poly:
-            lines.append(f"ex2.approx.ftz.f32 {out}, {arg};")
-        else:
-            lines.append(_EXP2_POLY.replace("OUT", out).replace("IN", arg))
-    return "\n".join(lines)
-
-
-_PACK = tl.constexpr(EXP2_PACK)
-_EXP2_CONSTRAINTS = tl.constexpr(",".join(["=r"] * EXP2_PACK + ["r"] * EXP2_PACK))
-_EXP2_ASM_1 = tl.constexpr(_exp2_asm(1))
-_EXP2_ASM_2 = tl.constexpr(_exp2_asm(2))
-_EXP2_ASM_3 = tl.constexpr(_exp2_asm(3))
-
-
-@triton.jit
-def _exp2(x, POLY: tl.constexpr):
-    """2^x, POLY of every EXP2_PACK (0-3) by the polynomial on the FMA pipes, the rest on the MUFU.
-    POLY > 0 only on a GPU (inline PTX) and for x as the unmasked loops have it (above)."""
-    if POLY == 0:
-        y = tl.math.exp2(x)
-    elif POLY == 1:
-        y = tl.inline_asm_elementwise(_EXP2_ASM_1, _EXP2_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True,
-                                      pack=_PACK)
-    elif POLY == 2:
-        y = tl.inline_asm_elementwise(_EXP2_ASM_2, _EXP2_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True,
-                                      pack=_PACK)
-    else:
-        tl.static_assert(POLY == 3, "POLY_EXP2 is 0, 1, 2 or 3")
-        y = tl.inline_asm_elementwise(_EXP2_ASM_3, _EXP2_CONSTRAINTS, [x], dtype=tl.float32, is_pure=True,
-                                      pack=_PACK)
-    return y
-
-
 # ----------------------------------------------------------------------------- helpers
 
 @triton.jit
@@ -237,15 +169,14 @@ def _atomic_add_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOC
 def _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale, lo, hi,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-                  FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr, POLY: tl.constexpr):
+                  FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr):
     """Online softmax over key tiles [lo, hi). MASK=False is the hot off-diagonal loop.
     K_src, V_src: the (batch, head)'s base pointers, or its tensor descriptors when TMA.
 
     FMA_SOFTMAX (unmasked loop only): the row max is taken over the raw scores and scaled once, so
     the scale and the max's subtraction become one fused multiply-add per score instead of a
     multiply and a subtraction (qk_scale > 0, so max(x) * scale = max(x * scale) exactly).
-    WS: Triton's warp specialisation of the loop (producer warps issue the TMA loads).
-    POLY: _exp2's share of polynomial exponentials (unmasked loop only)."""
+    WS: Triton's warp specialisation of the loop (producer warps issue the TMA loads)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         keys = start_n + offs_n
@@ -259,10 +190,10 @@ def _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, q
                     keep = keep & (keys[None, :] <= offs_m[:, None] + offset)
                 s = tl.where(keep, s, _MASKED)
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = _exp2(s - m_new[:, None], POLY)
+            p = tl.math.exp2(s - m_new[:, None])
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = _exp2(qk * qk_scale - m_new[:, None], POLY)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(V_src, start_n, keys, n_k, offs_d, HEAD_DIM, BLOCK_D, MASK, TMA)
@@ -275,8 +206,7 @@ def _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, q
 @triton.jit
 def _fwd_program(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, TMA: tl.constexpr, FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr,
-                 POLY: tl.constexpr):
+                 BLOCK_N: tl.constexpr, TMA: tl.constexpr, FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr):
     """Grid (query tiles x batch, in _program_tile's order). One program: one query tile against
     all (visible) key tiles. TMA: K and V stream through tensor descriptors (Q and O, touched
     once, stay pointer accesses)."""
@@ -297,10 +227,10 @@ def _fwd_program(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, HEAD_DIM: tl.con
     hi_unmasked, hi = _key_bounds(m0, n_k, offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
     acc, m_i, l_i = _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale,
                                   0, hi_unmasked, BLOCK_N, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION, TMA,
-                                  FMA_SOFTMAX, WS, POLY)
+                                  FMA_SOFTMAX, WS)
     acc, m_i, l_i = _fwd_key_loop(acc, m_i, l_i, q, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale,
                                   hi_unmasked, hi,
-                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, INPUT_PRECISION, TMA, False, False, 0)
+                                  BLOCK_N, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, INPUT_PRECISION, TMA, False, False)
 
     o = acc / l_i[:, None]
     _store_rows(O + bh * n_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
@@ -317,16 +247,16 @@ def flash_fwd_kernel(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, SEQ_BUCKET,
                       INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       FMA_SOFTMAX: tl.constexpr):
     _fwd_program(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL, INPUT_PRECISION,
-                 BLOCK_M, BLOCK_N, False, FMA_SOFTMAX, False, 0)
+                 BLOCK_M, BLOCK_N, False, FMA_SOFTMAX, False)
 
 
 @triton.jit(do_not_specialize=_ORDER_ARGS)
 def flash_fwd_tma_kernel(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, SEQ_BUCKET,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                           INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr, POLY_EXP2: tl.constexpr):
+                          FMA_SOFTMAX: tl.constexpr, WS: tl.constexpr):
     _fwd_program(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL, INPUT_PRECISION,
-                 BLOCK_M, BLOCK_N, True, FMA_SOFTMAX, WS, POLY_EXP2)
+                 BLOCK_M, BLOCK_N, True, FMA_SOFTMAX, WS)
 
 # ----------------------------------------------------------------------------- backward: dK/dV of the split pair
 
@@ -334,14 +264,14 @@ def flash_fwd_tma_kernel(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, SEQ_BUCK
 def _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale, lo, hi,
                      BLOCK_M1: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      CAUSAL_MASK: tl.constexpr, CHECK_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                     TMA: tl.constexpr, EARLY_DP: tl.constexpr, WS: tl.constexpr, POLY: tl.constexpr):
+                     TMA: tl.constexpr, EARLY_DP: tl.constexpr, WS: tl.constexpr):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi), in transposed form (keys x queries).
 
     Query rows past n_q load as zeros (Q, dO, L, D), so their P is finite and their
     contribution to dV = P^T dO and dK = dS^T Q is exactly zero: no score mask is needed for them.
     Q_src, dO_src: base pointers, or tensor descriptors when TMA.
     EARLY_DP: dP^T's product is issued right after S^T's, so the tensor cores run it while the
-    threads compute P^T (the exponentials), instead of after dV's product. WS, POLY: as _fwd_key_loop.
+    threads compute P^T (the exponentials), instead of after dV's product. WS: as _fwd_key_loop.
     """
     offs_mb = tl.arange(0, BLOCK_M1)
     for start_m in tl.range(lo, hi, BLOCK_M1, warp_specialize=WS):
@@ -359,7 +289,7 @@ def _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_
             dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)  # dP^T = V dO^T (eq. 15)
         if CAUSAL_MASK:
             s_t = tl.where(offs_n[:, None] <= rows[None, :] + offset, s_t, _MASKED)
-        p_t = _exp2(s_t - lse[None, :] * _LOG2E, POLY)  # P^T = exp(S - L) (eq. 13)
+        p_t = tl.math.exp2(s_t - lse[None, :] * _LOG2E)  # P^T = exp(S - L) (eq. 13)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)  # dV += P^T dO (eq. 14)
         if not EARLY_DP:
             dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
@@ -372,7 +302,7 @@ def _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_
 def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, TMA: tl.constexpr,
-                  EARLY_DP: tl.constexpr, WS: tl.constexpr, POLY: tl.constexpr):
+                  EARLY_DP: tl.constexpr, WS: tl.constexpr):
     """Grid (key tiles x batch, in _program_tile's order). One program owns dK and dV
     of one key tile: no atomics.
     Runs after the dQ kernel, which wrote Delta. TMA: Q and dO stream through tensor descriptors."""
@@ -397,16 +327,16 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale,
         lo_diag, hi_diag = _diagonal_query_tiles(n0, offset, BLOCK_M1, BLOCK_N1)
         dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
                                   lo_diag, tl.minimum(hi_diag, n_q),
-                                  BLOCK_M1, HEAD_DIM, BLOCK_D, True, True, INPUT_PRECISION, TMA, EARLY_DP, False, 0)
+                                  BLOCK_M1, HEAD_DIM, BLOCK_D, True, True, INPUT_PRECISION, TMA, EARLY_DP, False)
     else:
         hi_diag = 0
     # ... then the query tiles that see all of it: unmasked, unchecked; then a ragged tail
     dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
                               hi_diag, n_q_full,
-                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, False, INPUT_PRECISION, TMA, EARLY_DP, WS, POLY)
+                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, False, INPUT_PRECISION, TMA, EARLY_DP, WS)
     dk, dv = _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_q, offset, qk_scale,
                               tl.maximum(hi_diag, n_q_full), n_q,
-                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, True, INPUT_PRECISION, TMA, EARLY_DP, False, 0)
+                              BLOCK_M1, HEAD_DIM, BLOCK_D, False, True, INPUT_PRECISION, TMA, EARLY_DP, False)
 
     dk = dk * sm_scale  # S = Q K^T * scale, so dK = dS^T Q * scale
     _store_rows(dK + kv_tile, dk.to(dK.dtype.element_ty), offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D)
@@ -419,16 +349,16 @@ def flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, q
                            INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                            EARLY_DP: tl.constexpr):
     _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False, EARLY_DP, False, 0)
+                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False, EARLY_DP, False)
 
 
 @triton.jit(do_not_specialize=_ORDER_ARGS)
 def flash_bwd_dkdv_tma_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale, SEQ_BUCKET,
                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                                INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-                               EARLY_DP: tl.constexpr, WS: tl.constexpr, POLY_EXP2: tl.constexpr):
+                               EARLY_DP: tl.constexpr, WS: tl.constexpr):
     _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, True, EARLY_DP, WS, POLY_EXP2)
+                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, True, EARLY_DP, WS)
 
 # ----------------------------------------------------------------------------- backward: dQ of the split pair
 
@@ -436,9 +366,9 @@ def flash_bwd_dkdv_tma_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_grou
 def _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale, lo, hi,
                  BLOCK_N2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-                 EARLY_DP: tl.constexpr, WS: tl.constexpr, POLY: tl.constexpr):
+                 EARLY_DP: tl.constexpr, WS: tl.constexpr):
     """Accumulate dQ of one query tile over key tiles [lo, hi). K_src, V_src: pointers or descriptors.
-    EARLY_DP, WS, POLY: as _dkdv_query_loop."""
+    EARLY_DP, WS: as _dkdv_query_loop."""
     offs_nb = tl.arange(0, BLOCK_N2)
     for start_n in tl.range(lo, hi, BLOCK_N2, warp_specialize=WS):
         keys = start_n + offs_nb
@@ -452,7 +382,7 @@ def _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offs
             if IS_CAUSAL:
                 keep = keep & (keys[None, :] <= offs_m[:, None] + offset)
             s = tl.where(keep, s, _MASKED)
-        p = _exp2(s - lse2[:, None], POLY)
+        p = tl.math.exp2(s - lse2[:, None])
         if not EARLY_DP:
             dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -464,7 +394,7 @@ def _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offs
 def _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group, qk_scale, sm_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, TMA: tl.constexpr,
-                EARLY_DP: tl.constexpr, WS: tl.constexpr, POLY: tl.constexpr):
+                EARLY_DP: tl.constexpr, WS: tl.constexpr):
     """Grid (query tiles x batch, in _program_tile's order). One program owns dQ of
     one query tile: no atomics.
     TMA: K and V stream through tensor descriptors.
@@ -489,9 +419,9 @@ def _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group, qk_scale, sm
     offset = n_k - n_q
     hi_unmasked, hi = _key_bounds(m0, n_k, offset, BLOCK_M2, BLOCK_N2, IS_CAUSAL)
     dq = _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale, 0, hi_unmasked,
-                      BLOCK_N2, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION, TMA, EARLY_DP, WS, POLY)
+                      BLOCK_N2, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, INPUT_PRECISION, TMA, EARLY_DP, WS)
     dq = _dq_key_loop(dq, q, do, lse2, delta, K_src, V_src, offs_m, offs_d, n_k, offset, qk_scale, hi_unmasked, hi,
-                      BLOCK_N2, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, INPUT_PRECISION, TMA, EARLY_DP, False, 0)
+                      BLOCK_N2, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, INPUT_PRECISION, TMA, EARLY_DP, False)
     dq = dq * sm_scale
     _store_rows(dQ + q_tile, dq.to(dQ.dtype.element_ty), offs_m, n_q, offs_d, HEAD_DIM, BLOCK_D)
 
@@ -502,16 +432,16 @@ def flash_bwd_dq_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group, qk_s
                          INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                          EARLY_DP: tl.constexpr):
     _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, False, EARLY_DP, False, 0)
+                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, False, EARLY_DP, False)
 
 
 @triton.jit(do_not_specialize=_ORDER_ARGS)
 def flash_bwd_dq_tma_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group, qk_scale, sm_scale, SEQ_BUCKET,
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                              INPUT_PRECISION: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                             EARLY_DP: tl.constexpr, WS: tl.constexpr, POLY_EXP2: tl.constexpr):
+                             EARLY_DP: tl.constexpr, WS: tl.constexpr):
     _dq_program(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, True, EARLY_DP, WS, POLY_EXP2)
+                INPUT_PRECISION, BLOCK_M2, BLOCK_N2, True, EARLY_DP, WS)
 
 # ----------------------------------------------------------------------------- backward: one kernel with atomic dQ
 
