@@ -163,18 +163,6 @@ def _atomic_add_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOC
         else:
             tl.atomic_add(ptrs, x, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
 
-@triton.jit
-def _in_registers(x):
-    """x, passed through an identity the compiler cannot see through (inline PTX), so that a dot
-    takes it as a register operand (wgmma's A from registers) instead of reading it from shared
-    memory at every product. 16-bit elements travel two to a 32-bit register."""
-    if x.dtype.primitive_bitwidth == 16:
-        y = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=True, pack=2)
-    else:
-        y = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=True, pack=1)
-    return y
-
-
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
@@ -314,7 +302,7 @@ def _dkdv_query_loop(dk, dv, k, v, Q_src, dO_src, L_bh, D_bh, offs_n, offs_d, n_
 def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, TMA: tl.constexpr,
-                  EARLY_DP: tl.constexpr, WS: tl.constexpr, REG_KV: tl.constexpr):
+                  EARLY_DP: tl.constexpr, WS: tl.constexpr):
     """Grid (key tiles x batch, in _program_tile's order). One program owns dK and dV
     of one key tile: no atomics.
     Runs after the dQ kernel, which wrote Delta. TMA: Q and dO stream through tensor descriptors."""
@@ -325,10 +313,6 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale,
     kv_tile = bh * n_k * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
     k = _load_rows(K + kv_tile, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
     v = _load_rows(V + kv_tile, offs_n, n_k, offs_d, HEAD_DIM, BLOCK_D, True)
-    if REG_KV % 2 == 1:  # K as S^T's register operand
-        k = _in_registers(k)
-    if REG_KV >= 2:  # V as dP^T's
-        v = _in_registers(v)
     dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
     Q_src = _streamed(Q + bh * n_q * HEAD_DIM, n_q, HEAD_DIM, BLOCK_M1, BLOCK_D, TMA)
@@ -365,16 +349,16 @@ def flash_bwd_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, q
                            INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
                            EARLY_DP: tl.constexpr):
     _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False, EARLY_DP, False, 0)
+                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, False, EARLY_DP, False)
 
 
 @triton.jit(do_not_specialize=_ORDER_ARGS)
 def flash_bwd_dkdv_tma_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale, SEQ_BUCKET,
                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                                INPUT_PRECISION: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-                               EARLY_DP: tl.constexpr, WS: tl.constexpr, REG_KV: tl.constexpr):
+                               EARLY_DP: tl.constexpr, WS: tl.constexpr):
     _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, True, EARLY_DP, WS, REG_KV)
+                  INPUT_PRECISION, BLOCK_M1, BLOCK_N1, True, EARLY_DP, WS)
 
 # ----------------------------------------------------------------------------- backward: dQ of the split pair
 

@@ -58,7 +58,7 @@ TILE_NAMES = {"fwd": ("BLOCK_M", "BLOCK_N"), "dkdv": ("BLOCK_M1", "BLOCK_N1"), "
 # FMA_SOFTMAX took 1-4% off the TMA forward at three of four points (d = 64 and 128), so it is on;
 # EARLY_DP and WS are on only in the configs below that measured faster with them.
 OPTIONS = {"atomic": {"DEFER_DQ_ADD": True}, "fwd": {"FMA_SOFTMAX": True}, "dkdv": {"EARLY_DP": False},
-           "dq": {"EARLY_DP": False}, "fwd_tma": {"WS": False}, "dkdv_tma": {"WS": False, "REG_KV": 0}, "dq_tma": {"WS": False}}
+           "dq": {"EARLY_DP": False}, "fwd_tma": {"WS": False}, "dkdv_tma": {"WS": False}, "dq_tma": {"WS": False}}
 
 
 def kernel_options(kernel: str) -> dict:
