@@ -17,8 +17,8 @@ Variants, timed in this order:
   trace showed some of the backward's matmuls taking twice as long beside NCCL's thread blocks,
   and N SMs left to NCCL were to keep them in one wave (measured: no gain, training-step notes
   entry 8);
-- ``peer_update`` (the master-weights setting only): no all-reduce; each gradient is copied by
-  the copy engines into the other ranks' memory as soon as the backward produces it, and each
+- ``peer_update`` (the master-weights setting only): no all-reduce; as soon as the backward has
+  produced a block's gradients, the copy engines copy them into the other ranks' memory, and each
   block's update sums and averages the received gradients in its own pass
   (``systems.parallel.peer.DDPPeer``): no SM moves or reduces a gradient; ``peer_update:<N>``
   spreads the copies over N side streams, which may run on several copy engines at once;
