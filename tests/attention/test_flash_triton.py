@@ -877,3 +877,138 @@ def test_auto_prefers_tma_only_for_long_16_bit_inputs():
     assert auto_prefers_tma(TMA_MIN_SEQ + 1, torch.bfloat16) and auto_prefers_tma(TMA_MIN_SEQ + 1, torch.float16)
     assert not auto_prefers_tma(TMA_MIN_SEQ, torch.bfloat16)
     assert not auto_prefers_tma(4 * TMA_MIN_SEQ, torch.float32)
+
+
+# ----------------------------------------------------------------------------- the Gluon dK/dV kernel
+
+
+@pytest.mark.skipif(not have_triton(), reason="needs triton")
+def test_gluon_dkdv_only_where_it_was_built_and_measured():
+    """kernels_gluon.py runs only with the GPU-tested Triton (its Gluon API changes between
+    releases: 3.9 renamed the TMA copies), on sm_90 (wgmma), for 16-bit inputs with d = 64."""
+    from systems.attention.flash_triton.launch import gluon_dkdv_allowed
+
+    tested = {"torch": ">=2.11,<2.12", "triton": ">=3.6,<3.7"}
+
+    def allowed(**change):
+        args = dict(interpreting=False, triton_version="3.6.0", tested=tested, capability=(9, 0), head_dim=64,
+                    dtype=torch.bfloat16)
+        return gluon_dkdv_allowed(**{**args, **change})
+
+    assert allowed() and allowed(dtype=torch.float16)
+    assert not allowed(triton_version="3.9.0") and not allowed(tested=None) and not allowed(tested={"torch": ">=2"})
+    assert not allowed(capability=(10, 0)) and not allowed(capability=(8, 0))
+    assert not allowed(head_dim=128) and not allowed(head_dim=32)
+    assert not allowed(dtype=torch.float32) and not allowed(interpreting=True)
+
+
+@pytest.mark.skipif(not have_triton(), reason="needs triton")
+def test_gluon_backward_variant_is_the_tma_pair_where_gluon_cannot_run():
+    from systems.attention.flash_triton import FlashVariant
+
+    q = torch.zeros(1, 8192, 64, dtype=torch.bfloat16)  # CPU tensors: no Gluon kernel, whatever the Triton
+    assert not FlashVariant(backward="gluon").backward_gluon(q, q, q)
+    assert FlashVariant(backward="gluon").backward_tma(q, q, q) == FlashVariant(backward="tma").backward_tma(q, q, q)
+    assert not FlashVariant(backward="split").backward_gluon(q, q, q)
+
+
+def _gluon_in_tested_range() -> bool:
+    import triton
+
+    from systems.attention.flash_triton.launch import gpu_tested_versions, version_in_range
+
+    return version_in_range(triton.__version__, gpu_tested_versions()["triton"])
+
+
+@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the Gluon kernel (not the interpreter's)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_gluon_dkdv_compiles_for_h100(causal):
+    """kernels_gluon.py compiled for sm_90 with the Triton it is written for: its products are
+    asynchronous (a wgmma wait that leaves one group in flight), K and V feed wgmma from registers
+    in the S^T and dP^T products, L and D arrive on the tiles' barriers through cp.async, and
+    nothing spills to local memory."""
+    if not _gluon_in_tested_range():
+        pytest.skip("the Gluon kernel is written for the GPU-tested Triton only (pyproject.toml)")
+    pytest.importorskip("triton.backends.nvidia")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from systems.attention.flash_triton import kernels_gluon
+    from systems.attention.flash_triton.tuning import GLUON_DKDV
+
+    fn = kernels_gluon.flash_bwd_dkdv_gluon_kernel
+    kinds = ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["i32"] * 3 + ["fp32"] * 2
+    signature = {name: kinds[i] if i < len(kinds) else "constexpr" for i, name in enumerate(fn.arg_names)}
+    tiles = {k: v for k, v in GLUON_DKDV.items() if k != "num_warps"}
+    src = GluonASTSource(fn, signature, dict(HEAD_DIM=64, IS_CAUSAL=causal, **tiles))
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": GLUON_DKDV["num_warps"]}).asm["ptx"]
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    assert "cp.async.mbarrier.arrive.noinc" in ptx and "cp.async.bulk.tensor" in ptx
+    # S^T and dP^T with K, V from registers: an A operand in braces, then a shared-memory descriptor
+    assert re_count(r"wgmma\.mma_async\S* \{[^}]*\}, \{[^}]*\}, %rd", ptx) > 0
+    assert "st.local" not in ptx
+
+
+def re_count(pattern: str, text: str) -> int:
+    import re
+
+    return len(re.findall(pattern, text))
+
+
+def _gluon_runs_here() -> bool:
+    if not torch.cuda.is_available() or INTERPRETING:
+        return False
+    from systems.attention.flash_triton.launch import gluon_dkdv_usable
+
+    return gluon_dkdv_usable(torch.zeros(1, 64, 64, device="cuda", dtype=torch.bfloat16))
+
+
+needs_gluon = pytest.mark.skipif(not _gluon_runs_here() if torch.cuda.is_available() else True,
+                                 reason="needs an sm_90 GPU and the GPU-tested Triton")
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("shape,n_k,causal,dtype", [
+    ((2, 1000, 64), 1000, True, torch.bfloat16),
+    ((3, 777, 64), 777, False, torch.bfloat16),
+    ((2, 640, 64), 1280, True, torch.bfloat16),  # fewer queries than keys
+    ((2, 1003, 64), 1003, True, torch.float16),  # ragged last tiles of both
+    ((4, 4096, 64), 4096, True, torch.bfloat16),
+])
+def test_gpu_gluon_dkdv_equals_the_triton_kernel(shape, n_k, causal, dtype):
+    """The same L and D through both dK/dV kernels: the same products in the same order per key
+    tile, so equal up to the fp32 accumulation order of wgmma (measured at most 3.4e-4 of the
+    largest gradient on the H100; bounded here by one bf16 rounding, 2^-8)."""
+    from systems.attention.flash_triton import launch
+
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape) + n_k)
+    q, do = (torch.randn(shape, generator=gen, device="cuda").to(dtype) for _ in range(2))
+    k, v = (torch.randn(shape[0], n_k, shape[2], generator=gen, device="cuda").to(dtype) for _ in range(2))
+    o, lse = launch.flash_forward_triton(q, k, v, causal)
+    delta, dq = torch.empty_like(lse), torch.empty_like(q)
+    launch.launch_dq(q, k, v, o, do, lse, delta, dq, causal, tma=True)
+    got = {}
+    for gluon in (False, True):
+        dk, dv = torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))
+        launch.launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, tma=True, gluon=gluon)
+        got[gluon] = dk.float(), dv.float()
+    for want, have in zip(got[False], got[True]):
+        assert torch.isfinite(have).all()
+        assert (have - want).abs().max() <= 2 ** -8 * want.abs().max()
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_gluon_backward_matches_reference(causal):
+    from systems.attention import flash_triton as ft
+
+    variant = ft.FlashVariant(forward="tma", backward="gluon")
+    shape_q = (2, 3, 1000, 64)
+    q = torch.zeros(shape_q, device="cuda", dtype=torch.bfloat16)
+    assert variant.backward_gluon(q, q, q)
+    run_and_compare(lambda q, k, v, c: ft.flash_attention_triton(q, k, v, c, variant=variant),
+                    shape_q, 1000, torch.bfloat16, causal, "cuda", tol=GPU_TOL[torch.bfloat16])

@@ -168,6 +168,11 @@ if not autotuning():  # one config each: the TMA kernels run their pointer twins
 # (16, 16384, 128) took 8.8 ms instead of 6.4.
 _OPTION_MAX_BLOCK_D = {("dkdv", "EARLY_DP"): 64}
 
+# kernels_gluon.py's dK/dV kernel runs with fixed tiles, not tuned: one warpgroup over 64 keys, 64
+# queries a step, Q and dO double-buffered (its 255 registers allow no wider tile without spilling).
+# Three stages and 128 keys over two warpgroups measured slower at (16, 16384, 64) (notes entry 16).
+GLUON_DKDV = dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)
+
 _SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KB per block, the rest is Triton's scratch
 # fp32 registers per thread the atomic kernel's dK and dV accumulators may take: a thread has at
 # most 255, and the S^T, P^T, dP^T tiles and the dot operands need the rest (beyond this it spills)

@@ -1,0 +1,186 @@
+"""The dK/dV kernel of the split backward in Gluon, for Hopper: asynchronous wgmma (notes entry 16).
+
+Triton's ``tl.dot`` waits for every product that is not a loop-carried accumulator right after
+issuing it, so in kernels.py's dK/dV loop the tensor cores idle through the exponentials and dS,
+and the CUDA cores through S^T and dP^T (notes entry 15). Gluon exposes the waits. Per query
+tile, with the wgmma groups in flight oldest first:
+
+    issue S^T = K Q^T and dP^T = V dO^T         in flight: dV, dK (last tile), S^T, dP^T
+    wait until one is left                      S^T done (and the last tile's dV, dK)
+    P^T = exp2(S^T - L), issue dV += P^T dO     dP^T runs under the exponentials
+    wait until one is left                      dP^T done; dV in flight
+    dS^T = P^T o (dP^T - D), issue dK += dS^T Q dV runs under dS^T; dK under the next tile's issue
+
+Beyond that: K and V are wgmma's A operand from registers (loaded once; only Q^T and dO^T are read
+from shared memory per product), Q and dO stream through TMA into a ring of STAGES buffers, and L
+and D through cp.async into the same ring, each thread arriving on the tile's mbarrier when its
+copies land (so the loop never waits on a global load).
+
+Written against the Gluon of Triton 3.6 (an experimental API that changes between releases: 3.9
+renamed the TMA copies), so launch.py runs it only inside pyproject.toml's GPU-tested versions,
+for 16-bit inputs with d = 64 on sm_90, and kernels.py's TMA kernel everywhere else. It reads the
+same inputs and writes the same outputs as kernels.flash_bwd_dkdv_tma_kernel, in the same program
+order (kernels._program_tile, imported into Gluon unchanged).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from systems.attention.flash_triton import kernels
+
+_LOG2E = gl.constexpr(kernels.LOG2E)
+_MASKED = gl.constexpr(-1e6)  # kernels._MASKED
+# kernels.py's index helpers are scalar arithmetic only, so they compile as Gluon unchanged
+_program_tile = gluon.jit(kernels._program_tile.fn)
+_diagonal_query_tiles = gluon.jit(kernels._diagonal_query_tiles.fn)
+
+
+@gluon.jit
+def _issue_tile(q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, slot, row0, L_bh, D_bh, n_q, copy_cols):
+    """Start loading query tile ``row0``'s Q, dO (TMA; rows past n_q read as zeros) and L, D
+    (cp.async, zeros past n_q) into ring slot ``slot``; its barrier completes when all have landed
+    (one TMA arrival with the byte count, one arrival per thread)."""
+    bar = bars.index(slot)
+    rows = row0 + copy_cols
+    async_copy.async_copy_global_to_shared(l_ring.index(slot), L_bh + rows, mask=rows < n_q)
+    async_copy.async_copy_global_to_shared(d_ring.index(slot), D_bh + rows, mask=rows < n_q)
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+    mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row0, 0], bar, q_ring.index(slot))
+    tma.async_copy_global_to_shared(do_desc, [row0, 0], bar, do_ring.index(slot))
+
+
+@gluon.jit
+def _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh, D_bh, offs_n,
+                n_q, offset, qk_scale, lo, hi, it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, CAUSAL_MASK: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Accumulate dK, dV (wgmma accumulators, in flight) of one key tile over query tiles [lo, hi),
+    in transposed form (keys x queries), as kernels._dkdv_query_loop does. ``it`` counts the tiles
+    through the ring over the calls (slot it % STAGES, barrier phase (it // STAGES) % 2). Every
+    product has completed on return."""
+    n_iter = gl.cdiv(hi - lo, BLOCK_M)
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    # one element a thread for the cp.async of L and D (the score layout's columns repeat per thread)
+    copy_cols = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    for i in gl.static_range(STAGES - 1):
+        if i < n_iter:
+            _issue_tile(q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, (it + i) % STAGES, lo + i * BLOCK_M,
+                        L_bh, D_bh, n_q, copy_cols)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    for i in range(0, n_iter):
+        start_m = lo + i * BLOCK_M
+        slot = (it + i) % STAGES
+        mbarrier.wait(bars.index(slot), ((it + i) // STAGES) & 1)
+        q_s = q_ring.index(slot)
+        do_s = do_ring.index(slot)
+        s_t = warpgroup_mma(k_op, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_op, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        lse = l_ring.index(slot).load(gl.SliceLayout(0, s_layout))
+        delta = d_ring.index(slot).load(gl.SliceLayout(0, s_layout))
+        s_t, dk, dv = warpgroup_mma_wait(1, deps=[s_t, dk, dv])
+        # the last tile's products are done with its slot: refill it STAGES - 1 tiles ahead
+        if i + STAGES - 1 < n_iter:
+            _issue_tile(q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, (it + i + STAGES - 1) % STAGES,
+                        start_m + (STAGES - 1) * BLOCK_M, L_bh, D_bh, n_q, copy_cols)
+        s_t = s_t * qk_scale  # S^T in base 2
+        if CAUSAL_MASK:
+            rows = start_m + cols
+            s_t = gl.where(offs_n[:, None] <= rows[None, :] + offset, s_t, _MASKED)
+        p_t = gl.exp2(s_t - lse[None, :] * _LOG2E)  # P^T = exp(S - L) (eq. 13)
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(q_s.dtype), p_layout), do_s, dv, is_async=True)  # eq. 14
+        dp_t = warpgroup_mma_wait(1, deps=[dp_t])
+        ds_t = p_t * (dp_t - delta[None, :])  # dS^T = P^T o (dP^T - D) (eq. 16)
+        dk = warpgroup_mma(gl.convert_layout(ds_t.to(q_s.dtype), p_layout), q_s, dk, is_async=True)  # eq. 18
+    dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+    return warpgroup_mma_init(dk), warpgroup_mma_init(dv), it + n_iter
+
+
+@gluon.jit(do_not_specialize=kernels._ORDER_ARGS)
+def flash_bwd_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale,
+                                HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Grid (key tiles x batch, in _program_tile's order); 4 warps (one warpgroup), BLOCK_N = 64.
+    One program owns dK and dV of one key tile. Runs after the dQ kernel, which wrote Delta."""
+    WARPS: gl.constexpr = gl.num_warps()
+    # wgmma's accumulators: S^T, dP^T (keys x queries) and dK, dV (keys x d)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    tile_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    tile, bh = _program_tile(n_k, head_group, BLOCK_N, False)
+    n0 = tile * BLOCK_N
+    k_desc = tma.make_tensor_descriptor(K + bh * n_k * HEAD_DIM, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM], layout=tile_smem)
+    v_desc = tma.make_tensor_descriptor(V + bh * n_k * HEAD_DIM, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM], layout=tile_smem)
+    q_desc = tma.make_tensor_descriptor(Q + bh * n_q * HEAD_DIM, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                        block_shape=[BLOCK_M, HEAD_DIM], layout=tile_smem)
+    do_desc = tma.make_tensor_descriptor(dO + bh * n_q * HEAD_DIM, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                         block_shape=[BLOCK_M, HEAD_DIM], layout=tile_smem)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_smem)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_smem)
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], tile_smem)
+    do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], tile_smem)
+    l_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
+    d_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1 + 32 * WARPS)  # the TMA's expect and each thread's cp.async
+    mbarrier.init(kv_bar, count=1)
+    fence_async_shared()
+
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem)  # rows past n_k read as zeros
+    tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_bar, v_smem)
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    L_bh = L + bh * n_q
+    D_bh = Delta + bh * n_q
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
+    mbarrier.wait(kv_bar, 0)
+    k_op = k_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    v_op = v_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+
+    offset = n_k - n_q
+    n_q_full = (n_q // BLOCK_M) * BLOCK_M
+    it = 0
+    if IS_CAUSAL:
+        # query tiles that see part of this key tile (the diagonal), masked ...
+        lo_diag, hi_diag = _diagonal_query_tiles(n0, offset, BLOCK_M, BLOCK_N)
+        dk, dv, it = _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh,
+                                 D_bh, offs_n, n_q, offset, qk_scale, lo_diag, gl.minimum(hi_diag, n_q), it,
+                                 BLOCK_M, BLOCK_N, STAGES, True, s_layout, p_layout)
+    else:
+        hi_diag = 0
+    # ... then the query tiles that see all of it (rows past n_q load as zeros and add nothing)
+    dk, dv, it = _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh, D_bh,
+                             offs_n, n_q, offset, qk_scale, hi_diag, n_q, it,
+                             BLOCK_M, BLOCK_N, STAGES, False, s_layout, p_layout)
+    dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+    mbarrier.invalidate(kv_bar)
+
+    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    tile_offs = bh * n_k * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+    in_range = rows[:, None] < n_k
+    gl.store(dK + tile_offs, (dk * sm_scale).to(dK.dtype.element_ty), mask=in_range)  # dK = dS^T Q * scale
+    gl.store(dV + tile_offs, dv.to(dV.dtype.element_ty), mask=in_range)
