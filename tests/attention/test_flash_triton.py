@@ -354,7 +354,7 @@ def test_interp_triton_rejects_bad_inputs():
         FlashAttentionTriton.apply(y, y, y, False)
     from systems.attention.flash_triton import FlashVariant, flash_backward_triton
 
-    with pytest.raises(ValueError, match="backward must be one of auto, split, tma, atomic, pytorch"):
+    with pytest.raises(ValueError, match="backward must be one of auto, split, tma, gluon, atomic, pytorch"):
         FlashVariant(backward="cuda-graphs")
     with pytest.raises(ValueError, match="forward must be one of auto, pointer, tma"):
         FlashVariant(forward="triton_tma")  # an old forward= name, not a variant's
@@ -977,6 +977,7 @@ needs_gluon = pytest.mark.skipif(not _gluon_runs_here() if torch.cuda.is_availab
     ((2, 640, 64), 1280, True, torch.bfloat16),  # fewer queries than keys
     ((2, 1003, 64), 1003, True, torch.float16),  # ragged last tiles of both
     ((4, 4096, 64), 4096, True, torch.bfloat16),
+    ((2, 2048, 64), 2048, False, torch.float16),
 ])
 def test_gpu_gluon_dkdv_equals_the_triton_kernel(shape, n_k, causal, dtype):
     """The same L and D through both dK/dV kernels: the same products in the same order per key
