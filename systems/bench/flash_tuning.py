@@ -9,10 +9,11 @@ kernel, candidate) as it goes.
 
     python -m systems.bench.flash_tuning --out build/flash/06_flash_attention_tuning.jsonl
 
-``--compare-backward`` instead checks the Triton variants ("split", "atomic" and the TMA-descriptor
-forward + split pair) against a float64 reference (systems.bench.flash.check_errors), then times them
-through the public function (forward, backward, forward + backward) and as bare kernel launches,
-next to SDPA cuDNN and SDPA flash in the same process (``--paths`` picks a subset):
+``--compare-backward`` instead checks the Triton variants ("split", "atomic", the TMA-descriptor
+forward + split pair, and that pair with the Gluon dK/dV kernel) against a float64 reference
+(systems.bench.flash.check_errors), then times them through the public function (forward,
+backward, forward + backward) and as bare kernel launches, next to SDPA cuDNN and SDPA flash in
+the same process (``--paths`` picks a subset):
 
     python -m systems.bench.flash_tuning --compare-backward --out build/flash/06_flash_backward_compare.jsonl
     python -m systems.bench.flash_tuning --compare-backward --paths triton_split,triton_tma,sdpa_cudnn \
@@ -317,12 +318,13 @@ COMPARE_SHAPES = [(1, 16, 16384, 64), (1, 1, 4096, 64), (1, 1, 16384, 64), (1, 1
 # (q shape, n_keys, causal) checked before any timing: several heads at d 64, and d 128; both
 # compile the kernels the timings use (a case with a new head dim would cost its own compiles)
 CHECK_CASES = [((2, 3, 1000, 64), 1000, True), ((2, 1024, 128), 1024, True)]
-COMPARE_PATHS = ("triton_split", "triton_atomic", "triton_tma", "sdpa_cudnn", "sdpa_flash")
+COMPARE_PATHS = ("triton_split", "triton_atomic", "triton_tma", "triton_gluon", "sdpa_cudnn", "sdpa_flash")
 # each Triton path's bare launches, as time_backwards names them: the backward as one closure, then
 # its launches one by one ("triton_tma" also times both forwards, its change being in the forward too)
 KERNEL_ROWS = {"triton_split": ("kernels_split", ("part_dq", "part_dkdv")),
                "triton_atomic": ("kernels_atomic", ("part_prep", "part_atomic", "part_cast")),
-               "triton_tma": ("kernels_tma", ("part_fwd", "part_fwd_tma", "part_dq_tma", "part_dkdv_tma"))}
+               "triton_tma": ("kernels_tma", ("part_fwd", "part_fwd_tma", "part_dq_tma", "part_dkdv_tma")),
+               "triton_gluon": ("kernels_gluon", ("part_dkdv_gluon",))}
 PASS_NAMES = ("fwd", "bwd", "e2e")
 
 
@@ -393,9 +395,16 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
             ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma)
             ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma)
 
+        # the Gluon dK/dV kernel where it runs (gluon_dkdv_usable), else the TMA kernel again
+        gluon = tma and ft.gluon_dkdv_usable(x.q)
+
+        def split_gluon():
+            ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma)
+            ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma, gluon=gluon)
+
         # and each launch on its own (the atomic kernel re-adds into dq_acc: the sums grow, the time does not)
         closures = {
-            "kernels_split": split, "kernels_atomic": atomic, "kernels_tma": split_tma,
+            "kernels_split": split, "kernels_atomic": atomic, "kernels_tma": split_tma, "kernels_gluon": split_gluon,
             "part_dq": lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True),
             "part_dkdv": lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True),
             "part_prep": lambda: ft.launch_bwd_prep(x.o, x.do, delta, dq_acc),
@@ -405,6 +414,8 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
             "part_fwd_tma": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True, tma=tma),
             "part_dq_tma": lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma),
             "part_dkdv_tma": lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma),
+            "part_dkdv_gluon": lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma,
+                                                      gluon=gluon),
         }
         wanted = [KERNEL_ROWS[p][0] for p in paths if p in KERNEL_ROWS]
         wanted += [part for p in paths if p in KERNEL_ROWS for part in KERNEL_ROWS[p][1]]
@@ -417,6 +428,8 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
                 row["bwd_tflops"] = bwd_flops / (row["bwd_ms"] * 1e-3) / 1e12
             if name.endswith("_tma"):
                 row["tma"] = tma  # False: the pointer kernels ran (the inputs cannot take descriptors)
+            if name.endswith("_gluon"):
+                row["gluon"] = gluon  # False: the Triton TMA (or pointer) dK/dV kernel ran
             rows.append(row)
             emit(row)
         x = dq = dk = dv = delta = dq_acc = o = lse = None

@@ -56,7 +56,7 @@ SCRIPT = textwrap.dedent("""
     # --compare-backward's pieces that run without a GPU: the check (fp32, which the interpreter's
     # numpy dots compute exactly to rounding) and the table
     checks = t.check_backwards(cases=[((2, 40, 16), 40, True)], dtype="fp32", device="cpu", tol=1e-5)
-    assert [r["impl"] for r in checks] == ["triton_split", "triton_atomic", "triton_tma"], checks
+    assert [r["impl"] for r in checks] == ["triton_split", "triton_atomic", "triton_tma", "triton_gluon"], checks
     assert all(r["status"] == "ok" for r in checks), checks
     fake = [dict(kind="time", status="ok", batch=1, heads=1, seq=4096, d=64, impl=impl, fwd_ms=ms, bwd_ms=2 * ms,
                  e2e_ms=3 * ms) for impl, ms in (("sdpa_cudnn", 1.0), ("triton_atomic", 0.5))]
