@@ -391,20 +391,20 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
         tma = ft.tma_usable(x.q, x.k, x.v, x.o, x.do)
         o, lse = torch.empty_like(x.o), torch.empty_like(x.lse)
 
-        def split_tma():
-            ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma)
-            ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma)
+        # the Gluon dK/dV kernel where the public backward would run it, else the TMA kernel again
+        gluon = ft.FlashVariant(backward="gluon").backward_gluon(x.q, x.k, x.v, x.o, x.do)
 
-        # the Gluon dK/dV kernel where it runs (gluon_dkdv_usable), else the TMA kernel again
-        gluon = tma and ft.gluon_dkdv_usable(x.q)
-
-        def split_gluon():
-            ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma)
+        def part_dkdv_tma(gluon: bool = False):
             ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma, gluon=gluon)
+
+        def split_tma(gluon: bool = False):
+            ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma)
+            part_dkdv_tma(gluon)
 
         # and each launch on its own (the atomic kernel re-adds into dq_acc: the sums grow, the time does not)
         closures = {
-            "kernels_split": split, "kernels_atomic": atomic, "kernels_tma": split_tma, "kernels_gluon": split_gluon,
+            "kernels_split": split, "kernels_atomic": atomic, "kernels_tma": split_tma,
+            "kernels_gluon": lambda: split_tma(gluon),
             "part_dq": lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True),
             "part_dkdv": lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True),
             "part_prep": lambda: ft.launch_bwd_prep(x.o, x.do, delta, dq_acc),
@@ -413,9 +413,7 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
             "part_fwd": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True),
             "part_fwd_tma": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True, tma=tma),
             "part_dq_tma": lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma),
-            "part_dkdv_tma": lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma),
-            "part_dkdv_gluon": lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma,
-                                                      gluon=gluon),
+            "part_dkdv_tma": part_dkdv_tma, "part_dkdv_gluon": lambda: part_dkdv_tma(gluon),
         }
         wanted = [KERNEL_ROWS[p][0] for p in paths if p in KERNEL_ROWS]
         wanted += [part for p in paths if p in KERNEL_ROWS for part in KERNEL_ROWS[p][1]]

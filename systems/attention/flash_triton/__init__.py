@@ -30,7 +30,6 @@ from systems.attention.flash_triton.launch import (
     dot_precision,
     flash_backward_triton,
     flash_forward_triton,
-    gluon_dkdv_usable,
     launch_atomic,
     launch_backward_atomic,
     launch_bwd_prep,
@@ -52,7 +51,7 @@ def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is
 
 
 __all__ = ["FP32_DOTS", "FlashAttentionTriton", "FlashVariant", "LaunchPath", "TMA_MIN_SEQ", "auto_prefers_tma",
-           "clear_tuned_plans", "dot_precision", "flash_attention_triton", "flash_backward_triton",
-           "flash_forward_triton", "gluon_dkdv_usable", "launch_atomic",
+           "clear_tuned_plans",
+           "dot_precision", "flash_attention_triton", "flash_backward_triton", "flash_forward_triton", "launch_atomic",
            "launch_backward_atomic", "launch_bwd_prep", "launch_dkdv", "launch_dq", "launch_forward", "launch_path",
            "tma_usable", "tuned_plans"]

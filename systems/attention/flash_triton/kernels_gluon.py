@@ -159,27 +159,23 @@ def flash_bwd_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_gr
     v_op = v_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
 
     offset = n_k - n_q
-    it = 0
+    # First the query tiles that see part of this key tile (the causal diagonal), masked; without
+    # the mask, the first query tile alone. Either way the main loop below then starts from
+    # accumulators that went through a completed wait. Measured on the H100 (notes entry 16): one
+    # loop over all the query tiles from the zero accumulators gave wrong dK and dV whenever it ran
+    # two or more tiles; split this way the kernel is exact. The cause is not pinned down (the
+    # suspect: the two equal zero accumulators merged by the common-subexpression passes Gluon runs).
     if IS_CAUSAL:
-        # query tiles that see part of this key tile (the diagonal), masked ...
-        lo_diag, hi_diag = _diagonal_query_tiles(n0, offset, BLOCK_M, BLOCK_N)
-        dk, dv, it = _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh,
-                                 D_bh, offs_n, n_q, offset, qk_scale, lo_diag, gl.minimum(hi_diag, n_q), it,
-                                 BLOCK_M, BLOCK_N, STAGES, True, s_layout, p_layout)
+        lo, hi = _diagonal_query_tiles(n0, offset, BLOCK_M, BLOCK_N)
     else:
-        # The first query tile alone, so that the main loop below starts from accumulators that
-        # went through a completed wait, as it does after the causal diagonal. Measured on the H100
-        # (notes entry 16): one loop over all the query tiles from the zero accumulators gave wrong
-        # dK and dV whenever it ran two or more tiles, the same kernel split this way is exact.
-        # The cause is not pinned down (the suspect: the two equal zero accumulators merged by the
-        # common-subexpression passes Gluon runs).
-        hi_diag = gl.minimum(n_q, BLOCK_M)
-        dk, dv, it = _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh,
-                                 D_bh, offs_n, n_q, offset, qk_scale, 0, hi_diag, it,
-                                 BLOCK_M, BLOCK_N, STAGES, False, s_layout, p_layout)
+        lo, hi = 0, BLOCK_M
+    hi = gl.minimum(hi, n_q)
+    dk, dv, it = _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh, D_bh,
+                             offs_n, n_q, offset, qk_scale, lo, hi, 0,
+                             BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, s_layout, p_layout)
     # ... then the query tiles that see all of it (rows past n_q load as zeros and add nothing)
     dk, dv, it = _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh, D_bh,
-                             offs_n, n_q, offset, qk_scale, hi_diag, n_q, it,
+                             offs_n, n_q, offset, qk_scale, hi, n_q, it,
                              BLOCK_M, BLOCK_N, STAGES, False, s_layout, p_layout)
     dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
     for s in gl.static_range(STAGES):
