@@ -324,7 +324,7 @@ COMPARE_PATHS = ("triton_split", "triton_atomic", "triton_tma", "triton_gluon", 
 KERNEL_ROWS = {"triton_split": ("kernels_split", ("part_dq", "part_dkdv")),
                "triton_atomic": ("kernels_atomic", ("part_prep", "part_atomic", "part_cast")),
                "triton_tma": ("kernels_tma", ("part_fwd", "part_fwd_tma", "part_dq_tma", "part_dkdv_tma")),
-               "triton_gluon": ("kernels_gluon", ("part_dkdv_gluon",))}
+               "triton_gluon": ("kernels_gluon", ("part_dq_gluon", "part_dkdv_gluon"))}
 PASS_NAMES = ("fwd", "bwd", "e2e")
 
 
@@ -391,14 +391,19 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
         tma = ft.tma_usable(x.q, x.k, x.v, x.o, x.do)
         o, lse = torch.empty_like(x.o), torch.empty_like(x.lse)
 
-        # the Gluon dK/dV kernel where the public backward would run it, else the TMA kernel again
-        gluon = ft.FlashVariant(backward="gluon").backward_gluon(x.q, x.k, x.v, x.o, x.do)
+        # each Gluon kernel where the public backward would run it, else the TMA kernel again
+        gluon = {kernel: ft.FlashVariant(backward="gluon").backward_gluon(kernel, x.q, x.k, x.v, x.o, x.do)
+                 for kernel in ("dq", "dkdv")}
+        no_gluon = dict.fromkeys(gluon, False)
 
-        def part_dkdv_tma(gluon: bool = False):
-            ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma, gluon=gluon)
+        def part_dq_tma(gluon: dict = no_gluon):
+            ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma, gluon=gluon["dq"])
 
-        def split_tma(gluon: bool = False):
-            ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma)
+        def part_dkdv_tma(gluon: dict = no_gluon):
+            ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma, gluon=gluon["dkdv"])
+
+        def split_tma(gluon: dict = no_gluon):
+            part_dq_tma(gluon)
             part_dkdv_tma(gluon)
 
         # and each launch on its own (the atomic kernel re-adds into dq_acc: the sums grow, the time does not)
@@ -412,7 +417,7 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
             "part_cast": lambda: torch.mul(dq_acc, d ** -0.5, out=dq),
             "part_fwd": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True),
             "part_fwd_tma": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True, tma=tma),
-            "part_dq_tma": lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma),
+            "part_dq_tma": part_dq_tma, "part_dq_gluon": lambda: part_dq_tma(gluon),
             "part_dkdv_tma": part_dkdv_tma, "part_dkdv_gluon": lambda: part_dkdv_tma(gluon),
         }
         wanted = [KERNEL_ROWS[p][0] for p in paths if p in KERNEL_ROWS]
@@ -427,7 +432,7 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
             if name.endswith("_tma"):
                 row["tma"] = tma  # False: the pointer kernels ran (the inputs cannot take descriptors)
             if name.endswith("_gluon"):
-                row["gluon"] = gluon  # False: the Triton TMA (or pointer) dK/dV kernel ran
+                row["gluon"] = gluon  # per kernel, False: the Triton TMA (or pointer) kernel ran instead
             rows.append(row)
             emit(row)
         x = dq = dk = dv = delta = dq_acc = o = lse = None

@@ -1,9 +1,9 @@
-"""The dK/dV kernel of the split backward in Gluon, for Hopper: asynchronous wgmma (notes entry 16).
+"""Two kernels of the split backward in Gluon, for Hopper: asynchronous wgmma (notes entries 16, 17).
 
 Triton's ``tl.dot`` waits for every product that is not a loop-carried accumulator right after
 issuing it, so in kernels.py's dK/dV loop the tensor cores idle through the exponentials and dS,
-and the CUDA cores through S^T and dP^T (notes entry 15). Gluon exposes the waits. Per query
-tile, with the wgmma groups in flight oldest first:
+and the CUDA cores through S^T and dP^T (notes entry 15). Gluon exposes the waits. The dK/dV
+kernel, per query tile, with the wgmma groups in flight oldest first:
 
     issue S^T = K Q^T and dP^T = V dO^T         in flight: dV, dK (last tile), S^T, dP^T
     wait until one is left                      S^T done (and the last tile's dV, dK)
@@ -14,13 +14,16 @@ tile, with the wgmma groups in flight oldest first:
 Beyond that: K and V are wgmma's A operand from registers (loaded once; only Q^T and dO^T are read
 from shared memory per product), Q and dO stream through TMA into a ring of STAGES buffers, and L
 and D through cp.async into the same ring, each thread arriving on the tile's mbarrier when its
-copies land (so the loop never waits on a global load).
+copies land (so the loop never waits on a global load). The dQ kernel is the same schedule per key
+tile with one product fewer (_dq_key_loop), Q and dO in registers, K and V through the TMA ring.
 
 Written against the Gluon of Triton 3.6 (an experimental API that changes between releases: 3.9
-renamed the TMA copies), so launch.py runs it only inside pyproject.toml's GPU-tested versions,
-for 16-bit inputs with d = 64 on sm_90, and kernels.py's TMA kernel everywhere else. It reads the
-same inputs and writes the same outputs as kernels.flash_bwd_dkdv_tma_kernel, in the same program
-order (kernels._program_tile, imported into Gluon unchanged).
+renamed the TMA copies), so launch.py runs them only inside pyproject.toml's GPU-tested versions,
+for 16-bit inputs on sm_90, at the head dims where each measured faster than its Triton twin
+(tuning.GLUON_TILES: dK/dV at d = 64, dQ at d = 128), and kernels.py's TMA kernels everywhere
+else. Each reads the same inputs and writes the same outputs as its twin in kernels.py
+(flash_bwd_dkdv_tma_kernel, flash_bwd_dq_tma_kernel), in the same program order
+(kernels._program_tile, imported into Gluon unchanged).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ _MASKED = gl.constexpr(-1e6)  # kernels._MASKED
 # kernels.py's index helpers are scalar arithmetic only, so they compile as Gluon unchanged
 _program_tile = gluon.jit(kernels._program_tile.fn)
 _diagonal_query_tiles = gluon.jit(kernels._diagonal_query_tiles.fn)
+_key_bounds = gluon.jit(kernels._key_bounds.fn)
 
 
 @gluon.jit
@@ -188,3 +192,146 @@ def flash_bwd_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_gr
     in_range = rows[:, None] < n_k
     gl.store(dK + tile_offs, (dk * sm_scale).to(dK.dtype.element_ty), mask=in_range)  # dK = dS^T Q * scale
     gl.store(dV + tile_offs, dv.to(dV.dtype.element_ty), mask=in_range)
+
+
+# ----------------------------------------------------------------------------- dQ
+
+
+@gluon.jit
+def _issue_key_tile(k_desc, v_desc, k_ring, v_ring, bars, slot, row0):
+    """Start loading key tile ``row0``'s K and V (TMA; rows past n_k read as zeros) into ring slot
+    ``slot``; its barrier completes when both have landed."""
+    bar = bars.index(slot)
+    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row0, 0], bar, k_ring.index(slot))
+    tma.async_copy_global_to_shared(v_desc, [row0, 0], bar, v_ring.index(slot))
+
+
+@gluon.jit
+def _dq_key_loop(dq, q_op, do_op, lse2, delta, k_desc, v_desc, k_ring, v_ring, bars, offs_m, n_k, offset, qk_scale,
+                 lo, hi, it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, s_layout: gl.constexpr, ds_layout: gl.constexpr):
+    """Accumulate dQ (a wgmma accumulator, in flight) of one query tile over key tiles [lo, hi), as
+    kernels._dq_key_loop does. ``it`` counts the tiles through the ring over the calls. Per key
+    tile, with the wgmma groups in flight oldest first:
+
+        issue S = Q K^T and dP = dO V^T          in flight: dQ (last tile), S, dP
+        wait until one is left                    S done (and the last tile's dQ)
+        P = exp2(S - L)                           dP runs under the exponentials
+        wait for dP; dS = P o (dP - D); issue dQ += dS K    dQ runs under the next tile's issue
+
+    Every product has completed on return."""
+    n_iter = gl.cdiv(hi - lo, BLOCK_N)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    for i in gl.static_range(STAGES - 1):
+        if i < n_iter:
+            _issue_key_tile(k_desc, v_desc, k_ring, v_ring, bars, (it + i) % STAGES, lo + i * BLOCK_N)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    for i in range(0, n_iter):
+        start_n = lo + i * BLOCK_N
+        slot = (it + i) % STAGES
+        mbarrier.wait(bars.index(slot), ((it + i) // STAGES) & 1)
+        k_s = k_ring.index(slot)
+        s = warpgroup_mma(q_op, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_op, v_ring.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s, dq = warpgroup_mma_wait(1, deps=[s, dq])
+        # the last tile's products are done with its slot: refill it STAGES - 1 tiles ahead
+        if i + STAGES - 1 < n_iter:
+            _issue_key_tile(k_desc, v_desc, k_ring, v_ring, bars, (it + i + STAGES - 1) % STAGES,
+                            start_n + (STAGES - 1) * BLOCK_N)
+        s = s * qk_scale  # base-2 scores
+        if MASK:
+            keys = start_n + cols
+            keep = keys[None, :] < n_k
+            if IS_CAUSAL:
+                keep = keep & (keys[None, :] <= offs_m[:, None] + offset)
+            s = gl.where(keep, s, _MASKED)
+        p = gl.exp2(s - lse2[:, None])  # P = exp(S - L) (eq. 13)
+        dp = warpgroup_mma_wait(0, deps=[dp])
+        ds = p * (dp - delta[:, None])  # dS = P o (dP - D) (eq. 16)
+        dq = warpgroup_mma(gl.convert_layout(ds.to(k_s.dtype), ds_layout), k_s, dq, is_async=True)  # eq. 17
+    dq = warpgroup_mma_wait(0, deps=[dq])
+    return warpgroup_mma_init(dq), it + n_iter
+
+
+@gluon.jit(do_not_specialize=kernels._ORDER_ARGS)
+def flash_bwd_dq_gluon_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group, qk_scale, sm_scale,
+                              HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Grid (query tiles x batch, in _program_tile's order); BLOCK_M / 16 warps (a warpgroup per 64
+    query rows). One program owns dQ of one query tile and, first, writes D = rowsum(O o dO) of its
+    rows for the dK/dV kernel, as kernels._dq_program does; it reads and writes the same tensors.
+    Q and dO are wgmma's A operand from registers (loaded once); K and V stream through TMA into a
+    ring of STAGES buffers."""
+    WARPS: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])  # 16-byte row chunks
+    tile_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    tile, bh = _program_tile(n_q, head_group, BLOCK_M, IS_CAUSAL)
+    m0 = tile * BLOCK_M
+    q_desc = tma.make_tensor_descriptor(Q + bh * n_q * HEAD_DIM, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                        block_shape=[BLOCK_M, HEAD_DIM], layout=tile_smem)
+    do_desc = tma.make_tensor_descriptor(dO + bh * n_q * HEAD_DIM, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                         block_shape=[BLOCK_M, HEAD_DIM], layout=tile_smem)
+    k_desc = tma.make_tensor_descriptor(K + bh * n_k * HEAD_DIM, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM], layout=tile_smem)
+    v_desc = tma.make_tensor_descriptor(V + bh * n_k * HEAD_DIM, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                        block_shape=[BLOCK_N, HEAD_DIM], layout=tile_smem)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], tile_smem)
+    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], tile_smem)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_smem)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_smem)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    mbarrier.init(q_bar, count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem)  # rows past n_q read as zeros
+    tma.async_copy_global_to_shared(do_desc, [m0, 0], q_bar, do_smem)
+
+    # D = rowsum(O o dO) (the handout's eq. 19 helper), while Q and dO land
+    offs_r = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))
+    offs_c = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_layout))
+    row_offs = bh * n_q * HEAD_DIM + offs_r[:, None] * HEAD_DIM + offs_c[None, :]
+    o = gl.load(O + row_offs, mask=offs_r[:, None] < n_q, other=0.0)
+    do_rows = gl.load(dO + row_offs, mask=offs_r[:, None] < n_q, other=0.0)
+    delta_rows = gl.sum(o.to(gl.float32) * do_rows.to(gl.float32), 1)
+    gl.store(Delta + bh * n_q + offs_r, delta_rows, mask=offs_r < n_q)
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    delta = gl.convert_layout(delta_rows, gl.SliceLayout(1, s_layout))
+    lse2 = gl.load(L + bh * n_q + offs_m, mask=offs_m < n_q, other=0.0) * _LOG2E
+    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout))
+    mbarrier.wait(q_bar, 0)
+    q_op = q_smem.load(a_layout)
+    do_op = do_smem.load(a_layout)
+
+    offset = n_k - n_q
+    hi_unmasked, hi = _key_bounds(m0, n_k, offset, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    # First, masked, the key tiles from the diagonal (causal) or the last key tile on (at least one
+    # tile), then, unmasked, the rest: the loop over many tiles then starts from an accumulator that
+    # went through a completed wait, as the dK/dV kernel's must (its comment: measured on the H100)
+    split = gl.minimum(hi_unmasked, ((hi - 1) // BLOCK_N) * BLOCK_N)
+    dq, it = _dq_key_loop(dq, q_op, do_op, lse2, delta, k_desc, v_desc, k_ring, v_ring, bars, offs_m, n_k, offset,
+                          qk_scale, split, hi, 0, BLOCK_M, BLOCK_N, STAGES, True, IS_CAUSAL, s_layout, ds_layout)
+    dq, it = _dq_key_loop(dq, q_op, do_op, lse2, delta, k_desc, v_desc, k_ring, v_ring, bars, offs_m, n_k, offset,
+                          qk_scale, 0, split, it, BLOCK_M, BLOCK_N, STAGES, False, IS_CAUSAL, s_layout, ds_layout)
+    dq = warpgroup_mma_wait(0, deps=[dq])
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+    mbarrier.invalidate(q_bar)
+
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
+    gl.store(dQ + bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :], (dq * sm_scale).to(dQ.dtype.element_ty),
+             mask=rows[:, None] < n_q)  # dQ = dS K * scale
+

@@ -29,7 +29,7 @@ import triton
 from systems.attention.flash_pytorch import backward_reference
 from systems.attention.flash_triton import kernels
 from systems.attention.flash_triton.tuning import (
-    GLUON_DKDV,
+    GLUON_TILES,
     INTERPRETING,
     TUNE_KEY,
     TUNED,
@@ -68,9 +68,9 @@ class FlashVariant:
     tensor descriptors; the pointer kernel where tma_usable says no), or "auto" (tma for 16-bit
     inputs longer than TMA_MIN_SEQ, pointer otherwise).
     backward: "split" (a dQ kernel, then a dK/dV kernel, through pointers), "tma" (the same pair
-    through descriptors, as forward "tma"), "gluon" (as "tma", with the dK/dV kernel of
-    kernels_gluon.py where ``gluon_dkdv_usable`` says it runs), "auto" (the pair, through
-    descriptors where forward "auto" would be, with the Gluon dK/dV kernel where usable), "atomic"
+    through descriptors, as forward "tma"), "gluon" (as "tma", with each kernel of kernels_gluon.py
+    where ``gluon_usable`` says it runs), "auto" (the pair, through descriptors where forward
+    "auto" would be, with the Gluon kernels where usable), "atomic"
     (one kernel over key tiles adding dQ with atomics), or "pytorch" (flash_pytorch's compiled
     reference backward on the same saved tensors).
     fp32_dot: how the kernels' dots multiply fp32 inputs (16-bit inputs always run their own
@@ -107,9 +107,9 @@ class FlashVariant:
         choice = "tma" if self.backward == "gluon" else self.backward
         return choice in ("auto", "tma") and _wants_tma(choice, tensors)
 
-    def backward_gluon(self, *tensors: torch.Tensor) -> bool:
-        """Whether the split backward's dK/dV kernel is kernels_gluon.py's on these tensors."""
-        return self.backward in ("auto", "gluon") and self.backward_tma(*tensors) and gluon_dkdv_usable(*tensors)
+    def backward_gluon(self, kernel: str, *tensors: torch.Tensor) -> bool:
+        """Whether the split backward's ``kernel`` ("dq" or "dkdv") is kernels_gluon.py's on these tensors."""
+        return self.backward in ("auto", "gluon") and self.backward_tma(*tensors) and gluon_usable(kernel, *tensors)
 
 
 DEFAULT_VARIANT = FlashVariant()
@@ -151,30 +151,30 @@ def _wants_tma(choice: str, tensors: tuple[torch.Tensor, ...]) -> bool:
     return choice == "tma" and tma_usable(*tensors)
 
 
-def gluon_dkdv_allowed(*, interpreting: bool, triton_version: str, tested: dict[str, str] | None,
-                       capability: tuple[int, int], head_dim: int, dtype: torch.dtype) -> bool:
-    """The decision behind gluon_dkdv_usable: kernels_gluon.py's dK/dV kernel is compiled by the
-    GPU-tested Triton only (its Gluon API changes between releases), for Hopper's wgmma (sm_90
-    exactly), on 16-bit inputs with d = 64 (where it was measured faster: notes entry 16)."""
-    return (not interpreting and capability[0] == 9 and head_dim == 64
+def gluon_allowed(*, kernel: str, interpreting: bool, triton_version: str, tested: dict[str, str] | None,
+                  capability: tuple[int, int], head_dim: int, dtype: torch.dtype) -> bool:
+    """The decision behind gluon_usable: kernels_gluon.py's ``kernel`` ("dq" or "dkdv") is compiled
+    by the GPU-tested Triton only (its Gluon API changes between releases), for Hopper's wgmma (sm_90
+    exactly), on 16-bit inputs at the head dims where it measured faster (tuning.GLUON_TILES)."""
+    return (not interpreting and capability[0] == 9 and head_dim in GLUON_TILES[kernel]
             and dtype in (torch.float16, torch.bfloat16) and bool(tested) and "triton" in tested
             and version_in_range(triton_version, tested["triton"]))
 
 
-def gluon_dkdv_usable(*tensors: torch.Tensor) -> bool:
-    """Whether the Gluon dK/dV kernel runs on these (..., seq, d) CUDA tensors (gluon_dkdv_allowed),
+def gluon_usable(kernel: str, *tensors: torch.Tensor) -> bool:
+    """Whether kernels_gluon.py's ``kernel`` runs on these (..., seq, d) CUDA tensors (gluon_allowed),
     given that the TMA kernels do (tma_usable)."""
     q = tensors[0]
     if INTERPRETING or not q.is_cuda:
         return False
-    return _gluon_dkdv_allowed_on(q.device.index, q.shape[-1], q.dtype)
+    return _gluon_allowed_on(kernel, q.device.index, q.shape[-1], q.dtype)
 
 
 @functools.cache  # on every backward's host path
-def _gluon_dkdv_allowed_on(device_index: int, head_dim: int, dtype: torch.dtype) -> bool:
-    return gluon_dkdv_allowed(interpreting=INTERPRETING, triton_version=triton.__version__,
-                              tested=gpu_tested_versions(), capability=torch.cuda.get_device_capability(device_index),
-                              head_dim=head_dim, dtype=dtype)
+def _gluon_allowed_on(kernel: str, device_index: int, head_dim: int, dtype: torch.dtype) -> bool:
+    return gluon_allowed(kernel=kernel, interpreting=INTERPRETING, triton_version=triton.__version__,
+                         tested=gpu_tested_versions(), capability=torch.cuda.get_device_capability(device_index),
+                         head_dim=head_dim, dtype=dtype)
 
 
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -536,13 +536,17 @@ def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None =
 
 
 def launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal: bool, *, config: dict | None = None,
-              meta: dict | None = None, tma: bool = False, fp32_dot: str = "auto",
+              meta: dict | None = None, tma: bool = False, gluon: bool = False, fp32_dot: str = "auto",
               head_group: int | None = None) -> None:
-    """Fill dQ and D = rowsum(O * dO) (the dK/dV kernel's input), given L."""
+    """Fill dQ and D = rowsum(O * dO) (the dK/dV kernel's input), given L. gluon: kernels_gluon.py's
+    kernel (the tensors must pass gluon_usable("dq", ...)), as in launch_dkdv."""
     batch, n_q, n_k, d = _dims(q3, k3)
-    grid = _tile_grid(n_q, "BLOCK_M2", batch)
     group = resolve_head_group(q3, k3, head_group)
     args = (q3, k3, v3, o3, do3, lse, delta, dq, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
+    if gluon:
+        _launch_gluon("dq", n_q, batch, args, is_causal)
+        return
+    grid = _tile_grid(n_q, "BLOCK_M2", batch)
     _launch(_pick(_DQ, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
 
@@ -550,22 +554,33 @@ def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config:
                 meta: dict | None = None, tma: bool = False, gluon: bool = False, fp32_dot: str = "auto",
                 head_group: int | None = None) -> None:
     """Fill dK and dV, given L and D (written by launch_dq). gluon: kernels_gluon.py's kernel (the
-    tensors must pass gluon_dkdv_usable), with its fixed tiles (tuning.GLUON_DKDV), through the
-    public launch."""
+    tensors must pass gluon_usable("dkdv", ...)), with its fixed tiles (tuning.GLUON_TILES), through
+    the public launch."""
     batch, n_q, n_k, d = _dims(q3, k3)
     group = resolve_head_group(q3, k3, head_group)
     args = (q3, k3, v3, do3, lse, delta, dk, dv, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
     if gluon:
-        from systems.attention.flash_triton import kernels_gluon  # imports Gluon only where it runs
-
-        _ensure_tma_allocator()
-        tiles = GLUON_DKDV
-        kernels_gluon.flash_bwd_dkdv_gluon_kernel[(triton.cdiv(n_k, tiles["BLOCK_N"]) * batch,)](
-            *args, HEAD_DIM=d, IS_CAUSAL=bool(is_causal), **tiles)
+        _launch_gluon("dkdv", n_k, batch, args, is_causal)
         return
     grid = _tile_grid(n_k, "BLOCK_N1", batch)
     _launch(_pick(_DKDV, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot),
             config)
+
+
+def _launch_gluon(kernel: str, n_rows: int, batch: int, args: tuple, is_causal: bool) -> None:
+    """kernels_gluon.py's ``kernel`` ("dq" or "dkdv") under its fixed tiles (tuning.GLUON_TILES), one
+    program per tile of n_rows (query rows for dQ, keys for dK/dV) and per (batch, head)."""
+    head_dim = args[0].shape[-1]
+    tiles = GLUON_TILES[kernel].get(head_dim)
+    if tiles is None:
+        raise ValueError(f"the Gluon {kernel} kernel runs at head dims {sorted(GLUON_TILES[kernel])}, not {head_dim}: "
+                         f"launch it only where gluon_usable({kernel!r}, ...) is true")
+    from systems.attention.flash_triton import kernels_gluon  # imports Gluon only where it runs
+
+    fn, rows_per_program = {"dq": (kernels_gluon.flash_bwd_dq_gluon_kernel, tiles["BLOCK_M"]),
+                            "dkdv": (kernels_gluon.flash_bwd_dkdv_gluon_kernel, tiles["BLOCK_N"])}[kernel]
+    _ensure_tma_allocator()
+    fn[(triton.cdiv(n_rows, rows_per_program) * batch,)](*args, HEAD_DIM=head_dim, IS_CAUSAL=bool(is_causal), **tiles)
 
 
 _PREP_ROWS = 64  # rows per program of the prep kernel: it is memory-bound, any tile that fills the GPU does
@@ -633,7 +648,8 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
     dq = torch.empty_like(q3)
     tma = variant.backward_tma(q3, k3, v3, o3, do3)
     group = resolve_head_group(q3, k3, variant.head_group)  # once for both launches
-    launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta, tma=tma, head_group=group)
+    launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta, tma=tma,
+              gluon=tma and variant.backward_gluon("dq", q3, k3, v3, o3, do3), head_group=group)
     launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal, meta=meta, tma=tma,
-                gluon=tma and variant.backward_gluon(q3, k3, v3, o3, do3), head_group=group)
+                gluon=tma and variant.backward_gluon("dkdv", q3, k3, v3, o3, do3), head_group=group)
     return dq, dk, dv

@@ -168,10 +168,17 @@ if not autotuning():  # one config each: the TMA kernels run their pointer twins
 # (16, 16384, 128) took 8.8 ms instead of 6.4.
 _OPTION_MAX_BLOCK_D = {("dkdv", "EARLY_DP"): 64}
 
-# kernels_gluon.py's dK/dV kernel runs with fixed tiles, not tuned: one warpgroup over 64 keys, 64
-# queries a step, Q and dO double-buffered (its 255 registers allow no wider tile without spilling).
-# Three stages and 128 keys over two warpgroups measured slower at (16, 16384, 64) (notes entry 16).
-GLUON_DKDV = dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)
+# kernels_gluon.py's kernels run with fixed tiles, not tuned, at the head dims where each measured
+# faster than its Triton twin on the H100; at a head dim missing here the Triton kernel runs.
+# dK/dV (notes entry 16): one warpgroup over 64 keys, 64 queries a step, Q and dO double-buffered
+# (its 255 registers allow no wider tile without spilling); three stages and 128 keys over two
+# warpgroups measured slower at (16, 16384, 64), and at d = 128 it spills. dQ (entry 17): 64x64
+# tiles over one warpgroup, K and V double-buffered: 0.97x and 0.95x the Triton kernel at d = 128
+# (16 x 16384 and 1 x 65536), 1.05-1.13x at d = 64, where the Triton kernel keeps running.
+GLUON_TILES: dict[str, dict[int, dict[str, int]]] = {
+    "dkdv": {64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)},
+    "dq": {128: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)},
+}
 
 _SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KB per block, the rest is Triton's scratch
 # fp32 registers per thread the atomic kernel's dK and dV accumulators may take: a thread has at
