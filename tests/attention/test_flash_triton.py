@@ -936,15 +936,11 @@ def _gluon_in_tested_range() -> bool:
     return version_in_range(triton.__version__, gpu_tested_versions()["triton"])
 
 
-@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the Gluon kernel (not the interpreter's)")
-@pytest.mark.parametrize("causal", [True, False])
-def test_gluon_dkdv_compiles_for_h100(causal):
-    """kernels_gluon.py compiled for sm_90 with the Triton it is written for: its products are
-    asynchronous (a wgmma wait that leaves one group in flight), K and V feed wgmma from registers
-    in the S^T and dP^T products, L and D arrive on the tiles' barriers through cp.async, and
-    nothing spills to local memory."""
+def _gluon_ptx_for_h100(kernel: str, kinds: list[str], causal: bool) -> str:
+    """The PTX of kernels_gluon.py's ``kernel`` ("dq" or "dkdv") for sm_90 at its first head dim of
+    tuning.GLUON_TILES, with its tiles; ``kinds``: the types of its non-constexpr arguments."""
     if not _gluon_in_tested_range():
-        pytest.skip("the Gluon kernel is written for the GPU-tested Triton only (pyproject.toml)")
+        pytest.skip("the Gluon kernels are written for the GPU-tested Triton only (pyproject.toml)")
     pytest.importorskip("triton.backends.nvidia")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -953,13 +949,24 @@ def test_gluon_dkdv_compiles_for_h100(causal):
     from systems.attention.flash_triton import kernels_gluon
     from systems.attention.flash_triton.tuning import GLUON_TILES
 
-    fn = kernels_gluon.flash_bwd_dkdv_gluon_kernel
-    kinds = ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["i32"] * 3 + ["fp32"] * 2
+    fn = {"dq": kernels_gluon.flash_bwd_dq_gluon_kernel, "dkdv": kernels_gluon.flash_bwd_dkdv_gluon_kernel}[kernel]
     signature = {name: kinds[i] if i < len(kinds) else "constexpr" for i, name in enumerate(fn.arg_names)}
-    tiles = dict(GLUON_TILES["dkdv"][64])
+    head_dim, tiles = next(iter(GLUON_TILES[kernel].items()))
+    tiles = dict(tiles)
     warps = tiles.pop("num_warps")
-    src = GluonASTSource(fn, signature, dict(HEAD_DIM=64, IS_CAUSAL=causal, **tiles))
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+    src = GluonASTSource(fn, signature, dict(HEAD_DIM=head_dim, IS_CAUSAL=causal, **tiles))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+
+
+@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the Gluon kernel (not the interpreter's)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_gluon_dkdv_compiles_for_h100(causal):
+    """kernels_gluon.py compiled for sm_90 with the Triton it is written for: its products are
+    asynchronous (a wgmma wait that leaves one group in flight), K and V feed wgmma from registers
+    in the S^T and dP^T products, L and D arrive on the tiles' barriers through cp.async, and
+    nothing spills to local memory."""
+    ptx = _gluon_ptx_for_h100("dkdv", ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["i32"] * 3 + ["fp32"] * 2,
+                              causal)
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     assert "cp.async.mbarrier.arrive.noinc" in ptx and "cp.async.bulk.tensor" in ptx
     # S^T and dP^T with K, V from registers: an A operand in braces, then a shared-memory descriptor
@@ -970,27 +977,9 @@ def test_gluon_dkdv_compiles_for_h100(causal):
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the Gluon kernel (not the interpreter's)")
 @pytest.mark.parametrize("causal", [True, False])
 def test_gluon_dq_compiles_for_h100(causal):
-    """kernels_gluon.py's dQ kernel compiled for sm_90 at its head dim: asynchronous products (a
-    wgmma wait that leaves one group in flight), Q and dO as register A operands, K and V through
-    TMA."""
-    if not _gluon_in_tested_range():
-        pytest.skip("the Gluon kernel is written for the GPU-tested Triton only (pyproject.toml)")
-    pytest.importorskip("triton.backends.nvidia")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from systems.attention.flash_triton import kernels_gluon
-    from systems.attention.flash_triton.tuning import GLUON_TILES
-
-    fn = kernels_gluon.flash_bwd_dq_gluon_kernel
-    kinds = ["*bf16"] * 5 + ["*fp32"] * 2 + ["*bf16"] + ["i32"] * 3 + ["fp32"] * 2
-    signature = {name: kinds[i] if i < len(kinds) else "constexpr" for i, name in enumerate(fn.arg_names)}
-    (head_dim, tiles), = GLUON_TILES["dq"].items()
-    tiles = dict(tiles)
-    warps = tiles.pop("num_warps")
-    src = GluonASTSource(fn, signature, dict(HEAD_DIM=head_dim, IS_CAUSAL=causal, **tiles))
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
+    """The dQ kernel likewise at its head dim: asynchronous products, Q and dO as register A
+    operands, K and V through TMA, no local memory."""
+    ptx = _gluon_ptx_for_h100("dq", ["*bf16"] * 5 + ["*fp32"] * 2 + ["*bf16"] + ["i32"] * 3 + ["fp32"] * 2, causal)
     assert "wgmma.wait_group.sync.aligned 1;" in ptx and "cp.async.bulk.tensor" in ptx
     assert re_count(r"wgmma\.mma_async\S* \{[^}]*\}, \{[^}]*\}, %rd", ptx) > 0
     assert "st.local" not in ptx
