@@ -10,7 +10,7 @@ kernel, candidate) as it goes.
     python -m systems.bench.flash_tuning --out build/flash/06_flash_attention_tuning.jsonl
 
 ``--compare-backward`` instead checks the Triton variants ("split", "atomic", the TMA-descriptor
-forward + split pair, and that pair with the Gluon dK/dV kernel) against a float64 reference
+forward + split pair, and that pair with the Gluon kernels where they run) against a float64 reference
 (systems.bench.flash.check_errors), then times them through the public function (forward,
 backward, forward + backward) and as bare kernel launches, next to SDPA cuDNN and SDPA flash in
 the same process (``--paths`` picks a subset):
@@ -394,17 +394,16 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
         # each Gluon kernel where the public backward would run it, else the TMA kernel again
         gluon = {kernel: ft.FlashVariant(backward="gluon").backward_gluon(kernel, x.q, x.k, x.v, x.o, x.do)
                  for kernel in ("dq", "dkdv")}
-        no_gluon = dict.fromkeys(gluon, False)
 
-        def part_dq_tma(gluon: dict = no_gluon):
-            ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma, gluon=gluon["dq"])
+        def part_dq_tma(use_gluon: bool = False):
+            ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma, gluon=use_gluon)
 
-        def part_dkdv_tma(gluon: dict = no_gluon):
-            ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma, gluon=gluon["dkdv"])
+        def part_dkdv_tma(use_gluon: bool = False):
+            ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True, tma=tma, gluon=use_gluon)
 
-        def split_tma(gluon: dict = no_gluon):
-            part_dq_tma(gluon)
-            part_dkdv_tma(gluon)
+        def split_tma(use_gluon: dict[str, bool] = dict.fromkeys(gluon, False)):
+            part_dq_tma(use_gluon["dq"])
+            part_dkdv_tma(use_gluon["dkdv"])
 
         # and each launch on its own (the atomic kernel re-adds into dq_acc: the sums grow, the time does not)
         closures = {
@@ -417,8 +416,8 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
             "part_cast": lambda: torch.mul(dq_acc, d ** -0.5, out=dq),
             "part_fwd": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True),
             "part_fwd_tma": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True, tma=tma),
-            "part_dq_tma": part_dq_tma, "part_dq_gluon": lambda: part_dq_tma(gluon),
-            "part_dkdv_tma": part_dkdv_tma, "part_dkdv_gluon": lambda: part_dkdv_tma(gluon),
+            "part_dq_tma": part_dq_tma, "part_dq_gluon": lambda: part_dq_tma(gluon["dq"]),
+            "part_dkdv_tma": part_dkdv_tma, "part_dkdv_gluon": lambda: part_dkdv_tma(gluon["dkdv"]),
         }
         wanted = [KERNEL_ROWS[p][0] for p in paths if p in KERNEL_ROWS]
         wanted += [part for p in paths if p in KERNEL_ROWS for part in KERNEL_ROWS[p][1]]

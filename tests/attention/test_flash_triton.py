@@ -1003,6 +1003,18 @@ needs_gluon = pytest.mark.skipif(not _gluon_runs_here() if torch.cuda.is_availab
                                  reason="needs an sm_90 GPU and the GPU-tested Triton")
 
 
+def _gpu_backward_inputs(shape, n_k: int, causal: bool, dtype: torch.dtype):
+    """Q, K, V, dO (random, seeded by the shape) and O, L from our forward: what both backward
+    kernels read."""
+    from systems.attention.flash_triton import launch
+
+    gen = torch.Generator(device="cuda").manual_seed(sum(shape) + n_k)
+    q, do = (torch.randn(shape, generator=gen, device="cuda").to(dtype) for _ in range(2))
+    k, v = (torch.randn(shape[0], n_k, shape[2], generator=gen, device="cuda").to(dtype) for _ in range(2))
+    o, lse = launch.flash_forward_triton(q, k, v, causal)
+    return q, k, v, do, o, lse
+
+
 @pytest.mark.gpu
 @needs_gluon
 @pytest.mark.parametrize("shape,n_k,causal,dtype", [
@@ -1019,10 +1031,7 @@ def test_gpu_gluon_dkdv_equals_the_triton_kernel(shape, n_k, causal, dtype):
     largest gradient on the H100; bounded here by one bf16 rounding, 2^-8)."""
     from systems.attention.flash_triton import launch
 
-    gen = torch.Generator(device="cuda").manual_seed(sum(shape) + n_k)
-    q, do = (torch.randn(shape, generator=gen, device="cuda").to(dtype) for _ in range(2))
-    k, v = (torch.randn(shape[0], n_k, shape[2], generator=gen, device="cuda").to(dtype) for _ in range(2))
-    o, lse = launch.flash_forward_triton(q, k, v, causal)
+    q, k, v, do, o, lse = _gpu_backward_inputs(shape, n_k, causal, dtype)
     delta, dq = torch.empty_like(lse), torch.empty_like(q)
     launch.launch_dq(q, k, v, o, do, lse, delta, dq, causal, tma=True)
     got = {}
@@ -1038,13 +1047,16 @@ def test_gpu_gluon_dkdv_equals_the_triton_kernel(shape, n_k, causal, dtype):
 @pytest.mark.gpu
 @needs_gluon
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_gluon_backward_matches_reference(causal):
+@pytest.mark.parametrize("shape_q,gluon_kernel,triton_kernel", [((2, 3, 1000, 64), "dkdv", "dq"),
+                                                                ((2, 2, 1000, 128), "dq", "dkdv")])
+def test_gpu_gluon_backward_matches_reference(causal, shape_q, gluon_kernel, triton_kernel):
+    """The public function with backward="gluon": at d = 64 the Gluon dK/dV kernel beside the
+    Triton dQ kernel, at d = 128 the other way round."""
     from systems.attention import flash_triton as ft
 
     variant = ft.FlashVariant(forward="tma", backward="gluon")
-    shape_q = (2, 3, 1000, 64)
     q = torch.zeros(shape_q, device="cuda", dtype=torch.bfloat16)
-    assert variant.backward_gluon("dkdv", q, q, q)
+    assert variant.backward_gluon(gluon_kernel, q, q, q) and not variant.backward_gluon(triton_kernel, q, q, q)
     run_and_compare(lambda q, k, v, c: ft.flash_attention_triton(q, k, v, c, variant=variant),
                     shape_q, 1000, torch.bfloat16, causal, "cuda", tol=GPU_TOL[torch.bfloat16])
 
@@ -1066,10 +1078,7 @@ def test_gpu_gluon_dq_equals_the_triton_kernel(shape, n_k, causal, dtype):
     keys; bounded here by one bf16 rounding, 2^-8)."""
     from systems.attention.flash_triton import launch
 
-    gen = torch.Generator(device="cuda").manual_seed(sum(shape) + n_k)
-    q, do = (torch.randn(shape, generator=gen, device="cuda").to(dtype) for _ in range(2))
-    k, v = (torch.randn(shape[0], n_k, shape[2], generator=gen, device="cuda").to(dtype) for _ in range(2))
-    o, lse = launch.flash_forward_triton(q, k, v, causal)
+    q, k, v, do, o, lse = _gpu_backward_inputs(shape, n_k, causal, dtype)
     got = {}
     for gluon in (False, True):
         delta, dq = torch.full_like(lse, float("nan")), torch.full_like(q, float("nan"))
@@ -1078,17 +1087,3 @@ def test_gpu_gluon_dq_equals_the_triton_kernel(shape, n_k, causal, dtype):
     assert torch.isfinite(got[True][1]).all()
     assert (got[True][0] - got[False][0]).abs().max() <= 1e-5 * got[False][0].abs().max()
     assert (got[True][1] - got[False][1]).abs().max() <= 2 ** -8 * got[False][1].abs().max()
-
-
-@pytest.mark.gpu
-@needs_gluon
-@pytest.mark.parametrize("causal", [True, False])
-def test_gpu_gluon_dq_backward_matches_reference(causal):
-    from systems.attention import flash_triton as ft
-
-    variant = ft.FlashVariant(forward="tma", backward="gluon")
-    shape_q = (2, 2, 1000, 128)
-    q = torch.zeros(shape_q, device="cuda", dtype=torch.bfloat16)
-    assert variant.backward_gluon("dq", q, q, q) and not variant.backward_gluon("dkdv", q, q, q)
-    run_and_compare(lambda q, k, v, c: ft.flash_attention_triton(q, k, v, c, variant=variant),
-                    shape_q, 1000, torch.bfloat16, causal, "cuda", tol=GPU_TOL[torch.bfloat16])

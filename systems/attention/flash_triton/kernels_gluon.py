@@ -51,6 +51,24 @@ _key_bounds = gluon.jit(kernels._key_bounds.fn)
 
 
 @gluon.jit
+def _head_descriptor(base, bh, n_rows, HEAD_DIM: gl.constexpr, BLOCK_ROWS: gl.constexpr, layout: gl.constexpr):
+    """A TMA descriptor of (batch, head) bh's (n_rows, HEAD_DIM) slice of a contiguous tensor, in
+    tiles of BLOCK_ROWS rows (rows past n_rows read as zeros)."""
+    return tma.make_tensor_descriptor(base + bh * n_rows * HEAD_DIM, shape=[n_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                      block_shape=[BLOCK_ROWS, HEAD_DIM], layout=layout)
+
+
+@gluon.jit
+def _store_tile(base, x, bh, row0, n_rows, HEAD_DIM: gl.constexpr, BLOCK_ROWS: gl.constexpr, layout: gl.constexpr):
+    """Store x (BLOCK_ROWS, HEAD_DIM, in ``layout``) into rows row0... of (batch, head) bh's slice
+    of a contiguous (..., n_rows, HEAD_DIM) tensor, in its dtype; rows past n_rows are dropped."""
+    rows = row0 + gl.arange(0, BLOCK_ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    offsets = bh * n_rows * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+    gl.store(base + offsets, x.to(base.dtype.element_ty), mask=rows[:, None] < n_rows)
+
+
+@gluon.jit
 def _issue_tile(q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, slot, row0, L_bh, D_bh, n_q, copy_cols):
     """Start loading query tile ``row0``'s Q, dO (TMA; rows past n_q read as zeros) and L, D
     (cp.async, zeros past n_q) into ring slot ``slot``; its barrier completes when all have landed
@@ -129,14 +147,10 @@ def flash_bwd_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_gr
 
     tile, bh = _program_tile(n_k, head_group, BLOCK_N, False)
     n0 = tile * BLOCK_N
-    k_desc = tma.make_tensor_descriptor(K + bh * n_k * HEAD_DIM, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=tile_smem)
-    v_desc = tma.make_tensor_descriptor(V + bh * n_k * HEAD_DIM, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=tile_smem)
-    q_desc = tma.make_tensor_descriptor(Q + bh * n_q * HEAD_DIM, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                        block_shape=[BLOCK_M, HEAD_DIM], layout=tile_smem)
-    do_desc = tma.make_tensor_descriptor(dO + bh * n_q * HEAD_DIM, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                         block_shape=[BLOCK_M, HEAD_DIM], layout=tile_smem)
+    k_desc = _head_descriptor(K, bh, n_k, HEAD_DIM, BLOCK_N, tile_smem)
+    v_desc = _head_descriptor(V, bh, n_k, HEAD_DIM, BLOCK_N, tile_smem)
+    q_desc = _head_descriptor(Q, bh, n_q, HEAD_DIM, BLOCK_M, tile_smem)
+    do_desc = _head_descriptor(dO, bh, n_q, HEAD_DIM, BLOCK_M, tile_smem)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_smem)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_smem)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], tile_smem)
@@ -186,12 +200,8 @@ def flash_bwd_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_gr
         mbarrier.invalidate(bars.index(s))
     mbarrier.invalidate(kv_bar)
 
-    rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    tile_offs = bh * n_k * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
-    in_range = rows[:, None] < n_k
-    gl.store(dK + tile_offs, (dk * sm_scale).to(dK.dtype.element_ty), mask=in_range)  # dK = dS^T Q * scale
-    gl.store(dV + tile_offs, dv.to(dV.dtype.element_ty), mask=in_range)
+    _store_tile(dK, dk * sm_scale, bh, n0, n_k, HEAD_DIM, BLOCK_N, kv_layout)  # dK = dS^T Q * scale
+    _store_tile(dV, dv, bh, n0, n_k, HEAD_DIM, BLOCK_N, kv_layout)
 
 
 # ----------------------------------------------------------------------------- dQ
@@ -276,14 +286,10 @@ def flash_bwd_dq_gluon_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group
 
     tile, bh = _program_tile(n_q, head_group, BLOCK_M, IS_CAUSAL)
     m0 = tile * BLOCK_M
-    q_desc = tma.make_tensor_descriptor(Q + bh * n_q * HEAD_DIM, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                        block_shape=[BLOCK_M, HEAD_DIM], layout=tile_smem)
-    do_desc = tma.make_tensor_descriptor(dO + bh * n_q * HEAD_DIM, shape=[n_q, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                         block_shape=[BLOCK_M, HEAD_DIM], layout=tile_smem)
-    k_desc = tma.make_tensor_descriptor(K + bh * n_k * HEAD_DIM, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=tile_smem)
-    v_desc = tma.make_tensor_descriptor(V + bh * n_k * HEAD_DIM, shape=[n_k, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                        block_shape=[BLOCK_N, HEAD_DIM], layout=tile_smem)
+    q_desc = _head_descriptor(Q, bh, n_q, HEAD_DIM, BLOCK_M, tile_smem)
+    do_desc = _head_descriptor(dO, bh, n_q, HEAD_DIM, BLOCK_M, tile_smem)
+    k_desc = _head_descriptor(K, bh, n_k, HEAD_DIM, BLOCK_N, tile_smem)
+    v_desc = _head_descriptor(V, bh, n_k, HEAD_DIM, BLOCK_N, tile_smem)
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], tile_smem)
     do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], tile_smem)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_smem)
@@ -330,8 +336,5 @@ def flash_bwd_dq_gluon_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group
         mbarrier.invalidate(bars.index(s))
     mbarrier.invalidate(q_bar)
 
-    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-    gl.store(dQ + bh * n_q * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :], (dq * sm_scale).to(dQ.dtype.element_ty),
-             mask=rows[:, None] < n_q)  # dQ = dS K * scale
+    _store_tile(dQ, dq * sm_scale, bh, m0, n_q, HEAD_DIM, BLOCK_M, dq_layout)  # dQ = dS K * scale
 
