@@ -173,8 +173,9 @@ _OPTION_MAX_BLOCK_D = {("dkdv", "EARLY_DP"): 64}
 # dK/dV (notes entry 16): one warpgroup over 64 keys, 64 queries a step, Q and dO double-buffered
 # (its 255 registers allow no wider tile without spilling); three stages and 128 keys over two
 # warpgroups measured slower at (16, 16384, 64), and at d = 128 it spills. dQ (entry 17): 64x64
-# tiles over one warpgroup, K and V double-buffered: 0.97x and 0.95x the Triton kernel at d = 128
-# (16 x 16384 and 1 x 65536), 1.05-1.13x at d = 64, where the Triton kernel keeps running.
+# tiles over one warpgroup, K and V double-buffered: at d = 128 0.97x and 0.95x the Triton kernel
+# (16 x 16384 and 1 x 65536) in a first probe, 1.01x and 0.96x in a second; 1.04-1.13x at d = 64,
+# where the Triton kernel keeps running.
 GLUON_TILES: dict[str, dict[int, dict[str, int]]] = {
     "dkdv": {64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)},
     "dq": {128: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)},
