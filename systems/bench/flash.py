@@ -61,6 +61,8 @@ SKIPPED_MEMORY = "skipped (memory)"
 # the kernels side by side, the fp32 dot precisions, and the handout's compiled-PyTorch backward.
 TRITON_VARIANTS = {"triton": {}, "triton_split": dict(forward="pointer", backward="split"),
                    "triton_atomic": dict(forward="pointer", backward="atomic"),
+                   # the atomic backward (kernels_gluon.py's, with TMA reduce-adds, where it runs) after the TMA forward
+                   "triton_atomic_tma": dict(forward="tma", backward="atomic"),
                    "triton_tma": dict(forward="tma", backward="tma"),  # Triton's TMA kernels only
                    "triton_gluon": dict(forward="tma", backward="gluon"),
                    "triton_tf32x3": dict(fp32_dot="tf32x3"), "triton_ieee": dict(fp32_dot="ieee"),

@@ -322,7 +322,7 @@ COMPARE_PATHS = ("triton_split", "triton_atomic", "triton_tma", "triton_gluon", 
 # each Triton path's bare launches, as time_backwards names them: the backward as one closure, then
 # its launches one by one ("triton_tma" also times both forwards, its change being in the forward too)
 KERNEL_ROWS = {"triton_split": ("kernels_split", ("part_dq", "part_dkdv")),
-               "triton_atomic": ("kernels_atomic", ("part_prep", "part_atomic", "part_cast")),
+               "triton_atomic": ("kernels_atomic", ("part_prep", "part_atomic", "part_atomic_gluon", "part_cast")),
                "triton_tma": ("kernels_tma", ("part_fwd", "part_fwd_tma", "part_dq_tma", "part_dkdv_tma")),
                "triton_gluon": ("kernels_gluon", ("part_dq_gluon", "part_dkdv_gluon"))}
 PASS_NAMES = ("fwd", "bwd", "e2e")
@@ -394,6 +394,7 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
         # each Gluon kernel where the public backward would run it, else the TMA kernel again
         gluon = {kernel: ft.FlashVariant(backward="gluon").backward_gluon(kernel, x.q, x.k, x.v, x.o, x.do)
                  for kernel in ("dq", "dkdv")}
+        gluon["atomic"] = ft.FlashVariant(backward="atomic").backward_gluon("atomic", x.q, x.k, x.v, x.o, x.do)
 
         def part_dq_tma(use_gluon: bool = False):
             ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma, gluon=use_gluon)
@@ -413,6 +414,8 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
             "part_dkdv": lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True),
             "part_prep": lambda: ft.launch_bwd_prep(x.o, x.do, delta, dq_acc),
             "part_atomic": lambda: ft.launch_atomic(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, dq_acc, True),
+            "part_atomic_gluon": lambda: ft.launch_atomic(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, dq_acc, True,
+                                                          gluon=gluon["atomic"]),
             "part_cast": lambda: torch.mul(dq_acc, d ** -0.5, out=dq),
             "part_fwd": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True),
             "part_fwd_tma": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True, tma=tma),

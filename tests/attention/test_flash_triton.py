@@ -883,11 +883,12 @@ def test_auto_prefers_tma_only_for_long_16_bit_inputs():
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")
-@pytest.mark.parametrize("kernel,head_dim,other", [("dkdv", 64, 128), ("dq", 128, 64)])
+@pytest.mark.parametrize("kernel,head_dim,other", [("dkdv", 64, 128), ("dq", 128, 64), ("atomic", 64, 128)])
 def test_gluon_only_where_it_was_built_and_measured(kernel, head_dim, other):
     """kernels_gluon.py runs only with the GPU-tested Triton (its Gluon API changes between
     releases: 3.9 renamed the TMA copies), on sm_90 (wgmma), for 16-bit inputs, at the head dims
-    where each kernel measured faster than its Triton twin (dK/dV d = 64, dQ d = 128)."""
+    where each kernel measured faster than its Triton twin (dK/dV d = 64, dQ d = 128, the atomic
+    backward's d = 64)."""
     from systems.attention.flash_triton.launch import gluon_allowed
 
     tested = {"torch": ">=2.11,<2.12", "triton": ">=3.6,<3.7"}
@@ -910,9 +911,10 @@ def test_gluon_backward_variant_is_the_tma_pair_where_gluon_cannot_run():
 
     for d in (64, 128):
         q = torch.zeros(1, 8192, d, dtype=torch.bfloat16)  # CPU tensors: no Gluon kernel, whatever the Triton
-        for kernel in ("dq", "dkdv"):
+        for kernel in ("dq", "dkdv", "atomic"):
             assert not FlashVariant(backward="gluon").backward_gluon(kernel, q, q, q)
             assert not FlashVariant(backward="split").backward_gluon(kernel, q, q, q)
+            assert not FlashVariant(backward="atomic").backward_gluon(kernel, q, q, q)
         assert FlashVariant(backward="gluon").backward_tma(q, q, q) == FlashVariant(backward="tma").backward_tma(q, q, q)
 
 
@@ -926,6 +928,8 @@ def test_gluon_launch_at_an_unmeasured_head_dim_says_where_it_runs():
         launch.launch_dq(q, q, q, q, q, lse, lse, q, True, tma=True, gluon=True)
     with pytest.raises(ValueError, match=r"the Gluon dkdv kernel runs at head dims \[64\], not 32"):
         launch.launch_dkdv(q, q, q, q, lse, lse, q, q, True, tma=True, gluon=True)
+    with pytest.raises(ValueError, match=r"the Gluon atomic kernel runs at head dims \[64\], not 32"):
+        launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon=True)
 
 
 def _gluon_in_tested_range() -> bool:
@@ -937,7 +941,7 @@ def _gluon_in_tested_range() -> bool:
 
 
 def _gluon_ptx_for_h100(kernel: str, kinds: list[str], causal: bool) -> str:
-    """The PTX of kernels_gluon.py's ``kernel`` ("dq" or "dkdv") for sm_90 at its first head dim of
+    """The PTX of kernels_gluon.py's ``kernel`` ("dq", "dkdv", "atomic") for sm_90 at its first head dim of
     tuning.GLUON_TILES, with its tiles; ``kinds``: the types of its non-constexpr arguments."""
     if not _gluon_in_tested_range():
         pytest.skip("the Gluon kernels are written for the GPU-tested Triton only (pyproject.toml)")
@@ -949,7 +953,8 @@ def _gluon_ptx_for_h100(kernel: str, kinds: list[str], causal: bool) -> str:
     from systems.attention.flash_triton import kernels_gluon
     from systems.attention.flash_triton.tuning import GLUON_TILES
 
-    fn = {"dq": kernels_gluon.flash_bwd_dq_gluon_kernel, "dkdv": kernels_gluon.flash_bwd_dkdv_gluon_kernel}[kernel]
+    fn = {"dq": kernels_gluon.flash_bwd_dq_gluon_kernel, "dkdv": kernels_gluon.flash_bwd_dkdv_gluon_kernel,
+          "atomic": kernels_gluon.flash_bwd_atomic_gluon_kernel}[kernel]
     signature = {name: kinds[i] if i < len(kinds) else "constexpr" for i, name in enumerate(fn.arg_names)}
     head_dim, tiles = next(iter(GLUON_TILES[kernel].items()))
     tiles = dict(tiles)
@@ -982,6 +987,21 @@ def test_gluon_dq_compiles_for_h100(causal):
     ptx = _gluon_ptx_for_h100("dq", ["*bf16"] * 5 + ["*fp32"] * 2 + ["*bf16"] + ["i32"] * 3 + ["fp32"] * 2, causal)
     assert "wgmma.wait_group.sync.aligned 1;" in ptx and "cp.async.bulk.tensor" in ptx
     assert re_count(r"wgmma\.mma_async\S* \{[^}]*\}, \{[^}]*\}, %rd", ptx) > 0
+    assert "st.local" not in ptx
+
+
+@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the Gluon kernel (not the interpreter's)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_gluon_atomic_compiles_for_h100(causal):
+    """The atomic backward's kernel likewise: the dK/dV kernel's asynchronous products, and each
+    query tile's dS K added into the fp32 dQ buffer by one TMA bulk reduce-add (no per-element
+    atomics), with a read-wait that leaves the newer of the two staging buffers' reduces in flight."""
+    ptx = _gluon_ptx_for_h100("atomic", ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] + ["i32"] * 3
+                              + ["fp32"] * 2, causal)
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
+    assert re_count(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx) > 0
+    assert re_count(r"\b(?:atom|red)\.global", ptx) == 0
     assert "st.local" not in ptx
 
 
@@ -1042,6 +1062,51 @@ def test_gpu_gluon_dkdv_equals_the_triton_kernel(shape, n_k, causal, dtype):
     for want, have in zip(got[False], got[True]):
         assert torch.isfinite(have).all()
         assert (have - want).abs().max() <= 2 ** -8 * want.abs().max()
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("shape,n_k,causal,dtype", [
+    ((2, 1000, 64), 1000, True, torch.bfloat16),
+    ((3, 777, 64), 777, False, torch.bfloat16),  # a ragged key tile meets every query: all masked
+    ((2, 640, 64), 1280, True, torch.bfloat16),  # fewer queries than keys
+    ((2, 1280, 64), 640, True, torch.bfloat16),  # more queries than keys
+    ((2, 1003, 64), 1003, True, torch.float16),  # ragged last tiles of both
+    ((1, 65, 64), 65, True, torch.bfloat16),  # a last query tile of one row
+    ((2, 700, 64), 333, False, torch.float16),
+    ((4, 4096, 64), 4096, True, torch.bfloat16),
+])
+def test_gpu_gluon_atomic_equals_the_triton_kernel(shape, n_k, causal, dtype):
+    """The same L through both atomic backwards (prep, atomic kernel, cast): dK and dV from the
+    same products per key tile, dQ summed over key tiles in another order (TMA reduce-adds
+    against per-element atomics). Measured at most 1.3e-3 of the largest gradient on the H100
+    (the non-causal ragged shape); bounded here by one bf16 rounding, 2^-8."""
+    from systems.attention.flash_triton import launch
+
+    q, k, v, do, o, lse = _gpu_backward_inputs(shape, n_k, causal, dtype)
+    got = {}
+    for gluon in (False, True):
+        delta = torch.empty_like(lse)
+        dq_acc = torch.full(q.shape, float("nan"), device="cuda")  # the prep kernel zeroes it
+        dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+        launch.launch_backward_atomic(q, k, v, o, do, lse, delta, dq_acc, dq, dk, dv, causal, gluon=gluon)
+        got[gluon] = dq.float(), dk.float(), dv.float()
+    for want, have in zip(got[False], got[True]):
+        assert torch.isfinite(have).all()
+        assert (have - want).abs().max() <= 2 ** -8 * want.abs().max()
+
+
+@pytest.mark.gpu
+@needs_gluon
+def test_gpu_atomic_variant_takes_the_gluon_kernel_at_its_head_dim():
+    from systems.attention import flash_triton as ft
+
+    variant = ft.FlashVariant(backward="atomic")
+    for d, expected in ((64, True), (128, False)):
+        q = torch.zeros(2, 1000, d, device="cuda", dtype=torch.bfloat16)
+        assert variant.backward_gluon("atomic", q, q, q) is expected
+    q = torch.zeros(2, 1000, 64, device="cuda", dtype=torch.bfloat16)
+    assert not ft.FlashVariant(backward="auto").backward_gluon("atomic", q, q, q)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""Two kernels of the split backward in Gluon, for Hopper: asynchronous wgmma (notes entries 16, 17).
+"""Three backward kernels in Gluon, for Hopper: asynchronous wgmma (notes entries 16, 17, 18).
 
 Triton's ``tl.dot`` waits for every product that is not a loop-carried accumulator right after
 issuing it, so in kernels.py's dK/dV loop the tensor cores idle through the exponentials and dS,
@@ -16,14 +16,18 @@ from shared memory per product), Q and dO stream through TMA into a ring of STAG
 and D through cp.async into the same ring, each thread arriving on the tile's mbarrier when its
 copies land (so the loop never waits on a global load). The dQ kernel is the same schedule per key
 tile with one product fewer (_dq_key_loop), Q and dO in registers, K and V through the TMA ring.
+The atomic backward's kernel is the dK/dV kernel with the fifth product (ADD_DQ): dS^T goes to
+shared memory, dQ's part dS K is issued before dK's product and waited while that runs, and is
+added into an fp32 buffer by one TMA bulk reduce-add per query tile (_reduce_dq_tile).
 
 Written against the Gluon of Triton 3.6 (an experimental API that changes between releases: 3.9
-renamed the TMA copies), so launch.py runs them only inside pyproject.toml's GPU-tested versions,
-for 16-bit inputs on sm_90, at the head dims where each measured faster than its Triton twin
-(tuning.GLUON_TILES: dK/dV at d = 64, dQ at d = 128), and kernels.py's TMA kernels everywhere
-else. Each reads the same inputs and writes the same outputs as its twin in kernels.py
-(flash_bwd_dkdv_tma_kernel, flash_bwd_dq_tma_kernel), in the same program order
-(kernels._program_tile, imported into Gluon unchanged).
+renamed the TMA copies, and the reduce-add has no public call in 3.6: _tma_reduce_add), so launch.py
+runs them only inside pyproject.toml's GPU-tested versions, for 16-bit inputs on sm_90, at the head
+dims where each measured faster than its Triton twin (tuning.GLUON_TILES: dK/dV and the atomic
+kernel at d = 64, dQ at d = 128), and kernels.py's kernels everywhere else. Each reads the same
+inputs and writes the same outputs as its twin in kernels.py (flash_bwd_dkdv_tma_kernel,
+flash_bwd_dq_tma_kernel, flash_bwd_atomic_kernel), in the same program order (kernels._program_tile,
+imported into Gluon unchanged).
 """
 
 from __future__ import annotations
@@ -40,14 +44,31 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from triton._C.libtriton import ir
+from triton.experimental.gluon.language._core import builtin
+
 from systems.attention.flash_triton import kernels
 
 _LOG2E = gl.constexpr(kernels.LOG2E)
 _MASKED = gl.constexpr(-1e6)  # kernels._MASKED
+# the atomic kernel's dQ staging buffers: a tile's reduce reads one while the next tile's products
+# run. Three or four left one program a multiprocessor instead of two at d = 64, 1.23-1.28x slower
+# (notes entry 18).
+_DQ_BUFFERS = gl.constexpr(2)
 # kernels.py's index helpers are scalar arithmetic only, so they compile as Gluon unchanged
 _program_tile = gluon.jit(kernels._program_tile.fn)
 _diagonal_query_tiles = gluon.jit(kernels._diagonal_query_tiles.fn)
 _key_bounds = gluon.jit(kernels._key_bounds.fn)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[the box at coord] += shared memory ``src``, by the TMA engine (one
+    cp.reduce.async.bulk.tensor .add; completion tracked like a TMA store's, tma.store_wait).
+    Triton 3.6's Gluon has no public call for it; this is its hopper.tma.async_copy_shared_to_global
+    with the builder's reduce op (GluonOpBuilder.create_async_tma_reduce) in place of the copy."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -84,13 +105,29 @@ def _issue_tile(q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, slot, ro
 
 
 @gluon.jit
+def _reduce_dq_tile(dq_desc, dq_stage, dq, row0, t):
+    """Add dq (one query tile's part of dS K, fp32) into rows row0... of DQ_ACC: stage it in buffer
+    t of dq_stage, then one TMA bulk reduce-add (rows past n_q are dropped by the descriptor)."""
+    buf = dq_stage.index(t % _DQ_BUFFERS)
+    tma.store_wait(_DQ_BUFFERS - 1)  # the reduce that last read this buffer is done
+    buf.store(dq)
+    fence_async_shared()
+    gl.thread_barrier()
+    _tma_reduce_add(dq_desc, [row0, 0], buf)
+
+
+@gluon.jit
 def _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh, D_bh, offs_n,
-                n_q, offset, qk_scale, lo, hi, it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, CAUSAL_MASK: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
+                n_q, n_k, offset, qk_scale, lo, hi, it, k_smem, ds_smem, dq_desc, dq_stage,
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, ADD_DQ: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
+                dq_layout: gl.constexpr):
     """Accumulate dK, dV (wgmma accumulators, in flight) of one key tile over query tiles [lo, hi),
     in transposed form (keys x queries), as kernels._dkdv_query_loop does. ``it`` counts the tiles
-    through the ring over the calls (slot it % STAGES, barrier phase (it // STAGES) % 2). Every
-    product has completed on return."""
+    through the ring over the calls (slot it % STAGES, barrier phase (it // STAGES) % 2). MASK: the
+    causal mask (IS_CAUSAL) or else the key bound. ADD_DQ: also the fifth product, dQ += dS K,
+    added into DQ_ACC per query tile (_reduce_dq_tile) while dK's product runs. Every product has
+    completed on return."""
     n_iter = gl.cdiv(hi - lo, BLOCK_M)
     cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     # one element a thread for the cp.async of L and D (the score layout's columns repeat per thread)
@@ -116,30 +153,46 @@ def _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_
             _issue_tile(q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, (it + i + STAGES - 1) % STAGES,
                         start_m + (STAGES - 1) * BLOCK_M, L_bh, D_bh, n_q, copy_cols)
         s_t = s_t * qk_scale  # S^T in base 2
-        if CAUSAL_MASK:
-            rows = start_m + cols
-            s_t = gl.where(offs_n[:, None] <= rows[None, :] + offset, s_t, _MASKED)
+        if MASK:
+            if IS_CAUSAL:
+                keep = offs_n[:, None] <= (start_m + cols)[None, :] + offset
+            else:  # keys past n_k read as zeros, and exp2(0 - L) may overflow: their dS K would be nan
+                keep = offs_n[:, None] < n_k
+            s_t = gl.where(keep, s_t, _MASKED)
         p_t = gl.exp2(s_t - lse[None, :] * _LOG2E)  # P^T = exp(S - L) (eq. 13)
         dv = warpgroup_mma(gl.convert_layout(p_t.to(q_s.dtype), p_layout), do_s, dv, is_async=True)  # eq. 14
         dp_t = warpgroup_mma_wait(1, deps=[dp_t])
-        ds_t = p_t * (dp_t - delta[None, :])  # dS^T = P^T o (dP^T - D) (eq. 16)
-        dk = warpgroup_mma(gl.convert_layout(ds_t.to(q_s.dtype), p_layout), q_s, dk, is_async=True)  # eq. 18
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q_s.dtype)  # dS^T = P^T o (dP^T - D) (eq. 16)
+        if ADD_DQ:  # dQ's part, dS K (eq. 17), from dS^T in shared memory, issued first so it is waited first
+            ds_smem.store(ds_t)
+            fence_async_shared()
+            gl.thread_barrier()
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                               use_acc=False, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds_t, p_layout), q_s, dk, is_async=True)  # eq. 18
+        if ADD_DQ:
+            # waited within the iteration: ptxas serialises every wgmma if the registers of one issued
+            # in an earlier iteration are read after the loop's back edge (its warning C7514)
+            dq = warpgroup_mma_wait(1, deps=[dq])
+            _reduce_dq_tile(dq_desc, dq_stage, dq, start_m, it + i)
     dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
     return warpgroup_mma_init(dk), warpgroup_mma_init(dv), it + n_iter
 
 
-@gluon.jit(do_not_specialize=kernels._ORDER_ARGS)
-def flash_bwd_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale,
-                                HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Grid (key tiles x batch, in _program_tile's order); 4 warps (one warpgroup), BLOCK_N = 64.
-    One program owns dK and dV of one key tile. Runs after the dQ kernel, which wrote Delta."""
+@gluon.jit
+def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale, sm_scale,
+                  HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, ADD_DQ: gl.constexpr):
+    """One program owns dK and dV of one key tile (and, with ADD_DQ, adds its share of dQ into
+    DQ_ACC); BLOCK_N / 16 warps, a warpgroup per 64 keys."""
     WARPS: gl.constexpr = gl.num_warps()
-    # wgmma's accumulators: S^T, dP^T (keys x queries) and dK, dV (keys x d)
+    # wgmma's accumulators: S^T, dP^T (keys x queries), dK, dV (keys x d) and dQ's part (queries x d)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPS // 4],
+                                                        instr_shape=[16, HEAD_DIM // (WARPS // 4), 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     tile_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -157,6 +210,14 @@ def flash_bwd_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_gr
     do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], tile_smem)
     l_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
     d_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
+    ds_smem = None
+    dq_desc = None
+    dq_stage = None
+    if ADD_DQ:
+        dq_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], tile_smem)
+        dq_desc = _head_descriptor(DQ_ACC, bh, n_q, HEAD_DIM, BLOCK_M, dq_smem)
+        dq_stage = gl.allocate_shared_memory(gl.float32, [_DQ_BUFFERS, BLOCK_M, HEAD_DIM], dq_smem)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -178,30 +239,57 @@ def flash_bwd_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_gr
 
     offset = n_k - n_q
     # First the query tiles that see part of this key tile (the causal diagonal), masked; without
-    # the mask, the first query tile alone. Either way the main loop below then starts from
-    # accumulators that went through a completed wait. Measured on the H100 (notes entry 16): one
-    # loop over all the query tiles from the zero accumulators gave wrong dK and dV whenever it ran
-    # two or more tiles; split this way the kernel is exact. The cause is not pinned down (the
-    # suspect: the two equal zero accumulators merged by the common-subexpression passes Gluon runs).
+    # causality, the first query tile, or every one if the key tile is ragged (past n_k). Either
+    # way the main loop below then starts from accumulators that went through a completed wait.
+    # Measured on the H100 (notes entry 16): one loop over all the query tiles from the zero
+    # accumulators gave wrong dK and dV whenever it ran two or more tiles; split this way the
+    # kernel is exact. The cause is not pinned down (the suspect: the two equal zero accumulators
+    # merged by the common-subexpression passes Gluon runs). Keys past n_k are never seen by a
+    # causal query past the diagonal, so the unmasked loop needs no key bound.
     if IS_CAUSAL:
         lo, hi = _diagonal_query_tiles(n0, offset, BLOCK_M, BLOCK_N)
     else:
-        lo, hi = 0, BLOCK_M
+        lo = 0
+        hi = gl.where(n0 + BLOCK_N > n_k, n_q, BLOCK_M)
     hi = gl.minimum(hi, n_q)
     dk, dv, it = _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh, D_bh,
-                             offs_n, n_q, offset, qk_scale, lo, hi, 0,
-                             BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, s_layout, p_layout)
+                             offs_n, n_q, n_k, offset, qk_scale, lo, hi, 0, k_smem, ds_smem, dq_desc, dq_stage,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, True, IS_CAUSAL, ADD_DQ, s_layout, p_layout, dq_layout)
     # ... then the query tiles that see all of it (rows past n_q load as zeros and add nothing)
     dk, dv, it = _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh, D_bh,
-                             offs_n, n_q, offset, qk_scale, hi, n_q, it,
-                             BLOCK_M, BLOCK_N, STAGES, False, s_layout, p_layout)
+                             offs_n, n_q, n_k, offset, qk_scale, hi, n_q, it, k_smem, ds_smem, dq_desc, dq_stage,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, False, IS_CAUSAL, ADD_DQ, s_layout, p_layout, dq_layout)
     dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+    if ADD_DQ:
+        tma.store_wait(0)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
     mbarrier.invalidate(kv_bar)
 
     _store_tile(dK, dk * sm_scale, bh, n0, n_k, HEAD_DIM, BLOCK_N, kv_layout)  # dK = dS^T Q * scale
     _store_tile(dV, dv, bh, n0, n_k, HEAD_DIM, BLOCK_N, kv_layout)
+
+
+@gluon.jit(do_not_specialize=kernels._ORDER_ARGS)
+def flash_bwd_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale,
+                                HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Grid (key tiles x batch, in _program_tile's order). dK and dV of the split backward; runs
+    after the dQ kernel, which wrote Delta."""
+    _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, None, n_q, n_k, head_group, qk_scale, sm_scale,
+                  HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N, STAGES, False)
+
+
+@gluon.jit(do_not_specialize=kernels._ORDER_ARGS)
+def flash_bwd_atomic_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale, sm_scale,
+                                  HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Grid (key tiles x batch). The atomic backward's kernel (five products, as
+    kernels.flash_bwd_atomic_kernel, same arguments but the tiles): dK and dV, and dS K added
+    into DQ_ACC (zeroed, with Delta written, by kernels.flash_bwd_prep_kernel) through TMA
+    reduce-adds, one per (key tile, query tile)."""
+    _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale, sm_scale,
+                  HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N, STAGES, True)
 
 
 # ----------------------------------------------------------------------------- dQ

@@ -71,7 +71,8 @@ class FlashVariant:
     through descriptors, as forward "tma"), "gluon" (as "tma", with each kernel of kernels_gluon.py
     where ``gluon_usable`` says it runs), "auto" (the pair, through descriptors where forward
     "auto" would be, with the Gluon kernels where usable), "atomic"
-    (one kernel over key tiles adding dQ with atomics), or "pytorch" (flash_pytorch's compiled
+    (one kernel over key tiles adding dQ with atomics: kernels_gluon.py's, with TMA reduce-adds,
+    where ``gluon_usable("atomic", ...)`` says it runs), or "pytorch" (flash_pytorch's compiled
     reference backward on the same saved tensors).
     fp32_dot: how the kernels' dots multiply fp32 inputs (16-bit inputs always run their own
     tensor-core dots): "ieee" (fp32 products on the CUDA cores), "tf32x3" (each operand split into
@@ -108,7 +109,10 @@ class FlashVariant:
         return choice in ("auto", "tma") and _wants_tma(choice, tensors)
 
     def backward_gluon(self, kernel: str, *tensors: torch.Tensor) -> bool:
-        """Whether the split backward's ``kernel`` ("dq" or "dkdv") is kernels_gluon.py's on these tensors."""
+        """Whether the backward's ``kernel`` ("dq" or "dkdv" of the split pair, or the "atomic"
+        backward's) is kernels_gluon.py's on these tensors."""
+        if kernel == "atomic":  # it reads Q, K, V, dO and adds into dQ through TMA descriptors
+            return self.backward == "atomic" and tma_usable(*tensors) and gluon_usable(kernel, *tensors)
         return self.backward in ("auto", "gluon") and self.backward_tma(*tensors) and gluon_usable(kernel, *tensors)
 
 
@@ -153,7 +157,7 @@ def _wants_tma(choice: str, tensors: tuple[torch.Tensor, ...]) -> bool:
 
 def gluon_allowed(*, kernel: str, interpreting: bool, triton_version: str, tested: dict[str, str] | None,
                   capability: tuple[int, int], head_dim: int, dtype: torch.dtype) -> bool:
-    """The decision behind gluon_usable: kernels_gluon.py's ``kernel`` ("dq" or "dkdv") is compiled
+    """The decision behind gluon_usable: kernels_gluon.py's ``kernel`` ("dq", "dkdv", "atomic") is compiled
     by the GPU-tested Triton only (its Gluon API changes between releases), for Hopper's wgmma (sm_90
     exactly), on 16-bit inputs at the head dims where it measured faster (tuning.GLUON_TILES)."""
     return (not interpreting and capability[0] == 9 and head_dim in GLUON_TILES[kernel]
@@ -568,8 +572,8 @@ def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config:
 
 
 def _launch_gluon(kernel: str, n_rows: int, batch: int, args: tuple, is_causal: bool) -> None:
-    """kernels_gluon.py's ``kernel`` ("dq" or "dkdv") under its fixed tiles (tuning.GLUON_TILES), one
-    program per tile of n_rows (query rows for dQ, keys for dK/dV) and per (batch, head)."""
+    """kernels_gluon.py's ``kernel`` ("dq", "dkdv" or "atomic") under its fixed tiles (tuning.GLUON_TILES),
+    one program per tile of n_rows (query rows for dQ, keys for the other two) and per (batch, head)."""
     head_dim = args[0].shape[-1]
     tiles = GLUON_TILES[kernel].get(head_dim)
     if tiles is None:
@@ -578,7 +582,8 @@ def _launch_gluon(kernel: str, n_rows: int, batch: int, args: tuple, is_causal: 
     from systems.attention.flash_triton import kernels_gluon  # imports Gluon only where it runs
 
     fn, rows_per_program = {"dq": (kernels_gluon.flash_bwd_dq_gluon_kernel, tiles["BLOCK_M"]),
-                            "dkdv": (kernels_gluon.flash_bwd_dkdv_gluon_kernel, tiles["BLOCK_N"])}[kernel]
+                            "dkdv": (kernels_gluon.flash_bwd_dkdv_gluon_kernel, tiles["BLOCK_N"]),
+                            "atomic": (kernels_gluon.flash_bwd_atomic_gluon_kernel, tiles["BLOCK_N"])}[kernel]
     _ensure_tma_allocator()
     fn[(triton.cdiv(n_rows, rows_per_program) * batch,)](*args, HEAD_DIM=head_dim, IS_CAUSAL=bool(is_causal), **tiles)
 
@@ -594,21 +599,28 @@ def launch_bwd_prep(o3, do3, delta, dq_acc) -> None:
 
 
 def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, *, config: dict | None = None,
-                  meta: dict | None = None, fp32_dot: str = "auto") -> None:
-    """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D."""
+                  meta: dict | None = None, gluon: bool = False, fp32_dot: str = "auto") -> None:
+    """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D. gluon:
+    kernels_gluon.py's kernel (the tensors must pass FlashVariant(backward="atomic").backward_gluon),
+    with its fixed tiles."""
     batch, n_q, n_k, d = _dims(q3, k3)
-    grid = _tile_grid(n_k, "BLOCK_N3", batch)
     group = resolve_head_group(q3, k3, None)
     args = (q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
+    if gluon:
+        _launch_gluon("atomic", n_k, batch, args, is_causal)
+        return
+    grid = _tile_grid(n_k, "BLOCK_N3", batch)
     _launch(TUNED["atomic"], grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
 
 def launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal: bool, *,
-                           config: dict | None = None, meta: dict | None = None, fp32_dot: str = "auto") -> None:
-    """The whole atomic backward: the prep kernel, the atomic kernel, then dQ = sm_scale * dq_acc
-    written in dq's dtype (``dq`` may be ``dq_acc`` itself, for fp32 inputs)."""
+                           config: dict | None = None, meta: dict | None = None, gluon: bool = False,
+                           fp32_dot: str = "auto") -> None:
+    """The whole atomic backward: the prep kernel, the atomic kernel (launch_atomic's ``gluon``),
+    then dQ = sm_scale * dq_acc written in dq's dtype (``dq`` may be ``dq_acc`` itself, for fp32 inputs)."""
     launch_bwd_prep(o3, do3, delta, dq_acc)
-    launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal, config=config, meta=meta, fp32_dot=fp32_dot)
+    launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal, config=config, meta=meta, gluon=gluon,
+                  fp32_dot=fp32_dot)
     torch.mul(dq_acc, q3.shape[-1] ** -0.5, out=dq)  # one elementwise kernel: scale and cast together
 
 
@@ -643,7 +655,8 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
     if variant.backward == "atomic":
         dq_acc = torch.empty(q3.shape, device=q3.device, dtype=torch.float32)
         dq = dq_acc if q3.dtype == torch.float32 else torch.empty_like(q3)
-        launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal, meta=meta)
+        launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal, meta=meta,
+                               gluon=variant.backward_gluon("atomic", q3, k3, v3, o3, do3))
         return dq, dk, dv
     dq = torch.empty_like(q3)
     tma = variant.backward_tma(q3, k3, v3, o3, do3)

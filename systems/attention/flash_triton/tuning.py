@@ -175,10 +175,14 @@ _OPTION_MAX_BLOCK_D = {("dkdv", "EARLY_DP"): 64}
 # warpgroups measured slower at (16, 16384, 64), and at d = 128 it spills. dQ (entry 17): 64x64
 # tiles over one warpgroup, K and V double-buffered: at d = 128 0.97x and 0.95x the Triton kernel
 # (16 x 16384 and 1 x 65536) in a first probe, 1.01x and 0.96x in a second; 1.04-1.13x at d = 64,
-# where the Triton kernel keeps running.
+# where the Triton kernel keeps running. The atomic backward's kernel (entry 18: the dK/dV kernel
+# plus dS K, added per query tile by a TMA reduce): 64x64 over one warpgroup, three stages, so two
+# programs share a multiprocessor; 128 keys over two warpgroups ran 1.0-1.15x its time, and at
+# d = 128 it spills.
 GLUON_TILES: dict[str, dict[int, dict[str, int]]] = {
     "dkdv": {64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)},
     "dq": {128: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)},
+    "atomic": {64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=3, num_warps=4)},
 }
 
 _SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KB per block, the rest is Triton's scratch
