@@ -89,9 +89,9 @@ if ctx.handout == "2025":
 # and nothing to convert; there `bucketed_update` makes one bucket per block and updates each
 # block as soon as its all-reduce has landed, while the later blocks' all-reduces still run (its
 # `sync_wait_ms` holds those updates). `peer_update` sends no all-reduce: the GPUs' copy engines
-# copy each gradient into the other rank's memory as soon as the backward produces it (no SM moves
-# a byte), and each block's fused update reads its own and the received gradient and averages them
-# in the same pass (`systems.parallel.peer`). Every wrapper agrees with the other ranks on which
+# copy each block's gradients into the other rank's memory as soon as the backward has produced
+# them (no SM moves a byte), and each block's fused update reads its own and the received
+# gradients and averages them in the same pass (`systems.parallel.peer`). Every wrapper agrees with the other ranks on which
 # gradients it reduces (`grad_check_ms`, a CPU round trip per step).
 
 # %%
