@@ -32,8 +32,10 @@ imported into Gluon unchanged).
 
 from __future__ import annotations
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -43,9 +45,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
-
-from triton._C.libtriton import ir
-from triton.experimental.gluon.language._core import builtin
 
 from systems.attention.flash_triton import kernels
 
@@ -120,8 +119,8 @@ def _reduce_dq_tile(dq_desc, dq_stage, dq, row0, t):
 def _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh, D_bh, offs_n,
                 n_q, n_k, offset, qk_scale, lo, hi, it, k_smem, ds_smem, dq_desc, dq_stage,
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, ADD_DQ: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
-                dq_layout: gl.constexpr):
+                MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, ADD_DQ: gl.constexpr, s_layout: gl.constexpr,
+                p_layout: gl.constexpr, dq_layout: gl.constexpr):
     """Accumulate dK, dV (wgmma accumulators, in flight) of one key tile over query tiles [lo, hi),
     in transposed form (keys x queries), as kernels._dkdv_query_loop does. ``it`` counts the tiles
     through the ring over the calls (slot it % STAGES, barrier phase (it // STAGES) % 2). MASK: the
