@@ -17,6 +17,12 @@ back to back and in a rotated order each round; a ratio is taken within a round,
 gives the median over rounds with the lowest and highest round. Rows are written as they are
 measured, so an interrupted run keeps its rounds.
 
+**Agreement.** A timing says nothing about the outputs, and a run can time kernels the tests never
+ran at these shapes (notes entry 19: a tile the autotuner had never been allowed to try). So after
+the rounds, under the same tuned plans, each Triton implementation's O, dQ, dK and dV at every shape
+are compared with the baseline's (cuDNN for bf16, naive for fp32) on the same inputs; a difference
+past ``AGREE_TOL`` is printed and makes the command exit 1.
+
     python -m systems.bench.flash_targets --out build/flash/flash_targets.jsonl
     python -m systems.bench.flash_targets --rounds 5 --no-prewarm
 """
@@ -37,6 +43,11 @@ BF16_SHAPES = ((16, 16384, 64), (16, 16384, 128), (1, 65536, 64), (1, 65536, 128
 FP32_SHAPES = tuple((1, seq, d) for d in (64, 128) for seq in (1024, 2048, 4096, 8192, 16384))
 IMPLS = {"bf16": ("triton", "sdpa_cudnn", "sdpa_flash"), "fp32": ("triton", "naive")}
 PASSES = ("fwd", "bwd", "e2e")
+AGREE_BASELINE = {"bf16": "sdpa_cudnn", "fp32": "naive"}
+# the largest |ours - baseline| over max(1, max |baseline|) allowed per output: the GPU tests hold
+# each implementation to 3e-2 (bf16) and 1e-4 (fp32) of float64 on that scale (GPU_TOL in
+# tests/attention/test_flash_triton.py), so two of them may differ by twice that
+AGREE_TOL = {"bf16": 6e-2, "fp32": 2e-4}
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,54 @@ def measure(*, rounds: int = 3, bf16_shapes=BF16_SHAPES, fp32_shapes=FP32_SHAPES
         if progress is not None:
             progress(f"round {r + 1}/{rounds} done at {time.perf_counter() - start:.0f} s")
     return rows
+
+
+def outputs(impl: str, *, bh: int, seq: int, d: int, dtype: str, device: str = "cuda") -> tuple:
+    """O, dQ, dK, dV of ``impl`` (causal) on seeded inputs shaped as time_attention's, (1, bh, seq, d)."""
+    import torch
+
+    from systems.bench.flash import get_impl
+    from systems.measure.devices import DTYPES
+
+    gen = torch.Generator(device=device).manual_seed(bh + seq + d)
+    q, k, v, do = (torch.randn(1, bh, seq, d, generator=gen, device=device).to(DTYPES[dtype]) for _ in range(4))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = get_impl(impl)(*leaves, True)
+    return (out.detach(), *torch.autograd.grad(out, leaves, do))
+
+
+def agreement(*, impls=IMPLS, bf16_shapes=BF16_SHAPES, fp32_shapes=FP32_SHAPES, run: Callable | None = None,
+              writer: ResultWriter | None = None) -> list[dict]:
+    """Per (dtype, shape, Triton implementation): the largest difference of each output from
+    AGREE_BASELINE's, over max(1, max |baseline|), and whether all are within AGREE_TOL. ``run``
+    is outputs' signature (tests pass a fake one)."""
+    from systems.bench.flash import ERROR_NAMES
+
+    run = run or outputs
+    rows = []
+    for dtype, shapes in (("bf16", bf16_shapes), ("fp32", fp32_shapes)):
+        ours = [i for i in impls[dtype] if i.startswith("triton")]
+        for bh, seq, d in shapes if ours else ():
+            want = run(AGREE_BASELINE[dtype], bh=bh, seq=seq, d=d, dtype=dtype)
+            for impl in ours:
+                got = run(impl, bh=bh, seq=seq, d=d, dtype=dtype)
+                errors = {name: ((g.float() - w.float()).abs().max() / w.float().abs().max().clamp(min=1)).item()
+                          for name, g, w in zip(ERROR_NAMES, got, want)}
+                row = dict(kind="agreement", impl=impl, baseline=AGREE_BASELINE[dtype], dtype=dtype,
+                           shape=[bh, seq, d], **errors, worst=max(errors.values()), tol=AGREE_TOL[dtype])
+                row["agrees"] = row["worst"] <= row["tol"]
+                if writer is not None:
+                    writer.write(row)
+                rows.append(row)
+    return rows
+
+
+def format_agreement(rows: list[dict]) -> str:
+    lines = ["agreement (largest |ours - baseline| / max(1, max |baseline|) over O, dQ, dK, dV):"]
+    for r in rows:
+        lines.append(f"  {r['dtype']:>5} {str(tuple(r['shape'])):>20} {r['impl']} vs {r['baseline']}: "
+                     f"{r['worst']:.2e} (<= {r['tol']:.0e}: {'ok' if r['agrees'] else 'DIFFERENT'})")
+    return "\n".join(lines)
 
 
 def ratios(rows: list[dict], *, ours: str = "triton") -> list[dict]:
@@ -240,11 +299,18 @@ def main(argv: list[str] | None = None) -> int:
         with environ_set({} if args.stored_plans else {CACHE_ENV: fresh}):
             rows = measure(rounds=args.rounds, impls=impls, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                            writer=writer, progress=lambda s: print(s, flush=True), **shapes)
+            checked = agreement(impls=impls, writer=writer, **shapes)  # under the plans just timed
     table = ratios(rows)
     print(format_table(table, verdicts(table)))
     if args.also:
         print(format_also(table, args.also))
+    print(format_agreement(checked))
     print(f"rows: {writer.path}")
+    different = [r for r in checked if not r["agrees"]]
+    if different:
+        print(f"error: {len(different)} implementation-shape pairs differ from their baseline past the "
+              f"tolerance (above): fix the kernels before reading the times", flush=True)
+        return 1
     return 0
 
 

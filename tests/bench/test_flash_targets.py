@@ -1,5 +1,6 @@
 """systems.bench.flash_targets: the interleaved protocol, the per-round ratios and the verdicts,
-with a fake timer whose times are known (the real one needs a GPU and SDPA's cuDNN backend)."""
+with a fake timer whose times are known (the real one needs a GPU and SDPA's cuDNN backend), and
+the agreement check with fake outputs whose differences are known."""
 
 import json
 
@@ -113,3 +114,40 @@ def test_shape_arguments_are_checked(capsys):
         with pytest.raises(SystemExit):
             ft.main(["--shape", bad])
     assert "3 positive integers BH,SEQ,D" in capsys.readouterr().err
+
+
+def fake_outputs(perturbed: dict):
+    """outputs' signature: every implementation returns the same seeded tensors, except that
+    ``perturbed`` maps (impl, shape) to (output index, amount) added to one element."""
+    import torch
+
+    def run(impl, *, bh, seq, d, dtype):
+        gen = torch.Generator().manual_seed(bh + seq + d)
+        outs = [torch.randn(1, bh, 8, d, generator=gen) * 3 for _ in range(4)]
+        index, amount = perturbed.get((impl, (bh, seq, d)), (0, 0.0))
+        outs[index][0, 0, 0, 0] += amount
+        return tuple(outs)
+    return run
+
+
+def test_agreement_compares_each_triton_impl_with_its_dtypes_baseline(tmp_path):
+    # errors are relative to max(1, max |baseline|): 0.5 on outputs of max ~10 is ~5e-2, under
+    # bf16's 6e-2, and 1.0 is over it; fp32's 2e-4 catches 0.01
+    perturbed = {("triton", (16, 16384, 64)): (1, 0.5), ("triton_tma", (16, 16384, 64)): (3, 1.5),
+                 ("triton", (1, 2048, 64)): (2, 0.01)}
+    impls = {"bf16": ("triton", "sdpa_cudnn", "triton_tma"), "fp32": ("triton", "naive")}
+    rows = ft.agreement(impls=impls, run=fake_outputs(perturbed), writer=ResultWriter(tmp_path / "a.jsonl"),
+                        **SHAPES)
+    got = {(r["impl"], tuple(r["shape"])): r for r in rows}
+    assert set(got) == {(i, s) for i in ("triton", "triton_tma") for s in SHAPES["bf16_shapes"]} | {
+        ("triton", (1, 2048, 64))}  # Triton implementations only; baselines are not checked against themselves
+    assert got[("triton", (1, 1024, 64))]["worst"] == 0 and got[("triton", (1, 1024, 64))]["agrees"]
+    lb = got[("triton", (16, 16384, 64))]
+    assert lb["baseline"] == "sdpa_cudnn" and 0 < lb["dQ"] <= 6e-2 and lb["O"] == 0 and lb["agrees"]
+    assert not got[("triton_tma", (16, 16384, 64))]["agrees"] and got[("triton_tma", (16, 16384, 64))]["dV"] > 6e-2
+    fp32 = got[("triton", (1, 2048, 64))]
+    assert fp32["baseline"] == "naive" and not fp32["agrees"] and fp32["dK"] > 2e-4
+    written = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert len(written) == len(rows) and all(w["kind"] == "agreement" for w in written)
+    text = ft.format_agreement(rows)
+    assert text.count("DIFFERENT") == 2 and "triton_tma vs sdpa_cudnn" in text
