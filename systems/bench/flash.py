@@ -217,27 +217,37 @@ CHECK_CASES = (((2, 100, 64), 100, True), ((2, 4, 77, 32), 130, True), ((3, 90, 
 ERROR_NAMES = ("O", "dQ", "dK", "dV")
 
 
+def outputs_and_grads(fn: Callable, q, k, v, do, causal: bool) -> tuple[tuple, list]:
+    """``fn(q, k, v, causal)``'s output O and dQ, dK, dV for the upstream gradient ``do``, and the
+    shapes of the tensors O's autograd node saved (an autograd.Function's; native nodes have none),
+    read before the backward frees them."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, causal)
+    saved = [t.shape for t in getattr(out.grad_fn, "saved_tensors", ())]
+    return (out.detach(), *torch.autograd.grad(out, leaves, do)), saved
+
+
+def scaled_errors(got: tuple, want: tuple) -> dict:
+    """Per ERROR_NAMES output: max |got - want| / max(1, max |want|) (absolute for values of order
+    one, relative beyond)."""
+    return {name: ((g.double() - w.double()).abs().max() / w.double().abs().max().clamp(min=1)).item()
+            for name, g, w in zip(ERROR_NAMES, got, want)}
+
+
 def check_errors(impl: str, *, shape_q: tuple[int, ...], n_k: int, causal: bool, dtype: str,
                  device: str = "cpu") -> dict:
     """One row: the largest error of O, dQ, dK, dV through ``impl`` against float64 autograd of the
-    direct formula, each divided by max(1, max |reference|) (absolute for values of order one, relative
-    beyond), and whether the autograd graph saved the logsumexp L (a tensor shaped (..., n_q))."""
-    fn = get_impl(impl)
+    direct formula (scaled_errors), and whether the autograd graph saved the logsumexp L (a tensor
+    shaped (..., n_q))."""
     gen = torch.Generator(device=device).manual_seed(sum(shape_q) + n_k)
     shape_k = (*shape_q[:-2], n_k, shape_q[-1])
     q, k, v, do = (torch.randn(s, device=device, generator=gen).to(DTYPES[dtype])
                    for s in (shape_q, shape_k, shape_k, shape_q))
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = fn(*leaves, causal)
-    saved = getattr(out.grad_fn, "saved_tensors", ())  # an autograd.Function's; native nodes have none
-    got = (out, *torch.autograd.grad(out, leaves, do))
-    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    ref = naive_attention(*ref_in, is_causal=causal)
-    want = (ref, *torch.autograd.grad(ref, ref_in, do.double()))
-    errors = {name: ((g.double() - w).abs().max() / w.abs().max().clamp(min=1)).item()
-              for name, g, w in zip(ERROR_NAMES, got, want)}
+    got, saved = outputs_and_grads(get_impl(impl), q, k, v, do, causal)
+    want, _ = outputs_and_grads(naive_attention, *(t.double() for t in (q, k, v, do)), causal)
+    errors = scaled_errors(got, want)
     return dict(impl=impl, dtype=dtype, dot=dot_of(impl, dtype), device=str(device), q_shape=list(shape_q), n_k=n_k,
-                causal=causal, saves_lse=any(t.shape == q.shape[:-1] for t in saved), **errors,
+                causal=causal, saves_lse=any(shape == q.shape[:-1] for shape in saved), **errors,
                 worst=max(errors.values()))
 
 

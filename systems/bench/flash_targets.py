@@ -113,14 +113,12 @@ def outputs(impl: str, *, bh: int, seq: int, d: int, dtype: str, device: str = "
     """O, dQ, dK, dV of ``impl`` (causal) on seeded inputs shaped as time_attention's, (1, bh, seq, d)."""
     import torch
 
-    from systems.bench.flash import get_impl
+    from systems.bench.flash import get_impl, outputs_and_grads
     from systems.measure.devices import DTYPES
 
     gen = torch.Generator(device=device).manual_seed(bh + seq + d)
     q, k, v, do = (torch.randn(1, bh, seq, d, generator=gen, device=device).to(DTYPES[dtype]) for _ in range(4))
-    leaves = [t.requires_grad_() for t in (q, k, v)]
-    out = get_impl(impl)(*leaves, True)
-    return (out.detach(), *torch.autograd.grad(out, leaves, do))
+    return outputs_and_grads(get_impl(impl), q, k, v, do, True)[0]
 
 
 def agreement(*, impls=IMPLS, bf16_shapes=BF16_SHAPES, fp32_shapes=FP32_SHAPES, run: Callable | None = None,
@@ -128,7 +126,7 @@ def agreement(*, impls=IMPLS, bf16_shapes=BF16_SHAPES, fp32_shapes=FP32_SHAPES, 
     """Per (dtype, shape, Triton implementation): the largest difference of each output from
     AGREE_BASELINE's, over max(1, max |baseline|), and whether all are within AGREE_TOL. ``run``
     is outputs' signature (tests pass a fake one)."""
-    from systems.bench.flash import ERROR_NAMES
+    from systems.bench.flash import scaled_errors
 
     run = run or outputs
     rows = []
@@ -138,8 +136,7 @@ def agreement(*, impls=IMPLS, bf16_shapes=BF16_SHAPES, fp32_shapes=FP32_SHAPES, 
             want = run(AGREE_BASELINE[dtype], bh=bh, seq=seq, d=d, dtype=dtype)
             for impl in ours:
                 got = run(impl, bh=bh, seq=seq, d=d, dtype=dtype)
-                errors = {name: ((g.float() - w.float()).abs().max() / w.float().abs().max().clamp(min=1)).item()
-                          for name, g, w in zip(ERROR_NAMES, got, want)}
+                errors = scaled_errors(got, want)
                 row = dict(kind="agreement", impl=impl, baseline=AGREE_BASELINE[dtype], dtype=dtype,
                            shape=[bh, seq, d], **errors, worst=max(errors.values()), tol=AGREE_TOL[dtype])
                 row["agrees"] = row["worst"] <= row["tol"]

@@ -940,9 +940,17 @@ def _gluon_in_tested_range() -> bool:
     return version_in_range(triton.__version__, gpu_tested_versions()["triton"])
 
 
-def _gluon_ptx_for_h100(kernel: str, kinds: list[str], causal: bool) -> str:
+# the types of each Gluon kernel's non-constexpr arguments, in order
+_GLUON_ARG_KINDS = {
+    "dkdv": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["i32"] * 3 + ["fp32"] * 2,
+    "dq": ["*bf16"] * 5 + ["*fp32"] * 2 + ["*bf16"] + ["i32"] * 3 + ["fp32"] * 2,
+    "atomic": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] + ["i32"] * 3 + ["fp32"] * 2,
+}
+
+
+def _gluon_ptx_for_h100(kernel: str, causal: bool) -> str:
     """The PTX of kernels_gluon.py's ``kernel`` ("dq", "dkdv", "atomic") for sm_90 at its first head dim of
-    tuning.GLUON_TILES, with its tiles; ``kinds``: the types of its non-constexpr arguments."""
+    tuning.GLUON_TILES, with its tiles."""
     if not _gluon_in_tested_range():
         pytest.skip("the Gluon kernels are written for the GPU-tested Triton only (pyproject.toml)")
     pytest.importorskip("triton.backends.nvidia")
@@ -955,6 +963,7 @@ def _gluon_ptx_for_h100(kernel: str, kinds: list[str], causal: bool) -> str:
 
     fn = {"dq": kernels_gluon.flash_bwd_dq_gluon_kernel, "dkdv": kernels_gluon.flash_bwd_dkdv_gluon_kernel,
           "atomic": kernels_gluon.flash_bwd_atomic_gluon_kernel}[kernel]
+    kinds = _GLUON_ARG_KINDS[kernel]
     signature = {name: kinds[i] if i < len(kinds) else "constexpr" for i, name in enumerate(fn.arg_names)}
     head_dim, tiles = next(iter(GLUON_TILES[kernel].items()))
     tiles = dict(tiles)
@@ -965,44 +974,29 @@ def _gluon_ptx_for_h100(kernel: str, kinds: list[str], causal: bool) -> str:
 
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the Gluon kernel (not the interpreter's)")
 @pytest.mark.parametrize("causal", [True, False])
-def test_gluon_dkdv_compiles_for_h100(causal):
-    """kernels_gluon.py compiled for sm_90 with the Triton it is written for: its products are
-    asynchronous (a wgmma wait that leaves one group in flight), K and V feed wgmma from registers
-    in the S^T and dP^T products, L and D arrive on the tiles' barriers through cp.async, and
-    nothing spills to local memory."""
-    ptx = _gluon_ptx_for_h100("dkdv", ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["i32"] * 3 + ["fp32"] * 2,
-                              causal)
+@pytest.mark.parametrize("kernel", sorted(_GLUON_ARG_KINDS))
+def test_gluon_kernels_compile_for_h100(kernel, causal):
+    """kernels_gluon.py compiled for sm_90 with the Triton it is written for: every kernel's products
+    are asynchronous (a wgmma wait that leaves one group in flight) and nothing spills to local
+    memory. dK/dV: K and V feed wgmma from registers in the S^T and dP^T products, L and D arrive
+    on the tiles' barriers through cp.async. dQ: Q and dO as register A operands, K and V through
+    TMA. Atomic: each query tile's dS K added into the fp32 dQ buffer by one TMA bulk reduce-add
+    (no per-element atomics), with a read-wait that leaves the newer of the two staging buffers'
+    reduces in flight."""
+    ptx = _gluon_ptx_for_h100(kernel, causal)
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
-    assert "cp.async.mbarrier.arrive.noinc" in ptx and "cp.async.bulk.tensor" in ptx
-    # S^T and dP^T with K, V from registers: an A operand in braces, then a shared-memory descriptor
-    assert re_count(r"wgmma\.mma_async\S* \{[^}]*\}, \{[^}]*\}, %rd", ptx) > 0
     assert "st.local" not in ptx
-
-
-@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the Gluon kernel (not the interpreter's)")
-@pytest.mark.parametrize("causal", [True, False])
-def test_gluon_dq_compiles_for_h100(causal):
-    """The dQ kernel likewise at its head dim: asynchronous products, Q and dO as register A
-    operands, K and V through TMA, no local memory."""
-    ptx = _gluon_ptx_for_h100("dq", ["*bf16"] * 5 + ["*fp32"] * 2 + ["*bf16"] + ["i32"] * 3 + ["fp32"] * 2, causal)
-    assert "wgmma.wait_group.sync.aligned 1;" in ptx and "cp.async.bulk.tensor" in ptx
-    assert re_count(r"wgmma\.mma_async\S* \{[^}]*\}, \{[^}]*\}, %rd", ptx) > 0
-    assert "st.local" not in ptx
-
-
-@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the Gluon kernel (not the interpreter's)")
-@pytest.mark.parametrize("causal", [True, False])
-def test_gluon_atomic_compiles_for_h100(causal):
-    """The atomic backward's kernel likewise: the dK/dV kernel's asynchronous products, and each
-    query tile's dS K added into the fp32 dQ buffer by one TMA bulk reduce-add (no per-element
-    atomics), with a read-wait that leaves the newer of the two staging buffers' reduces in flight."""
-    ptx = _gluon_ptx_for_h100("atomic", ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] + ["i32"] * 3
-                              + ["fp32"] * 2, causal)
-    assert "wgmma.wait_group.sync.aligned 1;" in ptx
-    assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
-    assert re_count(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx) > 0
-    assert re_count(r"\b(?:atom|red)\.global", ptx) == 0
-    assert "st.local" not in ptx
+    # an A operand in braces (registers), then a shared-memory descriptor
+    register_a = re_count(r"wgmma\.mma_async\S* \{[^}]*\}, \{[^}]*\}, %rd", ptx)
+    if kernel == "dkdv":
+        assert "cp.async.mbarrier.arrive.noinc" in ptx and "cp.async.bulk.tensor" in ptx
+        assert register_a > 0
+    if kernel == "dq":
+        assert "cp.async.bulk.tensor" in ptx and register_a > 0
+    if kernel == "atomic":
+        assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
+        assert re_count(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx) > 0
+        assert re_count(r"\b(?:atom|red)\.global", ptx) == 0
 
 
 def re_count(pattern: str, text: str) -> int:

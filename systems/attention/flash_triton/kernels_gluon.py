@@ -79,6 +79,24 @@ def _head_descriptor(base, bh, n_rows, HEAD_DIM: gl.constexpr, BLOCK_ROWS: gl.co
 
 
 @gluon.jit
+def _tile_operands(X, Y, n_x, A, B, n_a, bh, HEAD_DIM: gl.constexpr, BLOCK_X: gl.constexpr, BLOCK_A: gl.constexpr,
+                   STAGES: gl.constexpr, layout: gl.constexpr):
+    """The TMA descriptors and shared memory of a program's four operand tensors: X and Y (n_x rows
+    a head), one tile of BLOCK_X rows each held for the whole program, and A and B (n_a rows), tiles
+    of BLOCK_A rows streamed through rings of STAGES buffers."""
+    dtype: gl.constexpr = X.dtype.element_ty
+    x_desc = _head_descriptor(X, bh, n_x, HEAD_DIM, BLOCK_X, layout)
+    y_desc = _head_descriptor(Y, bh, n_x, HEAD_DIM, BLOCK_X, layout)
+    a_desc = _head_descriptor(A, bh, n_a, HEAD_DIM, BLOCK_A, layout)
+    b_desc = _head_descriptor(B, bh, n_a, HEAD_DIM, BLOCK_A, layout)
+    x_smem = gl.allocate_shared_memory(dtype, [BLOCK_X, HEAD_DIM], layout)
+    y_smem = gl.allocate_shared_memory(dtype, [BLOCK_X, HEAD_DIM], layout)
+    a_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_A, HEAD_DIM], layout)
+    b_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_A, HEAD_DIM], layout)
+    return x_desc, y_desc, a_desc, b_desc, x_smem, y_smem, a_ring, b_ring
+
+
+@gluon.jit
 def _store_tile(base, x, bh, row0, n_rows, HEAD_DIM: gl.constexpr, BLOCK_ROWS: gl.constexpr, layout: gl.constexpr):
     """Store x (BLOCK_ROWS, HEAD_DIM, in ``layout``) into rows row0... of (batch, head) bh's slice
     of a contiguous (..., n_rows, HEAD_DIM) tensor, in its dtype; rows past n_rows are dropped."""
@@ -199,14 +217,8 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, q
 
     tile, bh = _program_tile(n_k, head_group, BLOCK_N, False)
     n0 = tile * BLOCK_N
-    k_desc = _head_descriptor(K, bh, n_k, HEAD_DIM, BLOCK_N, tile_smem)
-    v_desc = _head_descriptor(V, bh, n_k, HEAD_DIM, BLOCK_N, tile_smem)
-    q_desc = _head_descriptor(Q, bh, n_q, HEAD_DIM, BLOCK_M, tile_smem)
-    do_desc = _head_descriptor(dO, bh, n_q, HEAD_DIM, BLOCK_M, tile_smem)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_smem)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], tile_smem)
-    q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], tile_smem)
-    do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], tile_smem)
+    k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring = _tile_operands(
+        K, V, n_k, Q, dO, n_q, bh, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, tile_smem)
     l_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
     d_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
     ds_smem = None
@@ -369,18 +381,11 @@ def flash_bwd_dq_gluon_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])  # 16-byte row chunks
     tile_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    dtype: gl.constexpr = Q.dtype.element_ty
 
     tile, bh = _program_tile(n_q, head_group, BLOCK_M, IS_CAUSAL)
     m0 = tile * BLOCK_M
-    q_desc = _head_descriptor(Q, bh, n_q, HEAD_DIM, BLOCK_M, tile_smem)
-    do_desc = _head_descriptor(dO, bh, n_q, HEAD_DIM, BLOCK_M, tile_smem)
-    k_desc = _head_descriptor(K, bh, n_k, HEAD_DIM, BLOCK_N, tile_smem)
-    v_desc = _head_descriptor(V, bh, n_k, HEAD_DIM, BLOCK_N, tile_smem)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], tile_smem)
-    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], tile_smem)
-    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_smem)
-    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_smem)
+    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_ring, v_ring = _tile_operands(
+        Q, dO, n_q, K, V, n_k, bh, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, tile_smem)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
