@@ -538,6 +538,12 @@ def test_pruners_keep_each_kernels_own_configs_that_fit():
             assert [id(c) for c in kept] == [id(c) for c in listed], (name, family)
             big = kernel.early_config_prune(kernel.configs, {"Q": q, "BLOCK_D": 512})
             assert big and len(big) < len(listed) or len(listed) == 1, (name, family)
+    # at d = 128 in 16 bits every TMA forward and dQ tile is tried: the largest (224 KB by the
+    # pruner's count) fit an H100's 227 KB and are that head dim's fastest (notes entry 19)
+    for name in ("fwd_tma", "dq_tma"):
+        kernel, q = tuning.TUNED[name].autotuner, torch.empty(1, 1, 1, dtype=torch.bfloat16)
+        kept = kernel.early_config_prune(kernel.configs, {"Q": q, "BLOCK_D": 128})
+        assert [id(c) for c in kept] == [id(c) for c in tuning.CONFIGS[name]["half"]], name
     # an option measured to spill past a head dim is not tried there (tuning._OPTION_MAX_BLOCK_D)
     for (family_name, option), limit in tuning._OPTION_MAX_BLOCK_D.items():
         for name in (family_name, f"{family_name}_tma"):

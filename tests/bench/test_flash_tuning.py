@@ -96,7 +96,7 @@ def _listed(tuning, kernel, i=0):
 
 
 @needs_triton
-def test_source_hash_follows_the_kernels_and_their_configs():
+def test_source_hash_follows_the_kernels_and_their_configs(monkeypatch):
     from systems.attention.flash_triton import kernels, tuning
 
     source = inspect.getsource(kernels)
@@ -106,6 +106,9 @@ def test_source_hash_follows_the_kernels_and_their_configs():
     assert edited != source and tuning.source_hash(edited, tuning.CONFIGS) != base
     fewer = {**tuning.CONFIGS, "fwd": {"half": tuning.CONFIGS["fwd"]["half"][:1], "fp32": []}}
     assert tuning.source_hash(source, fewer) != base
+    # and the pruner's budget, which decides which of the listed configs are tried
+    monkeypatch.setattr(tuning, "_SMEM_BUDGET", tuning._SMEM_BUDGET - 1024)
+    assert tuning.source_hash(source, tuning.CONFIGS) != base
 
 
 @needs_triton

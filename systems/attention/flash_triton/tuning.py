@@ -185,7 +185,13 @@ GLUON_TILES: dict[str, dict[int, dict[str, int]]] = {
     "atomic": {64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=3, num_warps=4)},
 }
 
-_SMEM_BUDGET = 200 * 1024  # bytes; H100 allows 227 KB per block, the rest is Triton's scratch
+# bytes of tiles a config may hold (_prune's estimate: the resident tiles, and the streamed ones
+# once per stage). An H100 block may use 227 KB; the TMA forward's 128x128/8/3 tile at d = 128
+# estimates 224 KB and runs (Triton adds about 1 KB of barriers), and it is that head dim's fastest
+# forward by 9-10%, as dQ's 64x128/4/3 (224 KB) is among its dQ tiles (notes entries 11 and 19). A
+# budget of 200 KB pruned both from every d = 128 tuning until entry 19. A config past the real
+# limit fails to launch while tuning and the autotuner passes it over (OutOfResources).
+_SMEM_BUDGET = 226 * 1024
 # fp32 registers per thread the atomic kernel's dK and dV accumulators may take: a thread has at
 # most 255, and the S^T, P^T, dP^T tiles and the dot operands need the rest (beyond this it spills)
 _ACC_REGS_PER_THREAD = 128
@@ -318,9 +324,10 @@ def cache_dir() -> Path | None:
 
 
 def source_hash(kernel_source: str, configs: dict) -> str:
-    """sha256 of the kernels' source and of the config lists the autotuners choose from: a plan
-    tuned before either changed is not reused."""
+    """sha256 of the kernels' source, of the config lists the autotuners choose from and of the
+    pruner's shared-memory budget: a plan tuned before any of them changed is not reused."""
     digest = hashlib.sha256(kernel_source.encode())
+    digest.update(repr(_SMEM_BUDGET).encode())  # which configs the pruner lets the autotuner try
     for name in sorted(configs):
         for family in ("half", "fp32"):
             digest.update(repr([(name, family, config_meta(c)) for c in configs[name][family]]).encode())
