@@ -288,6 +288,7 @@ def test_interp_second_call_launches_the_stored_plan(forward, backward, kernels)
     second = run()  # straight to the jit'ed kernels with the stored meta-parameters
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert ft.launch_recipes() == []  # recipes bind direct launches only
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")
@@ -303,6 +304,51 @@ def test_specialisation_separates_what_triton_compiles_separately():
     for other in [(misaligned, 1024, 0.5), (aligned, 1000, 0.5), (aligned, 1, 0.5), (aligned, 2**31, 0.5),
                   (aligned.half(), 1024, 0.5)]:
         assert specialisation(other) != base, other
+
+
+@pytest.mark.skipif(not have_triton(), reason="needs triton")
+def test_recipe_key_separates_what_the_launch_choices_read():
+    # a call replays a recipe only under an equal key, so everything the kernel choice, the plans
+    # and the specialisation read must change it; values and the exact addresses must not
+    from systems.attention.flash_triton import FlashVariant
+    from systems.attention.flash_triton.launch import recipe_key
+
+    buf = torch.zeros(4 * 64 * 32 + 4)
+    q, k = buf[:2048].view(64, 32), buf[2048:4096].view(64, 32)
+    base = recipe_key("fwd", FlashVariant(), True, q, k)
+    assert base == recipe_key("fwd", FlashVariant(), True, buf[4096:6144].view(64, 32), torch.ones(64, 32))
+    others = [recipe_key("bwd", FlashVariant(), True, q, k), recipe_key("fwd", FlashVariant(backward="split"), True, q, k),
+              recipe_key("fwd", FlashVariant(), False, q, k), recipe_key("fwd", FlashVariant(), True, q[:32], k),
+              recipe_key("fwd", FlashVariant(), True, q, k[:32]), recipe_key("fwd", FlashVariant(), True, q.half(), k),
+              recipe_key("fwd", FlashVariant(), True, buf[1:2049].view(64, 32), k)]  # 4 bytes past a boundary
+    assert all(other != base for other in others) and len(set(others)) == len(others)
+    # fp32_dot "auto" follows torch's TF32 switch per call (dot_precision): the key must too
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = not before
+        assert recipe_key("fwd", FlashVariant(), True, q, k) != base
+        assert recipe_key("fwd", FlashVariant(), True, q.half(), k) == others[5]  # 16-bit inputs ignore it
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.skipif(not have_triton(), reason="needs triton")
+def test_recipes_replay_the_launch_with_its_other_arguments(monkeypatch):
+    from systems.attention.flash_triton import launch
+
+    calls = []
+    tensors = (torch.zeros(2), torch.ones(3))
+    run = launch._bound(lambda *args: calls.append(args), (*tensors, 1000, 2, 0.125), ("tail", 64))
+    new = (torch.full((2,), 5.0), torch.full((3,), 6.0))
+    run(*new)
+    assert calls[0][:2] == new and calls[0][2:] == (1000, 2, 0.125, "tail", 64)
+    monkeypatch.setattr(launch, "_RECIPES", {})
+    launch._keep_recipe(("fwd", "partly public"), False, (run, None))  # a public launch: nothing to replay
+    assert launch._RECIPES == {}
+    monkeypatch.setattr(launch, "_MAX_RECIPES", 2)
+    for i in range(3):
+        launch._keep_recipe(("fwd", i), False, (run,))
+    assert list(launch._RECIPES) == [("fwd", 2)]  # full: started over
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")
@@ -710,10 +756,11 @@ def test_gpu_triton_tma_close_to_pointer_kernels_bf16():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_repeated_calls_launch_compiled_kernels_for_their_own_arguments():
+def test_gpu_repeated_calls_launch_compiled_kernels_for_their_own_arguments(fresh_plans):
     # one autotuning key (bucket 1024, d 64, bf16, causal) under arguments Triton specialises apart:
-    # lengths divisible by 16 or not, base pointers 16-byte aligned or not. Each is called three
-    # times (autotune or jit dispatch, then the stored compiled kernel) and must stay correct.
+    # lengths divisible by 16 or not, base pointers 16-byte aligned or not. Each is called four
+    # times (autotune or jit dispatch, the stored compiled kernel, then the call's recipe) and must
+    # stay correct, to the bit across the routes.
     from systems.attention import flash_triton as ft
 
     def inputs(n, misaligned):
@@ -736,17 +783,29 @@ def test_gpu_repeated_calls_launch_compiled_kernels_for_their_own_arguments():
         want_grads = torch.autograd.grad(want, (q64, k64, v64), do.double())
         for t in (q, k, v):
             t.requires_grad_()
-        for _ in range(3):  # the forward and both backward kernels each take all three routes
+        runs = []
+        for _ in range(4):  # the forward and both backward kernels each take all four routes
             got = ft.flash_attention_triton(q, k, v, is_causal=True)
             grads = torch.autograd.grad(got, (q, k, v), do)
             errors = [rel_err(got, want)] + [rel_err(g, w) for g, w in zip(grads, want_grads)]
             assert max(errors) < GPU_TOL[torch.bfloat16], (n, misaligned, errors)
+            runs.append((got, *grads))
+        for later in runs[1:]:  # one compiled kernel per launch behind every route: the same bits
+            for a, b in zip(runs[0], later):
+                torch.testing.assert_close(b, a, rtol=0, atol=0)
     direct = ft.launch_path().direct  # outside the GPU-tested versions every call went through Triton's dispatch
     for name in ("fwd", "dq", "dkdv"):
         plans = [row for row in ft.tuned_plans()
                  if row["kernel"] == name and (row["dtype"], row["SEQ_BUCKET"]) == (str(torch.bfloat16), 1024)]
         assert plans and (plans[0]["compiled"] >= 3 if direct else plans[0]["compiled"] == 0), name
         # (direct: aligned/1024, aligned/1000, misaligned/1024)
+    # direct: each pass's second call bound its launches into a recipe, which the later calls
+    # replayed (routes: autotuner or stored plan, jit dispatch, compiled kernel, recipe); the
+    # misaligned inputs have recipes of their own
+    recipes = [(r["pass_name"], r["q_shape"], r["launches"]) for r in ft.launch_recipes()
+               if r["dtype"] == str(torch.bfloat16) and r["q_shape"][-1] == 64]
+    per_inputs = [[("fwd", (2, n, 64), 1), ("bwd", (2, n, 64), 2)] for n in (1024, 1000, 1024)]
+    assert sorted(recipes) == (sorted(sum(per_inputs, [])) if direct else []), recipes
 
 
 # Both variants of the split path, at a length divisible by 16 and one that is not, three calls

@@ -37,6 +37,7 @@ from systems.attention.flash_triton.launch import (
     launch_dq,
     launch_forward,
     launch_path,
+    launch_recipes,
     tma_usable,
     tuned_plans,
 )
@@ -54,4 +55,4 @@ __all__ = ["FP32_DOTS", "FlashAttentionTriton", "FlashVariant", "LaunchPath", "T
            "clear_tuned_plans",
            "dot_precision", "flash_attention_triton", "flash_backward_triton", "flash_forward_triton", "launch_atomic",
            "launch_backward_atomic", "launch_bwd_prep", "launch_dkdv", "launch_dq", "launch_forward", "launch_path",
-           "tma_usable", "tuned_plans"]
+           "launch_recipes", "tma_usable", "tuned_plans"]

@@ -21,7 +21,7 @@ import tomllib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Callable, Literal, get_args
 
 import torch
 import triton
@@ -338,8 +338,10 @@ def tuned_plans() -> list[dict]:
 
 
 def clear_tuned_plans() -> None:
-    """Forget this process's plans (the persisted ones stay): each key's next call starts over."""
+    """Forget this process's plans and the recipes bound to their kernels (the persisted plans
+    stay): each key's next call starts over."""
     _PLANS.clear()
+    _RECIPES.clear()
 
 
 def specialisation(args: tuple) -> tuple:
@@ -380,31 +382,80 @@ def _first_plan(kernel: TunedKernel, key: tuple, grid, args: tuple, meta: dict) 
     return None
 
 
-def _launch(kernel: TunedKernel, grid, args: tuple, meta: dict, config: dict | None) -> None:
+def _launch(kernel: TunedKernel, grid, args: tuple, meta: dict, config: dict | None) -> Callable | None:
     """The kernel under its plan, or with ``config`` (its tile sizes, num_warps and num_stages) the
     jit kernel under it, bypassing plans and autotuner (what systems.bench.flash_tuning measures
-    candidates with)."""
+    candidates with). Returns, where the launch was direct, the same launch bound to everything
+    but its leading tensor arguments (``_bound``: what a call recipe replays), else None."""
     if config is not None:
         kernel.jit[grid](*args, **meta, **config)
-        return
+        return None
     key = (kernel.name, args[0].dtype, *(meta[k] for k in TUNE_KEY))  # the autotuner's own key
     plan = _PLANS.get(key)
     if plan is None:
         plan = _first_plan(kernel, key, grid, args, meta)
         if plan is None:
-            return
+            return None
     if plan.tail is None:
         kernel.jit[grid](*args, **plan.kwargs)
-        return
+        return None
     spec = specialisation(args)
     compiled = plan.compiled.get(spec)
     if compiled is None:
         compiled = kernel.jit[grid](*args, **plan.kwargs)
         if isinstance(compiled, _compiled_kernel_class()):
             plan.compiled[spec] = compiled
-        return
+        return None
     g = grid(plan.kwargs)
-    compiled[(g[0], g[1], 1)](*args, *plan.tail)
+    run = compiled[(g[0], g[1], 1)]
+    run(*args, *plan.tail)
+    return _bound(run, args, plan.tail)
+
+
+def _bound(run: Callable, args: tuple, tail: tuple) -> Callable:
+    """``run`` (a compiled kernel at its grid) as a function of the launch's leading tensors: the
+    arguments after them (lengths, head group, scales) and the plan's tail stay as in ``args``."""
+    n_tensors = next((i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args))
+    rest = (*args[n_tensors:], *tail)
+    return lambda *tensors: run(*tensors, *rest)
+
+
+# ----------------------------------------------------------------------------- call recipes
+
+# A pass's launches as bound at its first direct call for a recipe key: what later calls with that
+# key replay, after allocating their outputs, without choosing kernels, looking up plans or
+# specialising arguments again (at (1, 4096, 128) that choosing cost about 45 of the backward's 124
+# us of host time on the H100: notes entry 20). Keyed by everything those choices read; the compiled
+# kernels' own specialisation (dtypes, devices, 16-byte alignment, the lengths) is a function of it,
+# as the outputs are fresh allocations (aligned).
+_RECIPES: dict[tuple, tuple[bool, tuple[Callable, ...]]] = {}
+_MAX_RECIPES = 4096  # a process calling ever new shapes starts over rather than grow without bound
+
+
+def recipe_key(pass_name: str, variant: FlashVariant, is_causal: bool, *tensors: torch.Tensor) -> tuple:
+    """The call recipe a pass ("fwd" or "bwd") over ``tensors`` (Q and K first) replays: its
+    variant, causality, shapes, dtype, device, each tensor's 16-byte alignment and, for fp32 inputs
+    under fp32_dot "auto", torch's TF32 switch (dot_precision reads it)."""
+    q, k = tensors[0], tensors[1]
+    tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    return (pass_name, variant, is_causal, q.shape, k.shape, q.dtype, q.device, tf32,
+            tuple(t.data_ptr() % 16 == 0 for t in tensors))
+
+
+def _keep_recipe(key: tuple, tma: bool, runs: tuple) -> None:
+    """Keep the bound launches of a call for its key, where every launch of it was direct."""
+    if any(run is None for run in runs):
+        return
+    if len(_RECIPES) >= _MAX_RECIPES:
+        _RECIPES.clear()
+    _RECIPES[key] = (tma, runs)
+
+
+def launch_recipes() -> list[dict]:
+    """One row per call recipe this process holds: the pass, shapes, dtype, causality and how many
+    launches it replays."""
+    return [dict(pass_name=key[0], q_shape=tuple(key[3]), k_shape=tuple(key[4]), dtype=str(key[5]),
+                 causal=key[2], launches=len(runs)) for key, (_, runs) in _RECIPES.items()]
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -529,46 +580,49 @@ def resolve_head_group(q3: torch.Tensor, k3: torch.Tensor, given: int | None) ->
 # order's group of heads (kernels._program_tile), head_group()'s rule where None.
 
 def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None = None, tma: bool = False,
-                   fp32_dot: str = "auto", head_group: int | None = None) -> None:
+                   fp32_dot: str = "auto", head_group: int | None = None) -> Callable | None:
     """Fill O (like Q) and L (Q's leading dims and n_q, fp32) from Q (..., n_q, d) and K, V
-    (..., n_k, d). tma: the TMA kernel (the tensors must pass tma_usable)."""
+    (..., n_k, d). tma: the TMA kernel (the tensors must pass tma_usable). Returns _launch's bound
+    launch (taking Q, K, V, O, L), or None."""
     batch, n_q, n_k, d = _dims(q3, k3)
     grid = _tile_grid(n_q, "BLOCK_M", batch)
     group = resolve_head_group(q3, k3, head_group)
-    _launch(_pick(_FWD, tma), grid, (q3, k3, v3, o, lse, n_q, n_k, group, d ** -0.5 * kernels.LOG2E),
-            _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
+    return _launch(_pick(_FWD, tma), grid, (q3, k3, v3, o, lse, n_q, n_k, group, d ** -0.5 * kernels.LOG2E),
+                   _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
 
 def launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal: bool, *, config: dict | None = None,
               meta: dict | None = None, tma: bool = False, gluon: bool = False, fp32_dot: str = "auto",
-              head_group: int | None = None) -> None:
+              head_group: int | None = None) -> Callable | None:
     """Fill dQ and D = rowsum(O * dO) (the dK/dV kernel's input), given L. gluon: kernels_gluon.py's
-    kernel (the tensors must pass gluon_usable("dq", ...)), as in launch_dkdv."""
+    kernel (the tensors must pass gluon_usable("dq", ...)), as in launch_dkdv. Returns _launch's
+    bound launch (taking Q, K, V, O, dO, L, D, dQ), or None (the Gluon kernel's included)."""
     batch, n_q, n_k, d = _dims(q3, k3)
     group = resolve_head_group(q3, k3, head_group)
     args = (q3, k3, v3, o3, do3, lse, delta, dq, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
     if gluon:
         _launch_gluon("dq", n_q, batch, args, is_causal)
-        return
+        return None
     grid = _tile_grid(n_q, "BLOCK_M2", batch)
-    _launch(_pick(_DQ, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
+    return _launch(_pick(_DQ, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot),
+                   config)
 
 
 def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config: dict | None = None,
                 meta: dict | None = None, tma: bool = False, gluon: bool = False, fp32_dot: str = "auto",
-                head_group: int | None = None) -> None:
+                head_group: int | None = None) -> Callable | None:
     """Fill dK and dV, given L and D (written by launch_dq). gluon: kernels_gluon.py's kernel (the
     tensors must pass gluon_usable("dkdv", ...)), with its fixed tiles (tuning.GLUON_TILES), through
-    the public launch."""
+    the public launch. Returns _launch's bound launch (taking Q, K, V, dO, L, D, dK, dV), or None."""
     batch, n_q, n_k, d = _dims(q3, k3)
     group = resolve_head_group(q3, k3, head_group)
     args = (q3, k3, v3, do3, lse, delta, dk, dv, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
     if gluon:
         _launch_gluon("dkdv", n_k, batch, args, is_causal)
-        return
+        return None
     grid = _tile_grid(n_k, "BLOCK_N1", batch)
-    _launch(_pick(_DKDV, tma), grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot),
-            config)
+    return _launch(_pick(_DKDV, tma), grid, args,
+                   meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
 
 def _launch_gluon(kernel: str, n_rows: int, batch: int, args: tuple, is_causal: bool) -> None:
@@ -635,8 +689,18 @@ def flash_forward_triton(q3, k3, v3, is_causal: bool, *, variant: FlashVariant =
     _contiguous(q3, k3, v3)
     o = torch.empty_like(q3)
     lse = torch.empty(q3.shape[:-1], device=q3.device, dtype=torch.float32)
-    launch_forward(q3, k3, v3, o, lse, is_causal, tma=variant.forward_tma(q3, k3, v3), fp32_dot=variant.fp32_dot,
-                   head_group=variant.head_group)
+    key = recipe_key("fwd", variant, is_causal, q3, k3, v3)
+    recipe = _RECIPES.get(key)
+    if recipe is not None:
+        tma, (run,) = recipe
+        if tma:
+            _ensure_tma_allocator()
+        run(q3, k3, v3, o, lse)
+        return o, lse
+    tma = variant.forward_tma(q3, k3, v3)
+    run = launch_forward(q3, k3, v3, o, lse, is_causal, tma=tma, fp32_dot=variant.fp32_dot,
+                         head_group=variant.head_group)
+    _keep_recipe(key, tma, (run,))
     return o, lse
 
 
@@ -650,6 +714,16 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
     _contiguous(q3, k3, v3, o3, do3)
     delta = torch.empty_like(lse)
     dk, dv = torch.empty_like(k3), torch.empty_like(v3)
+    key = recipe_key("bwd", variant, is_causal, q3, k3, v3, o3, do3, lse)
+    recipe = _RECIPES.get(key)
+    if recipe is not None:  # the split pair as launched for this key before
+        tma, (run_dq, run_dkdv) = recipe
+        if tma:
+            _ensure_tma_allocator()
+        dq = torch.empty_like(q3)
+        run_dq(q3, k3, v3, o3, do3, lse, delta, dq)
+        run_dkdv(q3, k3, v3, do3, lse, delta, dk, dv)
+        return dq, dk, dv
     # one dict for every launch
     meta = _common(q3.shape[-1], max(q3.shape[-2], k3.shape[-2]), q3.dtype, is_causal, variant.fp32_dot)
     if variant.backward == "atomic":
@@ -661,8 +735,9 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
     dq = torch.empty_like(q3)
     tma = variant.backward_tma(q3, k3, v3, o3, do3)
     group = resolve_head_group(q3, k3, variant.head_group)  # once for both launches
-    launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta, tma=tma,
-              gluon=tma and variant.backward_gluon("dq", q3, k3, v3, o3, do3), head_group=group)
-    launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal, meta=meta, tma=tma,
-                gluon=tma and variant.backward_gluon("dkdv", q3, k3, v3, o3, do3), head_group=group)
+    run_dq = launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta, tma=tma,
+                       gluon=tma and variant.backward_gluon("dq", q3, k3, v3, o3, do3), head_group=group)
+    run_dkdv = launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal, meta=meta, tma=tma,
+                           gluon=tma and variant.backward_gluon("dkdv", q3, k3, v3, o3, do3), head_group=group)
+    _keep_recipe(key, tma, (run_dq, run_dkdv))
     return dq, dk, dv
