@@ -25,18 +25,23 @@ past ``AGREE_TOL`` is printed and makes the command exit 1.
 
     python -m systems.bench.flash_targets --out build/flash/flash_targets.jsonl
     python -m systems.bench.flash_targets --rounds 5 --no-prewarm
+    python -m systems.bench.flash_targets --from results/experiments/06_flash_targets_44e6f94.jsonl
+
+``--from`` prints the tables of a rows file an earlier run wrote, on any machine, without measuring.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from systems.bench.config import DEFAULT_OUT_ROOT, shape_argument
-from systems.measure.results import ResultWriter
+from systems.measure.results import ResultWriter, machine_of
 
 # (batch x heads, seq, d): the table of issue #25
 BF16_SHAPES = ((16, 16384, 64), (16, 16384, 128), (1, 65536, 64), (1, 65536, 128), (1, 4096, 128), (1, 1024, 64))
@@ -235,6 +240,41 @@ def format_also(table: list[dict], also: list[str]) -> str:
     return "\n".join(lines)
 
 
+def read_rows(path: Path) -> tuple[list[dict], list[dict], dict]:
+    """An earlier run's rows file: its timing rows, its agreement rows, and the environment it
+    recorded (the first row's). ValueError, in one line, where the file is not such a file."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        rows = [json.loads(line) for line in lines if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON lines (line {exc.lineno}): give a rows file flash_targets wrote") from None
+    timings = [r for r in rows if r.get("kind") != "agreement" and "round" in r]
+    if not timings:
+        raise ValueError(f"{path} holds no flash_targets timing rows (rows with a 'round'): give a rows file "
+                         "flash_targets wrote")
+    return timings, [r for r in rows if r.get("kind") == "agreement"], timings[0].get("env", {})
+
+
+def also_in(rows: list[dict]) -> list[str]:
+    """The implementations timed beside the table's own (``--also``), in the order they ran."""
+    own = {impl for names in IMPLS.values() for impl in names}
+    return list(dict.fromkeys(r["impl"] for r in rows if r["impl"] not in own))
+
+
+def report(rows: list[dict], checked: list[dict], also: list[str]) -> str:
+    """The printed tables: ratios and verdicts, ours over each ``also`` implementation, agreement."""
+    table = ratios(rows)
+    parts = [format_table(table, verdicts(table))]
+    if also:
+        parts.append(format_also(table, also))
+    if checked:
+        parts.append(format_agreement(checked))
+    return "\n".join(parts)
+
+
 def warm_calls(*, bf16_shapes=BF16_SHAPES, fp32_shapes=FP32_SHAPES) -> list:
     """The Triton calls whose kernels systems.bench.flash.prewarm compiles before round one."""
     from systems.bench.flash import WarmCall, distinct_warm_calls
@@ -256,11 +296,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", action="append", type=shape_argument("BH,SEQ,D"), metavar="BH,SEQ,D",
                         help="a bf16 shape to time instead of the table's (repeatable; no fp32 shapes then): a "
                              "target whose shapes did not run is reported as not measured")
+    parser.add_argument("--from", dest="from_rows", type=Path, metavar="ROWS",
+                        help="print the tables of a rows file an earlier run wrote, without measuring")
     parser.add_argument("--also", action="append", default=[], metavar="IMPL",
                         help="another implementation timed in every round beside the others (repeatable; e.g. "
                              "triton_per_head, the launch order before head groups); ours / it is printed after "
                              "the table")
     args = parser.parse_args(argv)
+    if args.from_rows is not None:
+        try:
+            rows, checked, env = read_rows(args.from_rows)
+        except ValueError as exc:
+            parser.error(str(exc))
+        print(f"rows of {args.from_rows}: {machine_of(env)}, commit {env.get('git_commit', '?')}, {env.get('date', '?')}")
+        print(report(rows, checked, also_in(rows)))
+        return 1 if any(not r["agrees"] for r in checked) else 0
     from systems.bench.flash import get_impl
 
     for impl in args.also:
@@ -297,11 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = measure(rounds=args.rounds, impls=impls, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                            writer=writer, progress=lambda s: print(s, flush=True), **shapes)
             checked = agreement(impls=impls, writer=writer, **shapes)  # under the plans just timed
-    table = ratios(rows)
-    print(format_table(table, verdicts(table)))
-    if args.also:
-        print(format_also(table, args.also))
-    print(format_agreement(checked))
+    print(report(rows, checked, args.also))
     print(f"rows: {writer.path}")
     different = [r for r in checked if not r["agrees"]]
     if different:

@@ -151,3 +151,32 @@ def test_agreement_compares_each_triton_impl_with_its_dtypes_baseline(tmp_path):
     assert len(written) == len(rows) and all(w["kind"] == "agreement" for w in written)
     text = ft.format_agreement(rows)
     assert text.count("DIFFERENT") == 2 and "triton_tma vs sdpa_cudnn" in text
+
+
+def test_from_prints_an_earlier_runs_tables_without_measuring(tmp_path, capsys, monkeypatch):
+    # one file as a run writes it: timing rows (with an --also implementation), then agreement rows
+    path = tmp_path / "run.jsonl"
+    writer = ResultWriter(path)
+    impls = {dtype: (*names, "triton_per_head") for dtype, names in ft.IMPLS.items()}
+    rows = ft.measure(rounds=3, impls=impls, timer=fake_timer([]), writer=writer, progress=None, **SHAPES)
+    checked = ft.agreement(impls=impls, run=fake_outputs({}), writer=writer, **SHAPES)
+    monkeypatch.setattr(ft, "measure", None)  # nothing may be timed
+    assert ft.main(["--from", str(path)]) == 0
+    printed = capsys.readouterr().out
+    # the same tables the measuring run printed, after a line naming the machine and commit
+    assert printed.splitlines()[0].startswith(f"rows of {path}: ")
+    assert ft.report(rows, checked, ["triton_per_head"]) in printed and "DIFFERENT" not in printed
+    # a file whose agreement failed exits 1, as the run did
+    bad = tmp_path / "bad.jsonl"
+    writer = ResultWriter(bad)
+    for row in rows:
+        writer.write(row)
+    ft.agreement(impls=impls, run=fake_outputs({("triton", (1, 1024, 64)): (0, 5.0)}), writer=writer, **SHAPES)
+    assert ft.main(["--from", str(bad)]) == 1 and "DIFFERENT" in capsys.readouterr().out
+    # not a rows file: one line and exit 2
+    for other, says in [(tmp_path / "missing.jsonl", "cannot read"), (tmp_path / "notes.md", "is not JSON lines")]:
+        if other.suffix == ".md":
+            other.write_text("# notes\n")
+        with pytest.raises(SystemExit) as exit_:
+            ft.main(["--from", str(other)])
+        assert exit_.value.code == 2 and says in capsys.readouterr().err
