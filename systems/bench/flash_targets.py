@@ -223,9 +223,12 @@ def format_table(table: list[dict], verdict_rows: list[dict]) -> str:
         lines.append(f"{dtype:>5} {str(shape):>20} {ms} " + " ".join(_cell(c) for c in cells))
     lines.append("targets (ours / baseline, the median over rounds; ours, not the handout's):")
     for v in verdict_rows:
+        rule = f"  {v['target']:<30} <= {v['limit']:.2f}x {v['baseline']} ({v['pass_']}): "
+        if not v["shapes"]:  # a --shape run without any of its shapes: no verdict either way
+            lines.append(rule + "not run (none of its shapes in this run)")
+            continue
         got = (f"worst {v['worst']:.2f}x at {v['worst_shape']}" if v["worst"] is not None else "not measured")
-        lines.append(f"  {v['target']:<30} <= {v['limit']:.2f}x {v['baseline']} ({v['pass_']}): {got}, "
-                     f"{v['measured']}/{v['shapes']} shapes: {'met' if v['met'] else 'NOT met'}")
+        lines.append(rule + f"{got}, {v['measured']}/{v['shapes']} shapes: {'met' if v['met'] else 'NOT met'}")
     return "\n".join(lines)
 
 
@@ -295,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/flash/flash_targets.jsonl")
     parser.add_argument("--shape", action="append", type=shape_argument("BH,SEQ,D"), metavar="BH,SEQ,D",
                         help="a bf16 shape to time instead of the table's (repeatable; no fp32 shapes then): a "
-                             "target whose shapes did not run is reported as not measured")
+                             "target none of whose shapes ran is reported as not run")
     parser.add_argument("--from", dest="from_rows", type=Path, metavar="ROWS",
                         help="print the tables of a rows file an earlier run wrote, without measuring")
     parser.add_argument("--also", action="append", default=[], metavar="IMPL",

@@ -77,6 +77,11 @@ def test_the_printed_table_names_every_shape_and_target():
     text = ft.format_table(table, ft.verdicts(table))
     assert "(16, 16384, 64)" in text and "(1, 2048, 64)" in text
     assert "leaderboard fwd+bwd" in text and "NOT met" in text and "ours, not the handout's" in text
+    # a --shape run without any fp32 shape gives that target no verdict; a shape that failed still does
+    bf16_only = [r for r in rows if r["dtype"] == "bf16"]
+    lines = ft.format_table(ft.ratios(bf16_only), ft.verdicts(ft.ratios(bf16_only))).splitlines()
+    fp32 = next(line for line in lines if "fp32 fwd+bwd" in line)
+    assert fp32.endswith("not run (none of its shapes in this run)") and "met" not in fp32
 
 
 def test_bad_rounds_fail_early():
