@@ -253,7 +253,8 @@ def read_rows(path: Path) -> tuple[list[dict], list[dict], dict]:
     try:
         rows = [json.loads(line) for line in lines if line.strip()]
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not JSON lines (line {exc.lineno}): give a rows file flash_targets wrote") from None
+        raise ValueError(f"{path} is not JSON lines (line {exc.lineno}): "
+                         "give a rows file flash_targets wrote") from None
     timings = [r for r in rows if r.get("kind") != "agreement" and "round" in r]
     if not timings:
         raise ValueError(f"{path} holds no flash_targets timing rows (rows with a 'round'): give a rows file "
@@ -311,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             rows, checked, env = read_rows(args.from_rows)
         except ValueError as exc:
             parser.error(str(exc))
-        print(f"rows of {args.from_rows}: {machine_of(env)}, commit {env.get('git_commit', '?')}, {env.get('date', '?')}")
+        print(f"rows of {args.from_rows}: {machine_of(env)}, commit {env.get('git_commit', '?')}, "
+              f"{env.get('date', '?')}")
         print(report(rows, checked, also_in(rows)))
         return 1 if any(not r["agrees"] for r in checked) else 0
     from systems.bench.flash import get_impl
