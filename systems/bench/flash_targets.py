@@ -33,7 +33,6 @@ past ``AGREE_TOL`` is printed and makes the command exit 1.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 from systems.bench.config import DEFAULT_OUT_ROOT, shape_argument
-from systems.measure.results import ResultWriter, machine_of
+from systems.measure.results import ResultWriter, machine_of, read_records
 
 # (batch x heads, seq, d): the table of issue #25
 BF16_SHAPES = ((16, 16384, 64), (16, 16384, 128), (1, 65536, 64), (1, 65536, 128), (1, 4096, 128), (1, 1024, 64))
@@ -246,15 +245,12 @@ def format_also(table: list[dict], also: list[str]) -> str:
 def read_rows(path: Path) -> tuple[list[dict], list[dict], dict]:
     """An earlier run's rows file: its timing rows, its agreement rows, and the environment it
     recorded (the first row's). ValueError, in one line, where the file is not such a file."""
+    if not path.is_file():
+        raise ValueError(f"cannot read {path}: no such file")
     try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
-    try:
-        rows = [json.loads(line) for line in lines if line.strip()]
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not JSON lines (line {exc.lineno}): "
-                         "give a rows file flash_targets wrote") from None
+        rows = read_records(path)
+    except ValueError as exc:
+        raise ValueError(f"{path} is not JSON lines ({exc}): give a rows file flash_targets wrote") from None
     timings = [r for r in rows if r.get("kind") != "agreement" and "round" in r]
     if not timings:
         raise ValueError(f"{path} holds no flash_targets timing rows (rows with a 'round'): give a rows file "

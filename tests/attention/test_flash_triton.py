@@ -349,6 +349,9 @@ def test_recipes_replay_the_launch_with_its_other_arguments(monkeypatch):
     for i in range(3):
         launch._keep_recipe(("fwd", i), False, (run,))
     assert list(launch._RECIPES) == [("fwd", 2)]  # full: started over
+    # a call with a kept key replays its launches on its own tensors; an unknown key runs nothing
+    assert launch._replay(("fwd", 2), new) and calls[-1][:2] == new and len(calls) == 2
+    assert not launch._replay(("fwd", 0), new) and len(calls) == 2
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")

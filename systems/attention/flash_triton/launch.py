@@ -451,6 +451,20 @@ def _keep_recipe(key: tuple, tma: bool, runs: tuple) -> None:
     _RECIPES[key] = (tma, runs)
 
 
+def _replay(key: tuple, *launch_tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Run the recipe kept for ``key``, each bound launch on its tuple of ``launch_tensors`` in
+    order, and say whether there was one."""
+    recipe = _RECIPES.get(key)
+    if recipe is None:
+        return False
+    tma, runs = recipe
+    if tma:  # the backward runs on autograd's thread, which may not have Triton's allocator yet
+        _ensure_tma_allocator()
+    for run, tensors in zip(runs, launch_tensors, strict=True):
+        run(*tensors)
+    return True
+
+
 def launch_recipes() -> list[dict]:
     """One row per call recipe this process holds: the pass, shapes, dtype, causality and how many
     launches it replays."""
@@ -690,12 +704,7 @@ def flash_forward_triton(q3, k3, v3, is_causal: bool, *, variant: FlashVariant =
     o = torch.empty_like(q3)
     lse = torch.empty(q3.shape[:-1], device=q3.device, dtype=torch.float32)
     key = recipe_key("fwd", variant, is_causal, q3, k3, v3)
-    recipe = _RECIPES.get(key)
-    if recipe is not None:
-        tma, (run,) = recipe
-        if tma:
-            _ensure_tma_allocator()
-        run(q3, k3, v3, o, lse)
+    if _replay(key, (q3, k3, v3, o, lse)):
         return o, lse
     tma = variant.forward_tma(q3, k3, v3)
     run = launch_forward(q3, k3, v3, o, lse, is_causal, tma=tma, fp32_dot=variant.fp32_dot,
@@ -714,25 +723,18 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
     _contiguous(q3, k3, v3, o3, do3)
     delta = torch.empty_like(lse)
     dk, dv = torch.empty_like(k3), torch.empty_like(v3)
-    key = recipe_key("bwd", variant, is_causal, q3, k3, v3, o3, do3, lse)
-    recipe = _RECIPES.get(key)
-    if recipe is not None:  # the split pair as launched for this key before
-        tma, (run_dq, run_dkdv) = recipe
-        if tma:
-            _ensure_tma_allocator()
-        dq = torch.empty_like(q3)
-        run_dq(q3, k3, v3, o3, do3, lse, delta, dq)
-        run_dkdv(q3, k3, v3, do3, lse, delta, dk, dv)
-        return dq, dk, dv
-    # one dict for every launch
-    meta = _common(q3.shape[-1], max(q3.shape[-2], k3.shape[-2]), q3.dtype, is_causal, variant.fp32_dot)
     if variant.backward == "atomic":
         dq_acc = torch.empty(q3.shape, device=q3.device, dtype=torch.float32)
         dq = dq_acc if q3.dtype == torch.float32 else torch.empty_like(q3)
-        launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal, meta=meta,
-                               gluon=variant.backward_gluon("atomic", q3, k3, v3, o3, do3))
+        launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal,
+                               gluon=variant.backward_gluon("atomic", q3, k3, v3, o3, do3), fp32_dot=variant.fp32_dot)
         return dq, dk, dv
     dq = torch.empty_like(q3)
+    key = recipe_key("bwd", variant, is_causal, q3, k3, v3, o3, do3, lse)
+    if _replay(key, (q3, k3, v3, o3, do3, lse, delta, dq), (q3, k3, v3, do3, lse, delta, dk, dv)):
+        return dq, dk, dv  # the split pair as launched for this key before
+    # one dict for both launches
+    meta = _common(q3.shape[-1], max(q3.shape[-2], k3.shape[-2]), q3.dtype, is_causal, variant.fp32_dot)
     tma = variant.backward_tma(q3, k3, v3, o3, do3)
     group = resolve_head_group(q3, k3, variant.head_group)  # once for both launches
     run_dq = launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal, meta=meta, tma=tma,
