@@ -394,7 +394,7 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
         # each Gluon kernel where the public backward would run it, else the TMA kernel again
         gluon = {kernel: ft.FlashVariant(backward="gluon").backward_gluon(kernel, x.q, x.k, x.v, x.o, x.do)
                  for kernel in ("dq", "dkdv")}
-        gluon["atomic"] = ft.FlashVariant(backward="atomic").backward_gluon("atomic", x.q, x.k, x.v, x.o, x.do)
+        atomic_gluon = ft.FlashVariant(backward="atomic").atomic_gluon(x.q, x.k, x.v, x.o, x.do)
 
         def part_dq_tma(use_gluon: bool = False):
             ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True, tma=tma, gluon=use_gluon)
@@ -415,7 +415,7 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
             "part_prep": lambda: ft.launch_bwd_prep(x.o, x.do, delta, dq_acc),
             "part_atomic": lambda: ft.launch_atomic(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, dq_acc, True),
             "part_atomic_gluon": lambda: ft.launch_atomic(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, dq_acc, True,
-                                                          gluon=gluon["atomic"]),
+                                                          gluon=atomic_gluon),
             "part_cast": lambda: torch.mul(dq_acc, d ** -0.5, out=dq),
             "part_fwd": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True),
             "part_fwd_tma": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True, tma=tma),

@@ -12,6 +12,7 @@ through tf32x3 dots; the direct and the public launch against each other.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -464,8 +465,6 @@ def test_fp32_dot_precision_compiles_to_its_instructions():
     """The fp32 forward compiled for sm_90 under each precision: "ieee" multiplies on the CUDA
     cores (scalar fp32 FMAs, no tensor-core instruction), "tf32" issues TF32 wgmma, and "tf32x3"
     three times as many (the high x high, high x low and low x high products of the split operands)."""
-    import re
-
     from systems.attention.flash_triton import kernels
     from systems.testing import compile_ptx_for_h100
 
@@ -951,12 +950,13 @@ def test_auto_prefers_tma_only_for_long_16_bit_inputs():
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")
-@pytest.mark.parametrize("kernel,head_dim,other", [("dkdv", 64, 128), ("dq", 128, 64), ("atomic", 64, 128)])
+@pytest.mark.parametrize("kernel,head_dim,other", [("dkdv", 64, 128), ("dq", 128, 64), ("atomic", 64, 128),
+                                                  ("atomic_ws", 128, 64)])
 def test_gluon_only_where_it_was_built_and_measured(kernel, head_dim, other):
     """kernels_gluon.py runs only with the GPU-tested Triton (its Gluon API changes between
     releases: 3.9 renamed the TMA copies), on sm_90 (wgmma), for 16-bit inputs, at the head dims
     where each kernel measured faster than its Triton twin (dK/dV d = 64, dQ d = 128, the atomic
-    backward's d = 64)."""
+    backward's d = 64, its warp-specialised form d = 128)."""
     from systems.attention.flash_triton.launch import gluon_allowed
 
     tested = {"torch": ">=2.11,<2.12", "triton": ">=3.6,<3.7"}
@@ -979,7 +979,7 @@ def test_gluon_backward_variant_is_the_tma_pair_where_gluon_cannot_run():
 
     for d in (64, 128):
         q = torch.zeros(1, 8192, d, dtype=torch.bfloat16)  # CPU tensors: no Gluon kernel, whatever the Triton
-        for kernel in ("dq", "dkdv", "atomic"):
+        for kernel in ("dq", "dkdv", "atomic", "atomic_ws"):
             assert not FlashVariant(backward="gluon").backward_gluon(kernel, q, q, q)
             assert not FlashVariant(backward="split").backward_gluon(kernel, q, q, q)
             assert not FlashVariant(backward="atomic").backward_gluon(kernel, q, q, q)
@@ -997,7 +997,41 @@ def test_gluon_launch_at_an_unmeasured_head_dim_says_where_it_runs():
     with pytest.raises(ValueError, match=r"the Gluon dkdv kernel runs at head dims \[64\], not 32"):
         launch.launch_dkdv(q, q, q, q, lse, lse, q, q, True, tma=True, gluon=True)
     with pytest.raises(ValueError, match=r"the Gluon atomic kernel runs at head dims \[64\], not 32"):
-        launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon=True)
+        launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon="atomic")
+    with pytest.raises(ValueError, match=r"the Gluon atomic_ws kernel runs at head dims \[128\], not 32"):
+        launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon="atomic_ws")
+
+
+@pytest.mark.skipif(not have_triton(), reason="needs triton")
+def test_backward_routes_to_the_warp_specialised_kernel_where_it_runs(monkeypatch):
+    """On an H100 (simulated: every tensor TMA-readable, each Gluon kernel usable at its
+    GLUON_TILES head dims): "auto" runs the five-product backward's warp-specialised kernel where
+    the split pair would read descriptors (16-bit, past TMA_MIN_SEQ) at d = 128 and the pair
+    everywhere else; "atomic" takes the Gluon kernel of its head dim; "gluon" stays the pair."""
+    from systems.attention.flash_triton import TMA_MIN_SEQ, FlashVariant, launch
+    from systems.attention.flash_triton.tuning import GLUON_TILES
+
+    monkeypatch.setattr(launch, "tma_usable", lambda *tensors: True)
+    monkeypatch.setattr(launch, "gluon_usable",
+                        lambda kernel, *tensors: tensors[0].shape[-1] in GLUON_TILES[kernel]
+                        and tensors[0].dtype != torch.float32)
+
+    def tensors(seq, d, dtype=torch.bfloat16):
+        return (torch.empty(1, seq, d, dtype=dtype),) * 3
+
+    long, short = TMA_MIN_SEQ + 64, TMA_MIN_SEQ
+    auto, atomic, gluon = FlashVariant(), FlashVariant(backward="atomic"), FlashVariant(backward="gluon")
+    assert auto.atomic_gluon(*tensors(long, 128)) == "atomic_ws" and auto.runs_atomic(*tensors(long, 128))
+    assert not auto.backward_gluon("dq", *tensors(long, 128))  # the pair does not run there
+    for args in (tensors(short, 128), tensors(long, 64), tensors(long, 128, torch.float32)):
+        assert auto.atomic_gluon(*args) is None and not auto.runs_atomic(*args)
+    assert auto.backward_gluon("dkdv", *tensors(long, 64))
+    assert atomic.atomic_gluon(*tensors(short, 128)) == "atomic_ws"
+    assert atomic.atomic_gluon(*tensors(short, 64)) == "atomic"
+    assert atomic.atomic_gluon(*tensors(short, 32)) is None and atomic.runs_atomic(*tensors(short, 32))
+    assert gluon.atomic_gluon(*tensors(long, 128)) is None and gluon.backward_gluon("dq", *tensors(long, 128))
+    for backward in ("split", "tma", "pytorch"):
+        assert not FlashVariant(backward=backward).runs_atomic(*tensors(long, 128))
 
 
 def _gluon_in_tested_range() -> bool:
@@ -1013,12 +1047,13 @@ _GLUON_ARG_KINDS = {
     "dkdv": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["i32"] * 3 + ["fp32"] * 2,
     "dq": ["*bf16"] * 5 + ["*fp32"] * 2 + ["*bf16"] + ["i32"] * 3 + ["fp32"] * 2,
     "atomic": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] + ["i32"] * 3 + ["fp32"] * 2,
+    "atomic_ws": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] + ["i32"] * 3 + ["fp32"] * 2,
 }
 
 
 def _gluon_ptx_for_h100(kernel: str, causal: bool) -> str:
-    """The PTX of kernels_gluon.py's ``kernel`` ("dq", "dkdv", "atomic") for sm_90 at its first head dim of
-    tuning.GLUON_TILES, with its tiles."""
+    """The PTX of kernels_gluon.py's ``kernel`` (a key of _GLUON_ARG_KINDS) for sm_90 at its first head
+    dim of tuning.GLUON_TILES, with its tiles."""
     if not _gluon_in_tested_range():
         pytest.skip("the Gluon kernels are written for the GPU-tested Triton only (pyproject.toml)")
     pytest.importorskip("triton.backends.nvidia")
@@ -1030,7 +1065,8 @@ def _gluon_ptx_for_h100(kernel: str, causal: bool) -> str:
     from systems.attention.flash_triton.tuning import GLUON_TILES
 
     fn = {"dq": kernels_gluon.flash_bwd_dq_gluon_kernel, "dkdv": kernels_gluon.flash_bwd_dkdv_gluon_kernel,
-          "atomic": kernels_gluon.flash_bwd_atomic_gluon_kernel}[kernel]
+          "atomic": kernels_gluon.flash_bwd_atomic_gluon_kernel,
+          "atomic_ws": kernels_gluon.flash_bwd_atomic_ws_gluon_kernel}[kernel]
     kinds = _GLUON_ARG_KINDS[kernel]
     signature = {name: kinds[i] if i < len(kinds) else "constexpr" for i, name in enumerate(fn.arg_names)}
     head_dim, tiles = next(iter(GLUON_TILES[kernel].items()))
@@ -1050,7 +1086,9 @@ def test_gluon_kernels_compile_for_h100(kernel, causal):
     on the tiles' barriers through cp.async. dQ: Q and dO as register A operands, K and V through
     TMA. Atomic: each query tile's dS K added into the fp32 dQ buffer by one TMA bulk reduce-add
     (no per-element atomics), with a read-wait that leaves the newer of the two staging buffers'
-    reduces in flight."""
+    reduces in flight. Its warp-specialised form: the same reduce-adds, issued by a worker warp;
+    the two worker warps drop to 24 registers so the consumer warpgroups rise to 240 (setmaxnreg),
+    where the single-partition kernel spills at d = 128."""
     ptx = _gluon_ptx_for_h100(kernel, causal)
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     assert "st.local" not in ptx
@@ -1061,15 +1099,16 @@ def test_gluon_kernels_compile_for_h100(kernel, causal):
         assert register_a > 0
     if kernel == "dq":
         assert "cp.async.bulk.tensor" in ptx and register_a > 0
-    if kernel == "atomic":
+    if kernel in ("atomic", "atomic_ws"):
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
         assert re_count(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx) > 0
         assert re_count(r"\b(?:atom|red)\.global", ptx) == 0
+    if kernel == "atomic_ws":
+        assert set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)) == {"24", "240"}
+        assert "cp.async.mbarrier.arrive.noinc" in ptx and "cp.async.bulk.tensor" in ptx
 
 
 def re_count(pattern: str, text: str) -> int:
-    import re
-
     return len(re.findall(pattern, text))
 
 
@@ -1143,32 +1182,79 @@ def test_gpu_gluon_atomic_equals_the_triton_kernel(shape, n_k, causal, dtype):
     same products per key tile, dQ summed over key tiles in another order (TMA reduce-adds
     against per-element atomics). Measured at most 1.3e-3 of the largest gradient on the H100
     (the non-causal ragged shape); bounded here by one bf16 rounding, 2^-8."""
+    _compare_atomic_backwards(shape, n_k, causal, dtype, "atomic")
+
+
+def _compare_atomic_backwards(shape, n_k, causal, dtype, gluon_kernel: str) -> None:
+    """The same L through the atomic backward (prep, atomic kernel, cast) with Triton's kernel and
+    with kernels_gluon.py's ``gluon_kernel``: within one bf16 rounding (2^-8) of the largest
+    gradient."""
     from systems.attention.flash_triton import launch
 
     q, k, v, do, o, lse = _gpu_backward_inputs(shape, n_k, causal, dtype)
     got = {}
-    for gluon in (False, True):
+    for gluon in (None, gluon_kernel):
         delta = torch.empty_like(lse)
         dq_acc = torch.full(q.shape, float("nan"), device="cuda")  # the prep kernel zeroes it
         dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
         launch.launch_backward_atomic(q, k, v, o, do, lse, delta, dq_acc, dq, dk, dv, causal, gluon=gluon)
         got[gluon] = dq.float(), dk.float(), dv.float()
-    for want, have in zip(got[False], got[True]):
+    for want, have in zip(got[None], got[gluon_kernel]):
         assert torch.isfinite(have).all()
         assert (have - want).abs().max() <= 2 ** -8 * want.abs().max()
 
 
 @pytest.mark.gpu
 @needs_gluon
+@pytest.mark.parametrize("shape,n_k,causal,dtype", [
+    ((2, 1000, 128), 1000, True, torch.bfloat16),
+    ((3, 777, 128), 777, False, torch.bfloat16),  # a ragged key tile meets every query: all masked
+    ((2, 640, 128), 1280, True, torch.bfloat16),  # fewer queries than keys
+    ((2, 1280, 128), 640, True, torch.bfloat16),  # more queries than keys
+    ((2, 1003, 128), 1003, True, torch.float16),  # ragged last tiles of both
+    ((1, 65, 128), 65, True, torch.bfloat16),  # a last query tile of one row
+    ((2, 700, 128), 333, False, torch.float16),
+    ((2, 4096, 128), 4096, True, torch.bfloat16),
+])
+def test_gpu_gluon_atomic_ws_equals_the_triton_kernel(shape, n_k, causal, dtype):
+    """The warp-specialised kernel at d = 128 against Triton's atomic kernel: dK and dV from the same
+    products per key tile (128 keys against Triton's tile), dQ summed in another order. Measured
+    at most 1.8e-3 of the largest gradient on the H100 against the split pair (notes entry 23);
+    bounded by one bf16 rounding, 2^-8."""
+    _compare_atomic_backwards(shape, n_k, causal, dtype, "atomic_ws")
+
+
+@pytest.mark.gpu
+@needs_gluon
 def test_gpu_atomic_variant_takes_the_gluon_kernel_at_its_head_dim():
+    """On the H100: "atomic" takes the one-partition Gluon kernel at d = 64 and the warp-specialised
+    one at d = 128; "auto" takes the warp-specialised one past TMA_MIN_SEQ at d = 128 only."""
     from systems.attention import flash_triton as ft
 
-    variant = ft.FlashVariant(backward="atomic")
-    for d, expected in ((64, True), (128, False)):
+    variant, auto = ft.FlashVariant(backward="atomic"), ft.FlashVariant(backward="auto")
+    for d, expected in ((64, "atomic"), (128, "atomic_ws"), (32, None)):
         q = torch.zeros(2, 1000, d, device="cuda", dtype=torch.bfloat16)
-        assert variant.backward_gluon("atomic", q, q, q) is expected
-    q = torch.zeros(2, 1000, 64, device="cuda", dtype=torch.bfloat16)
-    assert not ft.FlashVariant(backward="auto").backward_gluon("atomic", q, q, q)
+        assert variant.atomic_gluon(q, q, q) == expected
+        assert auto.atomic_gluon(q, q, q) is None  # 1000 tokens: the pointer pair
+    for d, expected in ((64, None), (128, "atomic_ws")):
+        q = torch.zeros(1, ft.TMA_MIN_SEQ + 64, d, device="cuda", dtype=torch.bfloat16)
+        assert auto.atomic_gluon(q, q, q) == expected
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_default_backward_at_d128_past_tma_min_seq_matches_reference(causal):
+    """The public function's default at d = 128 past TMA_MIN_SEQ runs the warp-specialised
+    five-product backward (bf16 and fp16 against float64 autograd, the tolerance of every GPU test
+    here), with a ragged last tile."""
+    from systems.attention import flash_triton as ft
+
+    shape_q = (1, 2, ft.TMA_MIN_SEQ + 100, 128)
+    q = torch.zeros(shape_q, device="cuda", dtype=torch.bfloat16)
+    assert ft.FlashVariant().atomic_gluon(q, q, q) == "atomic_ws"
+    for dtype in (torch.bfloat16, torch.float16):
+        run_and_compare(ft.flash_attention_triton, shape_q, shape_q[-2], dtype, causal, "cuda", tol=GPU_TOL[dtype])
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""Three backward kernels in Gluon, for Hopper: asynchronous wgmma (notes entries 16, 17, 18).
+"""Four backward kernels in Gluon, for Hopper: asynchronous wgmma (notes entries 16, 17, 18, 23).
 
 Triton's ``tl.dot`` waits for every product that is not a loop-carried accumulator right after
 issuing it, so in kernels.py's dK/dV loop the tensor cores idle through the exponentials and dS,
@@ -18,16 +18,20 @@ copies land (so the loop never waits on a global load). The dQ kernel is the sam
 tile with one product fewer (_dq_key_loop), Q and dO in registers, K and V through the TMA ring.
 The atomic backward's kernel is the dK/dV kernel with the fifth product (ADD_DQ): dS^T goes to
 shared memory, dQ's part dS K is issued before dK's product and waited while that runs, and is
-added into an fp32 buffer by one TMA bulk reduce-add per query tile (_reduce_dq_tile).
+added into an fp32 buffer by one TMA bulk reduce-add per query tile (_reduce_dq_tile). Its
+warp-specialised form (flash_bwd_atomic_ws_gluon_kernel, FlashAttention-3's layout) runs the same
+products in two consumer warpgroups over 128 keys, beside a loader warp (Q, dO, L, D into the ring)
+and a dQ warp (the reduce-adds); the two workers hold 24 registers each, so the consumers get 240,
+which d = 128 needs (the one-partition kernel spills there).
 
 Written against the Gluon of Triton 3.6 (an experimental API that changes between releases: 3.9
 renamed the TMA copies, and the reduce-add has no public call in 3.6: _tma_reduce_add), so launch.py
 runs them only inside pyproject.toml's GPU-tested versions, for 16-bit inputs on sm_90, at the head
 dims where each measured faster than its Triton twin (tuning.GLUON_TILES: dK/dV and the atomic
-kernel at d = 64, dQ at d = 128), and kernels.py's kernels everywhere else. Each reads the same
-inputs and writes the same outputs as its twin in kernels.py (flash_bwd_dkdv_tma_kernel,
-flash_bwd_dq_tma_kernel, flash_bwd_atomic_kernel), in the same program order (kernels._program_tile,
-imported into Gluon unchanged).
+kernel at d = 64, dQ and the warp-specialised atomic kernel at d = 128), and kernels.py's kernels
+everywhere else. Each reads the same inputs and writes the same outputs as its twin in kernels.py
+(flash_bwd_dkdv_tma_kernel, flash_bwd_dq_tma_kernel, flash_bwd_atomic_kernel for both atomic ones),
+in the same program order (kernels._program_tile, imported into Gluon unchanged).
 """
 
 from __future__ import annotations
@@ -197,6 +201,26 @@ def _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_
 
 
 @gluon.jit
+def _masked_query_tiles(n0, n_q, n_k, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The query tiles [lo, hi) a key tile's program (keys n0...) runs first, masked: those that see
+    part of it (the causal diagonal); without causality, the first query tile, or every one if the
+    key tile is ragged (past n_k). The tiles from hi to n_q follow, unmasked.
+
+    Either way the unmasked loop then starts from accumulators that went through a completed wait.
+    Measured on the H100 (notes entry 16): one loop over all the query tiles from the zero
+    accumulators gave wrong dK and dV whenever it ran two or more tiles; split this way the
+    kernels are exact. The cause is not pinned down (the suspect: the two equal zero accumulators
+    merged by the common-subexpression passes Gluon runs). Keys past n_k are never seen by a
+    causal query past the diagonal, so the unmasked loop needs no key bound."""
+    if IS_CAUSAL:
+        lo, hi = _diagonal_query_tiles(n0, n_k - n_q, BLOCK_M, BLOCK_N)
+    else:
+        lo = 0
+        hi = gl.where(n0 + BLOCK_N > n_k, n_q, BLOCK_M)
+    return lo, gl.minimum(hi, n_q)
+
+
+@gluon.jit
 def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale, sm_scale,
                   HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, ADD_DQ: gl.constexpr):
@@ -249,20 +273,7 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, q
     v_op = v_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
 
     offset = n_k - n_q
-    # First the query tiles that see part of this key tile (the causal diagonal), masked; without
-    # causality, the first query tile, or every one if the key tile is ragged (past n_k). Either
-    # way the main loop below then starts from accumulators that went through a completed wait.
-    # Measured on the H100 (notes entry 16): one loop over all the query tiles from the zero
-    # accumulators gave wrong dK and dV whenever it ran two or more tiles; split this way the
-    # kernel is exact. The cause is not pinned down (the suspect: the two equal zero accumulators
-    # merged by the common-subexpression passes Gluon runs). Keys past n_k are never seen by a
-    # causal query past the diagonal, so the unmasked loop needs no key bound.
-    if IS_CAUSAL:
-        lo, hi = _diagonal_query_tiles(n0, offset, BLOCK_M, BLOCK_N)
-    else:
-        lo = 0
-        hi = gl.where(n0 + BLOCK_N > n_k, n_q, BLOCK_M)
-    hi = gl.minimum(hi, n_q)
+    lo, hi = _masked_query_tiles(n0, n_q, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     dk, dv, it = _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh, D_bh,
                              offs_n, n_q, n_k, offset, qk_scale, lo, hi, 0, k_smem, ds_smem, dq_desc, dq_stage,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, True, IS_CAUSAL, ADD_DQ, s_layout, p_layout, dq_layout)
@@ -301,6 +312,203 @@ def flash_bwd_atomic_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_
     reduce-adds, one per (key tile, query tile)."""
     _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale, sm_scale,
                   HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N, STAGES, True)
+
+
+# ----------------------------------------------------------------------------- five products, warp-specialised
+
+
+@gluon.jit
+def _visited_query_tiles(lo, hi, n_q, BLOCK_M: gl.constexpr):
+    """How many query tiles a key tile's program visits, and how many of them are masked: [lo, hi)
+    first, then hi on (_masked_query_tiles)."""
+    n_masked = gl.maximum(gl.cdiv(hi - lo, BLOCK_M), 0)
+    return n_masked + gl.maximum(gl.cdiv(n_q - hi, BLOCK_M), 0), n_masked
+
+
+@gluon.jit
+def _ws_loader(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
+               ready, empty, dq_stage, dq_ready, dq_empty, L_bh, D_bh, n0, n_q, lo, hi,
+               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, copy_layout: gl.constexpr):
+    """The loader warp: K and V once, then per visited query tile Q and dO (TMA) and L and D
+    (cp.async, zeros past n_q) into the ring slot the consumers released (``empty``), completing its
+    ``ready`` barrier. (The workers share one signature: Gluon's rule for worker partitions.)"""
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem)  # rows past n_k read as zeros
+    tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_bar, v_smem)
+    n_tiles, n_masked = _visited_query_tiles(lo, hi, n_q, BLOCK_M)
+    copy_rows = gl.arange(0, BLOCK_M, layout=copy_layout)
+    for t in range(n_tiles):
+        row0 = gl.where(t < n_masked, lo + t * BLOCK_M, hi + (t - n_masked) * BLOCK_M)
+        slot = t % STAGES
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+        bar = ready.index(slot)
+        rows = row0 + copy_rows
+        async_copy.async_copy_global_to_shared(l_ring.index(slot), L_bh + rows, mask=rows < n_q)
+        async_copy.async_copy_global_to_shared(d_ring.index(slot), D_bh + rows, mask=rows < n_q)
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row0, 0], bar, q_ring.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [row0, 0], bar, do_ring.index(slot))
+
+
+@gluon.jit
+def _ws_dq_adder(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
+                 ready, empty, dq_stage, dq_ready, dq_empty, L_bh, D_bh, n0, n_q, lo, hi,
+                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, copy_layout: gl.constexpr):
+    """The dQ warp: per visited query tile, once the consumers have staged its dS K (``dq_ready``),
+    one TMA reduce-add into DQ_ACC (rows past n_q dropped by the descriptor); a staging buffer is
+    released (``dq_empty``) once the reduce that read it is done, leaving one in flight."""
+    n_tiles, n_masked = _visited_query_tiles(lo, hi, n_q, BLOCK_M)
+    for t in range(n_tiles):
+        row0 = gl.where(t < n_masked, lo + t * BLOCK_M, hi + (t - n_masked) * BLOCK_M)
+        b = t % _DQ_BUFFERS
+        mbarrier.wait(dq_ready.index(b), (t // _DQ_BUFFERS) & 1)
+        _tma_reduce_add(dq_desc, [row0, 0], dq_stage.index(b))
+        tma.store_wait(_DQ_BUFFERS - 1)  # the reduce issued one tile earlier has read its buffer
+        mbarrier.arrive(dq_empty.index((t + 1) % _DQ_BUFFERS), count=1, pred=t >= _DQ_BUFFERS - 1)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _ws_query_loop(dk, dv, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, ready, empty, ds_smem, dq_stage,
+                   dq_ready, dq_empty, offs_n, n_k, offset, qk_scale, lo, hi, it, HEAD_DIM: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
+                   dq_layout: gl.constexpr):
+    """The consumers' loop over query tiles [lo, hi) (``it`` counts tiles over the calls): the five
+    products of _query_loop with ADD_DQ, the loads and the reduce-adds left to the worker warps.
+    A ring slot goes back to the loader once the next tile's first wait has retired the dK and dV
+    products that read it."""
+    n_iter = gl.cdiv(hi - lo, BLOCK_M)
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    for i in range(0, n_iter):
+        start_m = lo + i * BLOCK_M
+        t = it + i
+        slot = t % STAGES
+        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        q_s = q_ring.index(slot)
+        do_s = do_ring.index(slot)
+        s_t = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_t, dk, dv = warpgroup_mma_wait(1, deps=[s_t, dk, dv])
+        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=t > 0)
+        s_t = s_t * qk_scale  # S^T in base 2
+        if MASK:
+            if IS_CAUSAL:
+                keep = offs_n[:, None] <= (start_m + cols)[None, :] + offset
+            else:  # keys past n_k read as zeros, and exp2(0 - L) may overflow: their dS K would be nan
+                keep = offs_n[:, None] < n_k
+            s_t = gl.where(keep, s_t, _MASKED)
+        lse = l_ring.index(slot).load(gl.SliceLayout(0, s_layout))
+        p_t = gl.exp2(s_t - lse[None, :] * _LOG2E)  # P^T = exp(S - L) (eq. 13)
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(q_s.dtype), p_layout), do_s, dv, is_async=True)  # eq. 14
+        dp_t = warpgroup_mma_wait(1, deps=[dp_t])
+        delta = d_ring.index(slot).load(gl.SliceLayout(0, s_layout))
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q_s.dtype)  # dS^T = P^T o (dP^T - D) (eq. 16)
+        ds_smem.store(ds_t)
+        fence_async_shared()
+        gl.thread_barrier()
+        # dQ's part first, so that the wait below leaves dK's product in flight
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                           use_acc=False, is_async=True)  # eq. 17
+        dk = warpgroup_mma(gl.convert_layout(ds_t, p_layout), q_s, dk, is_async=True)  # eq. 18
+        dq = warpgroup_mma_wait(1, deps=[dq])
+        b = t % _DQ_BUFFERS
+        mbarrier.wait(dq_empty.index(b), ((t // _DQ_BUFFERS) & 1) ^ 1)
+        dq_stage.index(b).store(dq)
+        fence_async_shared()  # the generic-proxy stores before the dQ warp's TMA reads them
+        mbarrier.arrive(dq_ready.index(b), count=1)
+    dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+    return warpgroup_mma_init(dk), warpgroup_mma_init(dv), it + n_iter
+
+
+@gluon.jit
+def _ws_consumers(k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar, ready, empty, ds_smem, dq_stage,
+                  dq_ready, dq_empty, n0, n_q, n_k, lo, hi, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, s_layout: gl.constexpr,
+                  kv_layout: gl.constexpr, p_layout: gl.constexpr, dq_layout: gl.constexpr):
+    """The default partition, two warpgroups of 64 keys each: dK and dV of the key tile (returned,
+    their products complete)."""
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    offset = n_k - n_q
+    mbarrier.wait(kv_bar, 0)
+    dk, dv, it = _ws_query_loop(dk, dv, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, ready, empty, ds_smem,
+                                dq_stage, dq_ready, dq_empty, offs_n, n_k, offset, qk_scale, lo, hi, 0, HEAD_DIM,
+                                BLOCK_M, BLOCK_N, STAGES, True, IS_CAUSAL, s_layout, p_layout, dq_layout)
+    dk, dv, it = _ws_query_loop(dk, dv, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, ready, empty, ds_smem,
+                                dq_stage, dq_ready, dq_empty, offs_n, n_k, offset, qk_scale, hi, n_q, it, HEAD_DIM,
+                                BLOCK_M, BLOCK_N, STAGES, False, IS_CAUSAL, s_layout, p_layout, dq_layout)
+    dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+    return dk, dv
+
+
+@gluon.jit(do_not_specialize=kernels._ORDER_ARGS)
+def flash_bwd_atomic_ws_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale,
+                                     sm_scale, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Grid (key tiles x batch); num_warps = 8 (the consumers) and two worker warps. The atomic
+    backward's kernel, warp-specialised (FlashAttention-3's layout, notes entry 23): the same
+    arguments and outputs as flash_bwd_atomic_gluon_kernel. At d = 128 the single-partition kernel
+    spills (the dK, dV, S^T, dP^T and dQ accumulators alone are 224 registers a thread at 128 keys,
+    notes entry 21); here the worker warps run at 24 registers, so the consumers get 240, and the
+    loads and the reduce-adds leave the consumers' instruction stream."""
+    WARPS: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPS // 4],
+                                                        instr_shape=[16, HEAD_DIM // (WARPS // 4), 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    tile_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    dq_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    copy_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])  # the loader warp's cp.async
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    tile, bh = _program_tile(n_k, head_group, BLOCK_N, False)
+    n0 = tile * BLOCK_N
+    k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring = _tile_operands(
+        K, V, n_k, Q, dO, n_q, bh, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, tile_smem)
+    dq_desc = _head_descriptor(DQ_ACC, bh, n_q, HEAD_DIM, BLOCK_M, dq_smem)
+    l_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
+    d_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], tile_smem)
+    dq_stage = gl.allocate_shared_memory(gl.float32, [_DQ_BUFFERS, BLOCK_M, HEAD_DIM], dq_smem)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dq_ready = gl.allocate_shared_memory(gl.int64, [_DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [_DQ_BUFFERS, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1 + 32)  # the TMA's expect and each loader thread's cp.async
+        mbarrier.init(empty.index(s), count=1)
+    for s in gl.static_range(_DQ_BUFFERS):
+        mbarrier.init(dq_ready.index(s), count=1)
+        mbarrier.init(dq_empty.index(s), count=1)
+    mbarrier.init(kv_bar, count=1)
+    fence_async_shared()
+
+    lo, hi = _masked_query_tiles(n0, n_q, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    L_bh = L + bh * n_q
+    D_bh = Delta + bh * n_q
+    # (the worker arguments are written out twice: a tuple holding a layout cannot be a variable)
+    dk, dv = gl.warp_specialize([
+        (_ws_consumers, (k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar, ready, empty, ds_smem, dq_stage,
+                         dq_ready, dq_empty, n0, n_q, n_k, lo, hi, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                         IS_CAUSAL, s_layout, kv_layout, p_layout, dq_layout)),
+        (_ws_loader, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring,
+                      kv_bar, ready, empty, dq_stage, dq_ready, dq_empty, L_bh, D_bh, n0, n_q, lo, hi, BLOCK_M,
+                      STAGES, copy_layout)),
+        (_ws_dq_adder, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring,
+                        kv_bar, ready, empty, dq_stage, dq_ready, dq_empty, L_bh, D_bh, n0, n_q, lo, hi, BLOCK_M,
+                        STAGES, copy_layout)),
+    ], [1, 1], [24, 24])
+    _store_tile(dK, dk * sm_scale, bh, n0, n_k, HEAD_DIM, BLOCK_N, kv_layout)  # dK = dS^T Q * scale
+    _store_tile(dV, dv, bh, n0, n_k, HEAD_DIM, BLOCK_N, kv_layout)
 
 
 # ----------------------------------------------------------------------------- dQ

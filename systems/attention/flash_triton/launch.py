@@ -69,11 +69,12 @@ class FlashVariant:
     inputs longer than TMA_MIN_SEQ, pointer otherwise).
     backward: "split" (a dQ kernel, then a dK/dV kernel, through pointers), "tma" (the same pair
     through descriptors, as forward "tma"), "gluon" (as "tma", with each kernel of kernels_gluon.py
-    where ``gluon_usable`` says it runs), "auto" (the pair, through descriptors where forward
-    "auto" would be, with the Gluon kernels where usable), "atomic"
-    (one kernel over key tiles adding dQ with atomics: kernels_gluon.py's, with TMA reduce-adds,
-    where ``gluon_usable("atomic", ...)`` says it runs), or "pytorch" (flash_pytorch's compiled
-    reference backward on the same saved tensors).
+    where ``gluon_usable`` says it runs), "atomic" (five products in one kernel over key tiles,
+    adding dQ across them: kernels_gluon.py's, with TMA reduce-adds, where ``atomic_gluon`` names
+    one, else Triton's with atomics), "auto" (where forward "auto" would read descriptors, the
+    atomic backward's warp-specialised kernel where it runs (d = 128 on Hopper), else the pair
+    through descriptors with the Gluon kernels where usable; the pointer pair elsewhere), or
+    "pytorch" (flash_pytorch's compiled reference backward on the same saved tensors).
     fp32_dot: how the kernels' dots multiply fp32 inputs (16-bit inputs always run their own
     tensor-core dots): "ieee" (fp32 products on the CUDA cores), "tf32x3" (each operand split into
     a TF32 high and low part, three TF32 tensor-core products: near-fp32 accuracy), "tf32" (one
@@ -108,12 +109,31 @@ class FlashVariant:
         choice = "tma" if self.backward == "gluon" else self.backward
         return choice in ("auto", "tma") and _wants_tma(choice, tensors)
 
+    def atomic_gluon(self, *tensors: torch.Tensor) -> str | None:
+        """The kernels_gluon.py kernel the five-product (atomic) backward runs on these tensors, or
+        None. For "atomic": "atomic_ws" (warp-specialised) or "atomic" (one partition), the one
+        gluon_usable allows at this head dim, else None (Triton's atomic kernel). For "auto":
+        "atomic_ws" wherever the split pair would read descriptors and it is usable, where it
+        replaces the pair (0.69-0.80x its time at d = 128 on the H100, notes entry 23); else None."""
+        if self.backward == "atomic":  # it reads Q, K, V, dO and adds into dQ through TMA descriptors
+            if not tma_usable(*tensors):
+                return None
+            return next((kernel for kernel in ("atomic_ws", "atomic") if gluon_usable(kernel, *tensors)), None)
+        if self.backward == "auto" and self.backward_tma(*tensors) and gluon_usable("atomic_ws", *tensors):
+            return "atomic_ws"
+        return None
+
+    def runs_atomic(self, *tensors: torch.Tensor) -> bool:
+        """Whether the backward on these tensors is the five-product one (launch_backward_atomic)."""
+        return self.backward == "atomic" or self.atomic_gluon(*tensors) is not None
+
     def backward_gluon(self, kernel: str, *tensors: torch.Tensor) -> bool:
-        """Whether the backward's ``kernel`` ("dq" or "dkdv" of the split pair, or the "atomic"
-        backward's) is kernels_gluon.py's on these tensors."""
-        if kernel == "atomic":  # it reads Q, K, V, dO and adds into dQ through TMA descriptors
-            return self.backward == "atomic" and tma_usable(*tensors) and gluon_usable(kernel, *tensors)
-        return self.backward in ("auto", "gluon") and self.backward_tma(*tensors) and gluon_usable(kernel, *tensors)
+        """Whether the backward runs kernels_gluon.py's ``kernel`` on these tensors: "dq" or "dkdv" of
+        the split pair, or the atomic backward's "atomic" or "atomic_ws"."""
+        if kernel in ("atomic", "atomic_ws"):
+            return self.atomic_gluon(*tensors) == kernel
+        return (self.backward in ("auto", "gluon") and self.backward_tma(*tensors) and gluon_usable(kernel, *tensors)
+                and not self.runs_atomic(*tensors))
 
 
 DEFAULT_VARIANT = FlashVariant()
@@ -157,7 +177,7 @@ def _wants_tma(choice: str, tensors: tuple[torch.Tensor, ...]) -> bool:
 
 def gluon_allowed(*, kernel: str, interpreting: bool, triton_version: str, tested: dict[str, str] | None,
                   capability: tuple[int, int], head_dim: int, dtype: torch.dtype) -> bool:
-    """The decision behind gluon_usable: kernels_gluon.py's ``kernel`` ("dq", "dkdv", "atomic") is compiled
+    """The decision behind gluon_usable: kernels_gluon.py's ``kernel`` (a key of GLUON_TILES) is compiled
     by the GPU-tested Triton only (its Gluon API changes between releases), for Hopper's wgmma (sm_90
     exactly), on 16-bit inputs at the head dims where it measured faster (tuning.GLUON_TILES)."""
     return (not interpreting and capability[0] == 9 and head_dim in GLUON_TILES[kernel]
@@ -640,8 +660,9 @@ def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config:
 
 
 def _launch_gluon(kernel: str, n_rows: int, batch: int, args: tuple, is_causal: bool) -> None:
-    """kernels_gluon.py's ``kernel`` ("dq", "dkdv" or "atomic") under its fixed tiles (tuning.GLUON_TILES),
-    one program per tile of n_rows (query rows for dQ, keys for the other two) and per (batch, head)."""
+    """kernels_gluon.py's ``kernel`` ("dq", "dkdv", "atomic" or "atomic_ws") under its fixed tiles
+    (tuning.GLUON_TILES), one program per tile of n_rows (query rows for dQ, keys for the others) and
+    per (batch, head)."""
     head_dim = args[0].shape[-1]
     tiles = GLUON_TILES[kernel].get(head_dim)
     if tiles is None:
@@ -651,7 +672,8 @@ def _launch_gluon(kernel: str, n_rows: int, batch: int, args: tuple, is_causal: 
 
     fn, rows_per_program = {"dq": (kernels_gluon.flash_bwd_dq_gluon_kernel, tiles["BLOCK_M"]),
                             "dkdv": (kernels_gluon.flash_bwd_dkdv_gluon_kernel, tiles["BLOCK_N"]),
-                            "atomic": (kernels_gluon.flash_bwd_atomic_gluon_kernel, tiles["BLOCK_N"])}[kernel]
+                            "atomic": (kernels_gluon.flash_bwd_atomic_gluon_kernel, tiles["BLOCK_N"]),
+                            "atomic_ws": (kernels_gluon.flash_bwd_atomic_ws_gluon_kernel, tiles["BLOCK_N"])}[kernel]
     _ensure_tma_allocator()
     fn[(triton.cdiv(n_rows, rows_per_program) * batch,)](*args, HEAD_DIM=head_dim, IS_CAUSAL=bool(is_causal), **tiles)
 
@@ -667,22 +689,22 @@ def launch_bwd_prep(o3, do3, delta, dq_acc) -> None:
 
 
 def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, *, config: dict | None = None,
-                  meta: dict | None = None, gluon: bool = False, fp32_dot: str = "auto") -> None:
+                  meta: dict | None = None, gluon: str | None = None, fp32_dot: str = "auto") -> None:
     """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D. gluon:
-    kernels_gluon.py's kernel (the tensors must pass FlashVariant(backward="atomic").backward_gluon),
-    with its fixed tiles."""
+    kernels_gluon.py's "atomic" or "atomic_ws" kernel, with its fixed tiles (the tensors must be ones
+    FlashVariant(backward="atomic").atomic_gluon names it for); None: Triton's atomic kernel."""
     batch, n_q, n_k, d = _dims(q3, k3)
     group = resolve_head_group(q3, k3, None)
     args = (q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
     if gluon:
-        _launch_gluon("atomic", n_k, batch, args, is_causal)
+        _launch_gluon(gluon, n_k, batch, args, is_causal)
         return
     grid = _tile_grid(n_k, "BLOCK_N3", batch)
     _launch(TUNED["atomic"], grid, args, meta or _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
 
 def launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal: bool, *,
-                           config: dict | None = None, meta: dict | None = None, gluon: bool = False,
+                           config: dict | None = None, meta: dict | None = None, gluon: str | None = None,
                            fp32_dot: str = "auto") -> None:
     """The whole atomic backward: the prep kernel, the atomic kernel (launch_atomic's ``gluon``),
     then dQ = sm_scale * dq_acc written in dq's dtype (``dq`` may be ``dq_acc`` itself, for fp32 inputs)."""
@@ -723,11 +745,12 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
     _contiguous(q3, k3, v3, o3, do3)
     delta = torch.empty_like(lse)
     dk, dv = torch.empty_like(k3), torch.empty_like(v3)
-    if variant.backward == "atomic":
+    atomic_gluon = variant.atomic_gluon(q3, k3, v3, o3, do3)
+    if variant.backward == "atomic" or atomic_gluon is not None:
         dq_acc = torch.empty(q3.shape, device=q3.device, dtype=torch.float32)
         dq = dq_acc if q3.dtype == torch.float32 else torch.empty_like(q3)
-        launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal,
-                               gluon=variant.backward_gluon("atomic", q3, k3, v3, o3, do3), fp32_dot=variant.fp32_dot)
+        launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal, gluon=atomic_gluon,
+                               fp32_dot=variant.fp32_dot)
         return dq, dk, dv
     dq = torch.empty_like(q3)
     key = recipe_key("bwd", variant, is_causal, q3, k3, v3, o3, do3, lse)

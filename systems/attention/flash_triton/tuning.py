@@ -178,11 +178,15 @@ _OPTION_MAX_BLOCK_D = {("dkdv", "EARLY_DP"): 64}
 # where the Triton kernel keeps running. The atomic backward's kernel (entry 18: the dK/dV kernel
 # plus dS K, added per query tile by a TMA reduce): 64x64 over one warpgroup, three stages, so two
 # programs share a multiprocessor; 128 keys over two warpgroups ran 1.0-1.15x its time, and at
-# d = 128 it spills.
+# d = 128 it spills. At d = 128 its warp-specialised form (entry 23): 64 queries a step over 128
+# keys, two consumer warpgroups at 240 registers, Q and dO double-buffered; 0.79-0.80x the split
+# pair's time at 16k-64k tokens and 0.69x at 16 x 4096.
 GLUON_TILES: dict[str, dict[int, dict[str, int]]] = {
     "dkdv": {64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)},
     "dq": {128: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)},
     "atomic": {64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=3, num_warps=4)},
+    # two consumer warpgroups over 128 keys (num_warps), two worker warps besides; 214 KB of shared memory
+    "atomic_ws": {128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, num_warps=8)},
 }
 
 # bytes of tiles a config may hold (_prune's estimate: the resident tiles, and the streamed ones
