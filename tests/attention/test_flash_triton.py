@@ -1000,6 +1000,8 @@ def test_gluon_launch_at_an_unmeasured_head_dim_says_where_it_runs():
         launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon="atomic")
     with pytest.raises(ValueError, match=r"the Gluon atomic_ws kernel runs at head dims \[128\], not 32"):
         launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon="atomic_ws")
+    with pytest.raises(ValueError, match=r"launch_atomic's gluon must be one of atomic_ws, atomic; got 'dq'"):
+        launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon="dq")
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")

@@ -55,6 +55,8 @@ LAUNCH_ORDERS: tuple[str, ...] = get_args(LaunchOrder)
 # launches: fwd 0.048 against 0.037 ms, backward 0.127 against 0.094): building descriptors costs
 # each program a fixed amount that a short key loop does not earn back. 4096 is that measured point.
 TMA_MIN_SEQ = 4096
+# kernels_gluon.py's kernels of the atomic backward (tuning.GLUON_TILES gives them disjoint head dims)
+_ATOMIC_GLUON_KERNELS = ("atomic_ws", "atomic")
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class FlashVariant:
         if self.backward == "atomic":  # it reads Q, K, V, dO and adds into dQ through TMA descriptors
             if not tma_usable(*tensors):
                 return None
-            return next((kernel for kernel in ("atomic_ws", "atomic") if gluon_usable(kernel, *tensors)), None)
+            return next((kernel for kernel in _ATOMIC_GLUON_KERNELS if gluon_usable(kernel, *tensors)), None)
         if self.backward == "auto" and self.backward_tma(*tensors) and gluon_usable("atomic_ws", *tensors):
             return "atomic_ws"
         return None
@@ -130,7 +132,7 @@ class FlashVariant:
     def backward_gluon(self, kernel: str, *tensors: torch.Tensor) -> bool:
         """Whether the backward runs kernels_gluon.py's ``kernel`` on these tensors: "dq" or "dkdv" of
         the split pair, or the atomic backward's "atomic" or "atomic_ws"."""
-        if kernel in ("atomic", "atomic_ws"):
+        if kernel in _ATOMIC_GLUON_KERNELS:
             return self.atomic_gluon(*tensors) == kernel
         return (self.backward in ("auto", "gluon") and self.backward_tma(*tensors) and gluon_usable(kernel, *tensors)
                 and not self.runs_atomic(*tensors))
@@ -696,7 +698,8 @@ def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, 
     batch, n_q, n_k, d = _dims(q3, k3)
     group = resolve_head_group(q3, k3, None)
     args = (q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
-    if gluon:
+    if gluon is not None:
+        check_choice("launch_atomic's gluon", gluon, _ATOMIC_GLUON_KERNELS)
         _launch_gluon(gluon, n_k, batch, args, is_causal)
         return
     grid = _tile_grid(n_k, "BLOCK_N3", batch)
