@@ -138,6 +138,38 @@ def _reduce_dq_tile(dq_desc, dq_stage, dq, row0, t):
 
 
 @gluon.jit
+def _scaled_scores(s_t, qk_scale, offs_n, offs_m, offset, n_k, MASK: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """S^T (keys offs_n x queries offs_m) in base 2, masked where MASK: the causal mask (IS_CAUSAL) or
+    else the key bound."""
+    s_t = s_t * qk_scale
+    if MASK:
+        if IS_CAUSAL:
+            keep = offs_n[:, None] <= offs_m[None, :] + offset
+        else:  # keys past n_k read as zeros, and exp2(0 - L) may overflow: their dS K would be nan
+            keep = offs_n[:, None] < n_k
+        s_t = gl.where(keep, s_t, _MASKED)
+    return s_t
+
+
+@gluon.jit
+def _dq_then_dk(ds_t, ds_smem, k_smem, q_s, dk, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                p_layout: gl.constexpr, dq_layout: gl.constexpr):
+    """The atomic backward's last two products of a query tile: dQ's part dS K (eq. 17), from dS^T
+    stored to shared memory, issued first so that it is waited first, then dK += dS^T Q (eq. 18),
+    left in flight. Returns dQ's part (complete) and dK. dQ's part is waited within the iteration:
+    ptxas serialises every wgmma if the registers of one issued in an earlier iteration are read
+    after the loop's back edge (its warning C7514)."""
+    ds_smem.store(ds_t)
+    fence_async_shared()
+    gl.thread_barrier()
+    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                       use_acc=False, is_async=True)
+    dk = warpgroup_mma(gl.convert_layout(ds_t, p_layout), q_s, dk, is_async=True)
+    dq = warpgroup_mma_wait(1, deps=[dq])
+    return dq, dk
+
+
+@gluon.jit
 def _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh, D_bh, offs_n,
                 n_q, n_k, offset, qk_scale, lo, hi, it, k_smem, ds_smem, dq_desc, dq_stage,
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -173,29 +205,16 @@ def _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_
         if i + STAGES - 1 < n_iter:
             _issue_tile(q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, (it + i + STAGES - 1) % STAGES,
                         start_m + (STAGES - 1) * BLOCK_M, L_bh, D_bh, n_q, copy_cols)
-        s_t = s_t * qk_scale  # S^T in base 2
-        if MASK:
-            if IS_CAUSAL:
-                keep = offs_n[:, None] <= (start_m + cols)[None, :] + offset
-            else:  # keys past n_k read as zeros, and exp2(0 - L) may overflow: their dS K would be nan
-                keep = offs_n[:, None] < n_k
-            s_t = gl.where(keep, s_t, _MASKED)
+        s_t = _scaled_scores(s_t, qk_scale, offs_n, start_m + cols, offset, n_k, MASK, IS_CAUSAL)
         p_t = gl.exp2(s_t - lse[None, :] * _LOG2E)  # P^T = exp(S - L) (eq. 13)
         dv = warpgroup_mma(gl.convert_layout(p_t.to(q_s.dtype), p_layout), do_s, dv, is_async=True)  # eq. 14
         dp_t = warpgroup_mma_wait(1, deps=[dp_t])
         ds_t = (p_t * (dp_t - delta[None, :])).to(q_s.dtype)  # dS^T = P^T o (dP^T - D) (eq. 16)
-        if ADD_DQ:  # dQ's part, dS K (eq. 17), from dS^T in shared memory, issued first so it is waited first
-            ds_smem.store(ds_t)
-            fence_async_shared()
-            gl.thread_barrier()
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
-                               use_acc=False, is_async=True)
-        dk = warpgroup_mma(gl.convert_layout(ds_t, p_layout), q_s, dk, is_async=True)  # eq. 18
         if ADD_DQ:
-            # waited within the iteration: ptxas serialises every wgmma if the registers of one issued
-            # in an earlier iteration are read after the loop's back edge (its warning C7514)
-            dq = warpgroup_mma_wait(1, deps=[dq])
+            dq, dk = _dq_then_dk(ds_t, ds_smem, k_smem, q_s, dk, BLOCK_M, HEAD_DIM, p_layout, dq_layout)
             _reduce_dq_tile(dq_desc, dq_stage, dq, start_m, it + i)
+        else:
+            dk = warpgroup_mma(gl.convert_layout(ds_t, p_layout), q_s, dk, is_async=True)  # eq. 18
     dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
     return warpgroup_mma_init(dk), warpgroup_mma_init(dv), it + n_iter
 
@@ -326,6 +345,12 @@ def _visited_query_tiles(lo, hi, n_q, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _visited_tile_row(t, lo, hi, n_masked, BLOCK_M: gl.constexpr):
+    """The first row of the t-th query tile a key tile's program visits."""
+    return gl.where(t < n_masked, lo + t * BLOCK_M, hi + (t - n_masked) * BLOCK_M)
+
+
+@gluon.jit
 def _ws_loader(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
                ready, empty, dq_stage, dq_ready, dq_empty, L_bh, D_bh, n0, n_q, lo, hi,
                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, copy_layout: gl.constexpr):
@@ -338,17 +363,10 @@ def _ws_loader(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring,
     n_tiles, n_masked = _visited_query_tiles(lo, hi, n_q, BLOCK_M)
     copy_rows = gl.arange(0, BLOCK_M, layout=copy_layout)
     for t in range(n_tiles):
-        row0 = gl.where(t < n_masked, lo + t * BLOCK_M, hi + (t - n_masked) * BLOCK_M)
+        row0 = _visited_tile_row(t, lo, hi, n_masked, BLOCK_M)
         slot = t % STAGES
         mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
-        bar = ready.index(slot)
-        rows = row0 + copy_rows
-        async_copy.async_copy_global_to_shared(l_ring.index(slot), L_bh + rows, mask=rows < n_q)
-        async_copy.async_copy_global_to_shared(d_ring.index(slot), D_bh + rows, mask=rows < n_q)
-        async_copy.mbarrier_arrive(bar, increment_count=False)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row0, 0], bar, q_ring.index(slot))
-        tma.async_copy_global_to_shared(do_desc, [row0, 0], bar, do_ring.index(slot))
+        _issue_tile(q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, ready, slot, row0, L_bh, D_bh, n_q, copy_rows)
 
 
 @gluon.jit
@@ -360,7 +378,7 @@ def _ws_dq_adder(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_rin
     released (``dq_empty``) once the reduce that read it is done, leaving one in flight."""
     n_tiles, n_masked = _visited_query_tiles(lo, hi, n_q, BLOCK_M)
     for t in range(n_tiles):
-        row0 = gl.where(t < n_masked, lo + t * BLOCK_M, hi + (t - n_masked) * BLOCK_M)
+        row0 = _visited_tile_row(t, lo, hi, n_masked, BLOCK_M)
         b = t % _DQ_BUFFERS
         mbarrier.wait(dq_ready.index(b), (t // _DQ_BUFFERS) & 1)
         _tma_reduce_add(dq_desc, [row0, 0], dq_stage.index(b))
@@ -393,27 +411,14 @@ def _ws_query_loop(dk, dv, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, read
         dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s_t, dk, dv = warpgroup_mma_wait(1, deps=[s_t, dk, dv])
         mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=t > 0)
-        s_t = s_t * qk_scale  # S^T in base 2
-        if MASK:
-            if IS_CAUSAL:
-                keep = offs_n[:, None] <= (start_m + cols)[None, :] + offset
-            else:  # keys past n_k read as zeros, and exp2(0 - L) may overflow: their dS K would be nan
-                keep = offs_n[:, None] < n_k
-            s_t = gl.where(keep, s_t, _MASKED)
+        s_t = _scaled_scores(s_t, qk_scale, offs_n, start_m + cols, offset, n_k, MASK, IS_CAUSAL)
         lse = l_ring.index(slot).load(gl.SliceLayout(0, s_layout))
         p_t = gl.exp2(s_t - lse[None, :] * _LOG2E)  # P^T = exp(S - L) (eq. 13)
         dv = warpgroup_mma(gl.convert_layout(p_t.to(q_s.dtype), p_layout), do_s, dv, is_async=True)  # eq. 14
         dp_t = warpgroup_mma_wait(1, deps=[dp_t])
         delta = d_ring.index(slot).load(gl.SliceLayout(0, s_layout))
         ds_t = (p_t * (dp_t - delta[None, :])).to(q_s.dtype)  # dS^T = P^T o (dP^T - D) (eq. 16)
-        ds_smem.store(ds_t)
-        fence_async_shared()
-        gl.thread_barrier()
-        # dQ's part first, so that the wait below leaves dK's product in flight
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
-                           use_acc=False, is_async=True)  # eq. 17
-        dk = warpgroup_mma(gl.convert_layout(ds_t, p_layout), q_s, dk, is_async=True)  # eq. 18
-        dq = warpgroup_mma_wait(1, deps=[dq])
+        dq, dk = _dq_then_dk(ds_t, ds_smem, k_smem, q_s, dk, BLOCK_M, HEAD_DIM, p_layout, dq_layout)
         b = t % _DQ_BUFFERS
         mbarrier.wait(dq_empty.index(b), ((t // _DQ_BUFFERS) & 1) ^ 1)
         dq_stage.index(b).store(dq)

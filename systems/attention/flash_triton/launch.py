@@ -748,12 +748,11 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
     _contiguous(q3, k3, v3, o3, do3)
     delta = torch.empty_like(lse)
     dk, dv = torch.empty_like(k3), torch.empty_like(v3)
-    atomic_gluon = variant.atomic_gluon(q3, k3, v3, o3, do3)
-    if variant.backward == "atomic" or atomic_gluon is not None:
+    if variant.runs_atomic(q3, k3, v3, o3, do3):
         dq_acc = torch.empty(q3.shape, device=q3.device, dtype=torch.float32)
         dq = dq_acc if q3.dtype == torch.float32 else torch.empty_like(q3)
-        launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal, gluon=atomic_gluon,
-                               fp32_dot=variant.fp32_dot)
+        launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal,
+                               gluon=variant.atomic_gluon(q3, k3, v3, o3, do3), fp32_dot=variant.fp32_dot)
         return dq, dk, dv
     dq = torch.empty_like(q3)
     key = recipe_key("bwd", variant, is_causal, q3, k3, v3, o3, do3, lse)
