@@ -950,13 +950,13 @@ def test_auto_prefers_tma_only_for_long_16_bit_inputs():
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")
-@pytest.mark.parametrize("kernel,head_dim,other", [("dkdv", 64, 128), ("dq", 128, 64), ("atomic", 64, 128),
-                                                  ("atomic_ws", 128, 64)])
+@pytest.mark.parametrize("kernel,head_dim,other", [("dkdv", 64, 128), ("dq", 128, 64), ("atomic_ws", 64, 96),
+                                                  ("atomic_ws", 128, 256)])
 def test_gluon_only_where_it_was_built_and_measured(kernel, head_dim, other):
     """kernels_gluon.py runs only with the GPU-tested Triton (its Gluon API changes between
     releases: 3.9 renamed the TMA copies), on sm_90 (wgmma), for 16-bit inputs, at the head dims
     where each kernel measured faster than its Triton twin (dK/dV d = 64, dQ d = 128, the atomic
-    backward's d = 64, its warp-specialised form d = 128)."""
+    backward's d = 64 and 128)."""
     from systems.attention.flash_triton.launch import gluon_allowed
 
     tested = {"torch": ">=2.11,<2.12", "triton": ">=3.6,<3.7"}
@@ -979,7 +979,7 @@ def test_gluon_backward_variant_is_the_tma_pair_where_gluon_cannot_run():
 
     for d in (64, 128):
         q = torch.zeros(1, 8192, d, dtype=torch.bfloat16)  # CPU tensors: no Gluon kernel, whatever the Triton
-        for kernel in ("dq", "dkdv", "atomic", "atomic_ws"):
+        for kernel in ("dq", "dkdv", "atomic_ws"):
             assert not FlashVariant(backward="gluon").backward_gluon(kernel, q, q, q)
             assert not FlashVariant(backward="split").backward_gluon(kernel, q, q, q)
             assert not FlashVariant(backward="atomic").backward_gluon(kernel, q, q, q)
@@ -996,20 +996,19 @@ def test_gluon_launch_at_an_unmeasured_head_dim_says_where_it_runs():
         launch.launch_dq(q, q, q, q, q, lse, lse, q, True, tma=True, gluon=True)
     with pytest.raises(ValueError, match=r"the Gluon dkdv kernel runs at head dims \[64\], not 32"):
         launch.launch_dkdv(q, q, q, q, lse, lse, q, q, True, tma=True, gluon=True)
-    with pytest.raises(ValueError, match=r"the Gluon atomic kernel runs at head dims \[64\], not 32"):
-        launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon="atomic")
-    with pytest.raises(ValueError, match=r"the Gluon atomic_ws kernel runs at head dims \[128\], not 32"):
+    with pytest.raises(ValueError, match=r"the Gluon atomic_ws kernel runs at head dims \[64, 128\], not 32"):
         launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon="atomic_ws")
-    with pytest.raises(ValueError, match=r"launch_atomic's gluon must be one of atomic_ws, atomic; got 'dq'"):
-        launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon="dq")
+    for name in ("dq", "atomic"):  # "atomic" was entry 18's one-partition kernel, removed
+        with pytest.raises(ValueError, match=f"launch_atomic's gluon must be one of atomic_ws; got '{name}'"):
+            launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon=name)
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")
 def test_backward_routes_to_the_warp_specialised_kernel_where_it_runs(monkeypatch):
     """On an H100 (simulated: every tensor TMA-readable, each Gluon kernel usable at its
     GLUON_TILES head dims): "auto" runs the five-product backward's warp-specialised kernel where
-    the split pair would read descriptors (16-bit, past TMA_MIN_SEQ) at d = 128 and the pair
-    everywhere else; "atomic" takes the Gluon kernel of its head dim; "gluon" stays the pair."""
+    the split pair would read descriptors (16-bit, past TMA_MIN_SEQ) at d = 64 and 128 and the
+    pair everywhere else; "atomic" takes the Gluon kernel at its head dims; "gluon" stays the pair."""
     from systems.attention.flash_triton import TMA_MIN_SEQ, FlashVariant, launch
     from systems.attention.flash_triton.tuning import GLUON_TILES
 
@@ -1023,13 +1022,13 @@ def test_backward_routes_to_the_warp_specialised_kernel_where_it_runs(monkeypatc
 
     long, short = TMA_MIN_SEQ + 64, TMA_MIN_SEQ
     auto, atomic, gluon = FlashVariant(), FlashVariant(backward="atomic"), FlashVariant(backward="gluon")
-    assert auto.atomic_gluon(*tensors(long, 128)) == "atomic_ws" and auto.runs_atomic(*tensors(long, 128))
-    assert not auto.backward_gluon("dq", *tensors(long, 128))  # the pair does not run there
-    for args in (tensors(short, 128), tensors(long, 64), tensors(long, 128, torch.float32)):
+    for d in (64, 128):
+        assert auto.atomic_gluon(*tensors(long, d)) == "atomic_ws" and auto.runs_atomic(*tensors(long, d))
+        assert not auto.backward_gluon("dq", *tensors(long, d)) and not auto.backward_gluon("dkdv", *tensors(long, d))
+        assert atomic.atomic_gluon(*tensors(short, d)) == "atomic_ws"
+    for args in (tensors(short, 128), tensors(short, 64), tensors(long, 96), tensors(long, 128, torch.float32)):
         assert auto.atomic_gluon(*args) is None and not auto.runs_atomic(*args)
-    assert auto.backward_gluon("dkdv", *tensors(long, 64))
-    assert atomic.atomic_gluon(*tensors(short, 128)) == "atomic_ws"
-    assert atomic.atomic_gluon(*tensors(short, 64)) == "atomic"
+    assert gluon.backward_gluon("dkdv", *tensors(long, 64))
     assert atomic.atomic_gluon(*tensors(short, 32)) is None and atomic.runs_atomic(*tensors(short, 32))
     assert gluon.atomic_gluon(*tensors(long, 128)) is None and gluon.backward_gluon("dq", *tensors(long, 128))
     for backward in ("split", "tma", "pytorch"):
@@ -1048,14 +1047,17 @@ def _gluon_in_tested_range() -> bool:
 _GLUON_ARG_KINDS = {
     "dkdv": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["i32"] * 3 + ["fp32"] * 2,
     "dq": ["*bf16"] * 5 + ["*fp32"] * 2 + ["*bf16"] + ["i32"] * 3 + ["fp32"] * 2,
-    "atomic": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] + ["i32"] * 3 + ["fp32"] * 2,
     "atomic_ws": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] + ["i32"] * 3 + ["fp32"] * 2,
 }
 
 
-def _gluon_ptx_for_h100(kernel: str, causal: bool) -> str:
-    """The PTX of kernels_gluon.py's ``kernel`` (a key of _GLUON_ARG_KINDS) for sm_90 at its first head
-    dim of tuning.GLUON_TILES, with its tiles."""
+# each Gluon kernel and head dim tuning.GLUON_TILES runs it at
+_GLUON_BUILT = [("dkdv", 64), ("dq", 128), ("atomic_ws", 64), ("atomic_ws", 128)]
+
+
+def _gluon_ptx_for_h100(kernel: str, head_dim: int, causal: bool) -> str:
+    """The PTX of kernels_gluon.py's ``kernel`` (a key of _GLUON_ARG_KINDS) for sm_90 at ``head_dim``,
+    with its tiles there (tuning.GLUON_TILES)."""
     if not _gluon_in_tested_range():
         pytest.skip("the Gluon kernels are written for the GPU-tested Triton only (pyproject.toml)")
     pytest.importorskip("triton.backends.nvidia")
@@ -1067,12 +1069,10 @@ def _gluon_ptx_for_h100(kernel: str, causal: bool) -> str:
     from systems.attention.flash_triton.tuning import GLUON_TILES
 
     fn = {"dq": kernels_gluon.flash_bwd_dq_gluon_kernel, "dkdv": kernels_gluon.flash_bwd_dkdv_gluon_kernel,
-          "atomic": kernels_gluon.flash_bwd_atomic_gluon_kernel,
           "atomic_ws": kernels_gluon.flash_bwd_atomic_ws_gluon_kernel}[kernel]
     kinds = _GLUON_ARG_KINDS[kernel]
     signature = {name: kinds[i] if i < len(kinds) else "constexpr" for i, name in enumerate(fn.arg_names)}
-    head_dim, tiles = next(iter(GLUON_TILES[kernel].items()))
-    tiles = dict(tiles)
+    tiles = dict(GLUON_TILES[kernel][head_dim])
     warps = tiles.pop("num_warps")
     src = GluonASTSource(fn, signature, dict(HEAD_DIM=head_dim, IS_CAUSAL=causal, **tiles))
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
@@ -1080,18 +1080,20 @@ def _gluon_ptx_for_h100(kernel: str, causal: bool) -> str:
 
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the Gluon kernel (not the interpreter's)")
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("kernel", sorted(_GLUON_ARG_KINDS))
-def test_gluon_kernels_compile_for_h100(kernel, causal):
+@pytest.mark.parametrize("kernel,head_dim", _GLUON_BUILT)
+def test_gluon_kernels_compile_for_h100(kernel, head_dim, causal):
     """kernels_gluon.py compiled for sm_90 with the Triton it is written for: every kernel's products
     are asynchronous (a wgmma wait that leaves one group in flight) and nothing spills to local
     memory. dK/dV: K and V feed wgmma from registers in the S^T and dP^T products, L and D arrive
     on the tiles' barriers through cp.async. dQ: Q and dO as register A operands, K and V through
     TMA. Atomic: each query tile's dS K added into the fp32 dQ buffer by one TMA bulk reduce-add
-    (no per-element atomics), with a read-wait that leaves the newer of the two staging buffers'
-    reduces in flight. Its warp-specialised form: the same reduce-adds, issued by a worker warp;
-    the two worker warps drop to 24 registers so the consumer warpgroups rise to 240 (setmaxnreg),
-    where the single-partition kernel spills at d = 128."""
-    ptx = _gluon_ptx_for_h100(kernel, causal)
+    (no per-element atomics), issued by a worker warp, with a read-wait that leaves the newer of
+    the two staging buffers' reduces in flight; the two worker warps drop to 24 registers so the
+    consumer warpgroups rise to 240 (setmaxnreg), where a single-partition kernel spills at d = 128."""
+    from systems.attention.flash_triton.tuning import GLUON_TILES
+
+    assert sorted(GLUON_TILES[kernel]) == sorted(d for k, d in _GLUON_BUILT if k == kernel)  # every one compiled
+    ptx = _gluon_ptx_for_h100(kernel, head_dim, causal)
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     assert "st.local" not in ptx
     # an A operand in braces (registers), then a shared-memory descriptor
@@ -1101,11 +1103,10 @@ def test_gluon_kernels_compile_for_h100(kernel, causal):
         assert register_a > 0
     if kernel == "dq":
         assert "cp.async.bulk.tensor" in ptx and register_a > 0
-    if kernel in ("atomic", "atomic_ws"):
+    if kernel == "atomic_ws":
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
         assert re_count(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx) > 0
         assert re_count(r"\b(?:atom|red)\.global", ptx) == 0
-    if kernel == "atomic_ws":
         assert set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)) == {"24", "240"}
         assert "cp.async.mbarrier.arrive.noinc" in ptx and "cp.async.bulk.tensor" in ptx
 
@@ -1169,7 +1170,7 @@ def test_gpu_gluon_dkdv_equals_the_triton_kernel(shape, n_k, causal, dtype):
 
 @pytest.mark.gpu
 @needs_gluon
-@pytest.mark.parametrize("gluon_kernel,head_dim", [("atomic", 64), ("atomic_ws", 128)])
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("rows,n_k,causal,dtype", [
     ((2, 1000), 1000, True, torch.bfloat16),
     ((3, 777), 777, False, torch.bfloat16),  # a ragged key tile meets every query: all masked
@@ -1180,55 +1181,55 @@ def test_gpu_gluon_dkdv_equals_the_triton_kernel(shape, n_k, causal, dtype):
     ((2, 700), 333, False, torch.float16),
     ((4, 4096), 4096, True, torch.bfloat16),
 ])
-def test_gpu_gluon_atomic_kernels_equal_the_triton_kernel(gluon_kernel, head_dim, rows, n_k, causal, dtype):
+def test_gpu_gluon_atomic_kernel_equals_the_triton_kernel(head_dim, rows, n_k, causal, dtype):
     """The same L through the atomic backward (prep, atomic kernel, cast) with Triton's kernel and
-    with each Gluon kernel at its head dim (the one-partition kernel at d = 64, the warp-specialised
-    one at d = 128): dK and dV from the same products per key tile, dQ summed over key tiles in
-    another order (TMA reduce-adds against per-element atomics). Measured at most 1.3e-3 of the
-    largest gradient on the H100 at d = 64 (the non-causal ragged shape) and 1.8e-3 at d = 128
-    against the split pair (notes entry 23); bounded here by one bf16 rounding, 2^-8."""
+    with the warp-specialised Gluon kernel: dK and dV from the same products per key tile, dQ
+    summed over key tiles in another order (TMA reduce-adds against per-element atomics). Measured
+    at most 1.8e-3 of the largest gradient against the split pair on the H100 at d = 128 (notes
+    entry 23) and 1.2e-3 at d = 64 (entry 24); bounded here by one bf16 rounding, 2^-8."""
     from systems.attention.flash_triton import launch
 
     q, k, v, do, o, lse = _gpu_backward_inputs((*rows, head_dim), n_k, causal, dtype)
     got = {}
-    for gluon in (None, gluon_kernel):
+    for gluon in (None, "atomic_ws"):
         delta = torch.empty_like(lse)
         dq_acc = torch.full(q.shape, float("nan"), device="cuda")  # the prep kernel zeroes it
         dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
         launch.launch_backward_atomic(q, k, v, o, do, lse, delta, dq_acc, dq, dk, dv, causal, gluon=gluon)
         got[gluon] = dq.float(), dk.float(), dv.float()
-    for want, have in zip(got[None], got[gluon_kernel]):
+    for want, have in zip(got[None], got["atomic_ws"]):
         assert torch.isfinite(have).all()
         assert (have - want).abs().max() <= 2 ** -8 * want.abs().max()
 
 
 @pytest.mark.gpu
 @needs_gluon
-def test_gpu_atomic_variant_takes_the_gluon_kernel_at_its_head_dim():
-    """On the H100: "atomic" takes the one-partition Gluon kernel at d = 64 and the warp-specialised
-    one at d = 128; "auto" takes the warp-specialised one past TMA_MIN_SEQ at d = 128 only."""
+def test_gpu_atomic_variant_takes_the_gluon_kernel_at_its_head_dims():
+    """On the H100: "atomic" takes the warp-specialised Gluon kernel at d = 64 and 128; "auto"
+    takes it there past TMA_MIN_SEQ only."""
     from systems.attention import flash_triton as ft
 
     variant, auto = ft.FlashVariant(backward="atomic"), ft.FlashVariant(backward="auto")
-    for d, expected in ((64, "atomic"), (128, "atomic_ws"), (32, None)):
+    for d, expected in ((64, "atomic_ws"), (128, "atomic_ws"), (32, None)):
         q = torch.zeros(2, 1000, d, device="cuda", dtype=torch.bfloat16)
         assert variant.atomic_gluon(q, q, q) == expected
         assert auto.atomic_gluon(q, q, q) is None  # 1000 tokens: the pointer pair
-    for d, expected in ((64, None), (128, "atomic_ws")):
+    for d, expected in ((32, None), (64, "atomic_ws"), (128, "atomic_ws")):
         q = torch.zeros(1, ft.TMA_MIN_SEQ + 64, d, device="cuda", dtype=torch.bfloat16)
         assert auto.atomic_gluon(q, q, q) == expected
 
 
 @pytest.mark.gpu
 @needs_gluon
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_default_backward_at_d128_past_tma_min_seq_matches_reference(causal):
-    """The public function's default at d = 128 past TMA_MIN_SEQ runs the warp-specialised
+def test_gpu_default_backward_past_tma_min_seq_matches_reference(causal, head_dim):
+    """The public function's default at d = 64 and 128 past TMA_MIN_SEQ runs the warp-specialised
     five-product backward (bf16 and fp16 against float64 autograd, the tolerance of every GPU test
     here), with a ragged last tile."""
     from systems.attention import flash_triton as ft
 
-    shape_q = (1, 2, ft.TMA_MIN_SEQ + 100, 128)
+    shape_q = (1, 2, ft.TMA_MIN_SEQ + 100, head_dim)
     q = torch.zeros(shape_q, device="cuda", dtype=torch.bfloat16)
     assert ft.FlashVariant().atomic_gluon(q, q, q) == "atomic_ws"
     for dtype in (torch.bfloat16, torch.float16):

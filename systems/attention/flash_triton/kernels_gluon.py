@@ -1,4 +1,4 @@
-"""Four backward kernels in Gluon, for Hopper: asynchronous wgmma (notes entries 16, 17, 18, 23).
+"""Three backward kernels in Gluon, for Hopper: asynchronous wgmma (notes entries 16, 17, 18, 23, 24).
 
 Triton's ``tl.dot`` waits for every product that is not a loop-carried accumulator right after
 issuing it, so in kernels.py's dK/dV loop the tensor cores idle through the exponentials and dS,
@@ -16,21 +16,21 @@ from shared memory per product), Q and dO stream through TMA into a ring of STAG
 and D through cp.async into the same ring, each thread arriving on the tile's mbarrier when its
 copies land (so the loop never waits on a global load). The dQ kernel is the same schedule per key
 tile with one product fewer (_dq_key_loop), Q and dO in registers, K and V through the TMA ring.
-The atomic backward's kernel is the dK/dV kernel with the fifth product (ADD_DQ): dS^T goes to
-shared memory, dQ's part dS K is issued before dK's product and waited while that runs, and is
-added into an fp32 buffer by one TMA bulk reduce-add per query tile (_reduce_dq_tile). Its
-warp-specialised form (flash_bwd_atomic_ws_gluon_kernel, FlashAttention-3's layout) runs the same
-products in two consumer warpgroups over 128 keys, beside a loader warp (Q, dO, L, D into the ring)
-and a dQ warp (the reduce-adds); the two workers hold 24 registers each, so the consumers get 240,
-which d = 128 needs (the one-partition kernel spills there).
+The atomic backward's kernel (flash_bwd_atomic_ws_gluon_kernel, FlashAttention-3's layout) adds
+the fifth product to that loop: dS^T goes to shared memory, dQ's part dS K is issued before dK's
+product and waited while that runs, and is added into an fp32 buffer by one TMA bulk reduce-add
+per query tile. It is warp-specialised: two consumer warpgroups over 128 keys run the products,
+beside a loader warp (Q, dO, L, D into the ring) and a dQ warp (the reduce-adds); the two workers
+hold 24 registers each, so the consumers get 240, which d = 128 needs (a one-partition form of
+it, entries 18 and 21, spilled there and was only level with the split pair at d = 64).
 
 Written against the Gluon of Triton 3.6 (an experimental API that changes between releases: 3.9
 renamed the TMA copies, and the reduce-add has no public call in 3.6: _tma_reduce_add), so launch.py
 runs them only inside pyproject.toml's GPU-tested versions, for 16-bit inputs on sm_90, at the head
-dims where each measured faster than its Triton twin (tuning.GLUON_TILES: dK/dV and the atomic
-kernel at d = 64, dQ and the warp-specialised atomic kernel at d = 128), and kernels.py's kernels
-everywhere else. Each reads the same inputs and writes the same outputs as its twin in kernels.py
-(flash_bwd_dkdv_tma_kernel, flash_bwd_dq_tma_kernel, flash_bwd_atomic_kernel for both atomic ones),
+dims where each measured faster than its Triton twin (tuning.GLUON_TILES: dK/dV at d = 64, dQ at
+d = 128, the atomic kernel at both), and kernels.py's kernels everywhere else. Each reads the same
+inputs and writes the same outputs as its twin in kernels.py (flash_bwd_dkdv_tma_kernel,
+flash_bwd_dq_tma_kernel, flash_bwd_atomic_kernel),
 in the same program order (kernels._program_tile, imported into Gluon unchanged).
 """
 
@@ -55,8 +55,7 @@ from systems.attention.flash_triton import kernels
 _LOG2E = gl.constexpr(kernels.LOG2E)
 _MASKED = gl.constexpr(-1e6)  # kernels._MASKED
 # the atomic kernel's dQ staging buffers: a tile's reduce reads one while the next tile's products
-# run. Three or four left one program a multiprocessor instead of two at d = 64, 1.23-1.28x slower
-# (notes entry 18).
+# run (in entry 18's one-partition kernel, three or four cost 1.23-1.28x in occupancy at d = 64)
 _DQ_BUFFERS = gl.constexpr(2)
 # kernels.py's index helpers are scalar arithmetic only, so they compile as Gluon unchanged
 _program_tile = gluon.jit(kernels._program_tile.fn)
@@ -126,18 +125,6 @@ def _issue_tile(q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, slot, ro
 
 
 @gluon.jit
-def _reduce_dq_tile(dq_desc, dq_stage, dq, row0, t):
-    """Add dq (one query tile's part of dS K, fp32) into rows row0... of DQ_ACC: stage it in buffer
-    t of dq_stage, then one TMA bulk reduce-add (rows past n_q are dropped by the descriptor)."""
-    buf = dq_stage.index(t % _DQ_BUFFERS)
-    tma.store_wait(_DQ_BUFFERS - 1)  # the reduce that last read this buffer is done
-    buf.store(dq)
-    fence_async_shared()
-    gl.thread_barrier()
-    _tma_reduce_add(dq_desc, [row0, 0], buf)
-
-
-@gluon.jit
 def _scaled_scores(s_t, qk_scale, offs_n, offs_m, offset, n_k, MASK: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """S^T (keys offs_n x queries offs_m) in base 2, masked where MASK: the causal mask (IS_CAUSAL) or
     else the key bound."""
@@ -152,35 +139,14 @@ def _scaled_scores(s_t, qk_scale, offs_n, offs_m, offset, n_k, MASK: gl.constexp
 
 
 @gluon.jit
-def _dq_then_dk(ds_t, ds_smem, k_smem, q_s, dk, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                p_layout: gl.constexpr, dq_layout: gl.constexpr):
-    """The atomic backward's last two products of a query tile: dQ's part dS K (eq. 17), from dS^T
-    stored to shared memory, issued first so that it is waited first, then dK += dS^T Q (eq. 18),
-    left in flight. Returns dQ's part (complete) and dK. dQ's part is waited within the iteration:
-    ptxas serialises every wgmma if the registers of one issued in an earlier iteration are read
-    after the loop's back edge (its warning C7514)."""
-    ds_smem.store(ds_t)
-    fence_async_shared()
-    gl.thread_barrier()
-    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
-                       use_acc=False, is_async=True)
-    dk = warpgroup_mma(gl.convert_layout(ds_t, p_layout), q_s, dk, is_async=True)
-    dq = warpgroup_mma_wait(1, deps=[dq])
-    return dq, dk
-
-
-@gluon.jit
 def _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh, D_bh, offs_n,
-                n_q, n_k, offset, qk_scale, lo, hi, it, k_smem, ds_smem, dq_desc, dq_stage,
-                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, ADD_DQ: gl.constexpr, s_layout: gl.constexpr,
-                p_layout: gl.constexpr, dq_layout: gl.constexpr):
+                n_q, n_k, offset, qk_scale, lo, hi, it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, s_layout: gl.constexpr,
+                p_layout: gl.constexpr):
     """Accumulate dK, dV (wgmma accumulators, in flight) of one key tile over query tiles [lo, hi),
     in transposed form (keys x queries), as kernels._dkdv_query_loop does. ``it`` counts the tiles
     through the ring over the calls (slot it % STAGES, barrier phase (it // STAGES) % 2). MASK: the
-    causal mask (IS_CAUSAL) or else the key bound. ADD_DQ: also the fifth product, dQ += dS K,
-    added into DQ_ACC per query tile (_reduce_dq_tile) while dK's product runs. Every product has
-    completed on return."""
+    causal mask (IS_CAUSAL) or else the key bound. Every product has completed on return."""
     n_iter = gl.cdiv(hi - lo, BLOCK_M)
     cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     # one element a thread for the cp.async of L and D (the score layout's columns repeat per thread)
@@ -210,11 +176,7 @@ def _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_
         dv = warpgroup_mma(gl.convert_layout(p_t.to(q_s.dtype), p_layout), do_s, dv, is_async=True)  # eq. 14
         dp_t = warpgroup_mma_wait(1, deps=[dp_t])
         ds_t = (p_t * (dp_t - delta[None, :])).to(q_s.dtype)  # dS^T = P^T o (dP^T - D) (eq. 16)
-        if ADD_DQ:
-            dq, dk = _dq_then_dk(ds_t, ds_smem, k_smem, q_s, dk, BLOCK_M, HEAD_DIM, p_layout, dq_layout)
-            _reduce_dq_tile(dq_desc, dq_stage, dq, start_m, it + i)
-        else:
-            dk = warpgroup_mma(gl.convert_layout(ds_t, p_layout), q_s, dk, is_async=True)  # eq. 18
+        dk = warpgroup_mma(gl.convert_layout(ds_t, p_layout), q_s, dk, is_async=True)  # eq. 18
     dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
     return warpgroup_mma_init(dk), warpgroup_mma_init(dv), it + n_iter
 
@@ -239,24 +201,22 @@ def _masked_query_tiles(n0, n_q, n_k, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.const
     return lo, gl.minimum(hi, n_q)
 
 
-@gluon.jit
-def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale, sm_scale,
-                  HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, ADD_DQ: gl.constexpr):
-    """One program owns dK and dV of one key tile (and, with ADD_DQ, adds its share of dQ into
-    DQ_ACC); BLOCK_N / 16 warps, a warpgroup per 64 keys."""
+@gluon.jit(do_not_specialize=kernels._ORDER_ARGS)
+def flash_bwd_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale,
+                                HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Grid (key tiles x batch, in _program_tile's order). dK and dV of the split backward; runs
+    after the dQ kernel, which wrote Delta. One program owns dK and dV of one key tile; BLOCK_N / 16
+    warps, a warpgroup per 64 keys."""
     WARPS: gl.constexpr = gl.num_warps()
-    # wgmma's accumulators: S^T, dP^T (keys x queries), dK, dV (keys x d) and dQ's part (queries x d)
+    # wgmma's accumulators: S^T, dP^T (keys x queries), dK, dV (keys x d)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPS // 4],
-                                                        instr_shape=[16, HEAD_DIM // (WARPS // 4), 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     tile_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    dtype: gl.constexpr = Q.dtype.element_ty
 
     tile, bh = _program_tile(n_k, head_group, BLOCK_N, False)
     n0 = tile * BLOCK_N
@@ -264,14 +224,6 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, q
         K, V, n_k, Q, dO, n_q, bh, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, tile_smem)
     l_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
     d_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
-    ds_smem = None
-    dq_desc = None
-    dq_stage = None
-    if ADD_DQ:
-        dq_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], tile_smem)
-        dq_desc = _head_descriptor(DQ_ACC, bh, n_q, HEAD_DIM, BLOCK_M, dq_smem)
-        dq_stage = gl.allocate_shared_memory(gl.float32, [_DQ_BUFFERS, BLOCK_M, HEAD_DIM], dq_smem)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -294,43 +246,19 @@ def _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, q
     offset = n_k - n_q
     lo, hi = _masked_query_tiles(n0, n_q, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     dk, dv, it = _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh, D_bh,
-                             offs_n, n_q, n_k, offset, qk_scale, lo, hi, 0, k_smem, ds_smem, dq_desc, dq_stage,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, True, IS_CAUSAL, ADD_DQ, s_layout, p_layout, dq_layout)
+                             offs_n, n_q, n_k, offset, qk_scale, lo, hi, 0, BLOCK_M, BLOCK_N, STAGES, True,
+                             IS_CAUSAL, s_layout, p_layout)
     # ... then the query tiles that see all of it (rows past n_q load as zeros and add nothing)
     dk, dv, it = _query_loop(dk, dv, k_op, v_op, q_desc, do_desc, q_ring, do_ring, l_ring, d_ring, bars, L_bh, D_bh,
-                             offs_n, n_q, n_k, offset, qk_scale, hi, n_q, it, k_smem, ds_smem, dq_desc, dq_stage,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, False, IS_CAUSAL, ADD_DQ, s_layout, p_layout, dq_layout)
+                             offs_n, n_q, n_k, offset, qk_scale, hi, n_q, it, BLOCK_M, BLOCK_N, STAGES, False,
+                             IS_CAUSAL, s_layout, p_layout)
     dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
-    if ADD_DQ:
-        tma.store_wait(0)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
     mbarrier.invalidate(kv_bar)
 
     _store_tile(dK, dk * sm_scale, bh, n0, n_k, HEAD_DIM, BLOCK_N, kv_layout)  # dK = dS^T Q * scale
     _store_tile(dV, dv, bh, n0, n_k, HEAD_DIM, BLOCK_N, kv_layout)
-
-
-@gluon.jit(do_not_specialize=kernels._ORDER_ARGS)
-def flash_bwd_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, n_q, n_k, head_group, qk_scale, sm_scale,
-                                HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Grid (key tiles x batch, in _program_tile's order). dK and dV of the split backward; runs
-    after the dQ kernel, which wrote Delta."""
-    _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, None, n_q, n_k, head_group, qk_scale, sm_scale,
-                  HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N, STAGES, False)
-
-
-@gluon.jit(do_not_specialize=kernels._ORDER_ARGS)
-def flash_bwd_atomic_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale, sm_scale,
-                                  HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Grid (key tiles x batch). The atomic backward's kernel (five products, as
-    kernels.flash_bwd_atomic_kernel, same arguments but the tiles): dK and dV, and dS K added
-    into DQ_ACC (zeroed, with Delta written, by kernels.flash_bwd_prep_kernel) through TMA
-    reduce-adds, one per (key tile, query tile)."""
-    _dkdv_program(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale, sm_scale,
-                  HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N, STAGES, True)
 
 
 # ----------------------------------------------------------------------------- five products, warp-specialised
@@ -393,10 +321,10 @@ def _ws_query_loop(dk, dv, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, read
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
                    IS_CAUSAL: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
                    dq_layout: gl.constexpr):
-    """The consumers' loop over query tiles [lo, hi) (``it`` counts tiles over the calls): the five
-    products of _query_loop with ADD_DQ, the loads and the reduce-adds left to the worker warps.
-    A ring slot goes back to the loader once the next tile's first wait has retired the dK and dV
-    products that read it."""
+    """The consumers' loop over query tiles [lo, hi) (``it`` counts tiles over the calls): the four
+    products of _query_loop and dQ's part dS K, the loads and the reduce-adds left to the worker
+    warps. A ring slot goes back to the loader once the next tile's first wait has retired the dK
+    and dV products that read it."""
     n_iter = gl.cdiv(hi - lo, BLOCK_M)
     cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
@@ -418,7 +346,17 @@ def _ws_query_loop(dk, dv, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, read
         dp_t = warpgroup_mma_wait(1, deps=[dp_t])
         delta = d_ring.index(slot).load(gl.SliceLayout(0, s_layout))
         ds_t = (p_t * (dp_t - delta[None, :])).to(q_s.dtype)  # dS^T = P^T o (dP^T - D) (eq. 16)
-        dq, dk = _dq_then_dk(ds_t, ds_smem, k_smem, q_s, dk, BLOCK_M, HEAD_DIM, p_layout, dq_layout)
+        # dQ's part dS K (eq. 17) from dS^T in shared memory, issued before dK += dS^T Q (eq. 18) so
+        # that it is waited first, while dK's product runs. It is waited within the iteration:
+        # ptxas serialises every wgmma if the registers of one issued in an earlier iteration are
+        # read after the loop's back edge (its warning C7514).
+        ds_smem.store(ds_t)
+        fence_async_shared()
+        gl.thread_barrier()
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout),
+                           use_acc=False, is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds_t, p_layout), q_s, dk, is_async=True)
+        dq = warpgroup_mma_wait(1, deps=[dq])
         b = t % _DQ_BUFFERS
         mbarrier.wait(dq_empty.index(b), ((t // _DQ_BUFFERS) & 1) ^ 1)
         dq_stage.index(b).store(dq)
@@ -455,11 +393,13 @@ def flash_bwd_atomic_ws_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q,
                                      sm_scale, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
                                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Grid (key tiles x batch); num_warps = 8 (the consumers) and two worker warps. The atomic
-    backward's kernel, warp-specialised (FlashAttention-3's layout, notes entry 23): the same
-    arguments and outputs as flash_bwd_atomic_gluon_kernel. At d = 128 the single-partition kernel
-    spills (the dK, dV, S^T, dP^T and dQ accumulators alone are 224 registers a thread at 128 keys,
-    notes entry 21); here the worker warps run at 24 registers, so the consumers get 240, and the
-    loads and the reduce-adds leave the consumers' instruction stream."""
+    backward's kernel (five products, as kernels.flash_bwd_atomic_kernel, same arguments but the
+    tiles), warp-specialised (FlashAttention-3's layout, notes entries 23 and 24): dK and dV, and
+    dS K added into DQ_ACC (zeroed, with Delta written, by kernels.flash_bwd_prep_kernel) through
+    TMA reduce-adds, one per (key tile, query tile). In one partition the kernel spills at d = 128
+    (the dK, dV, S^T, dP^T and dQ accumulators alone are 224 registers a thread at 128 keys, notes
+    entry 21); here the worker warps run at 24 registers, so the consumers get 240, and the loads
+    and the reduce-adds leave the consumers' instruction stream."""
     WARPS: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_M, 16])

@@ -55,8 +55,8 @@ LAUNCH_ORDERS: tuple[str, ...] = get_args(LaunchOrder)
 # launches: fwd 0.048 against 0.037 ms, backward 0.127 against 0.094): building descriptors costs
 # each program a fixed amount that a short key loop does not earn back. 4096 is that measured point.
 TMA_MIN_SEQ = 4096
-# kernels_gluon.py's kernels of the atomic backward (tuning.GLUON_TILES gives them disjoint head dims)
-_ATOMIC_GLUON_KERNELS = ("atomic_ws", "atomic")
+# kernels_gluon.py's kernel of the atomic backward (launch_atomic's ``gluon`` names it)
+_ATOMIC_GLUON_KERNELS = ("atomic_ws",)
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,9 @@ class FlashVariant:
     backward: "split" (a dQ kernel, then a dK/dV kernel, through pointers), "tma" (the same pair
     through descriptors, as forward "tma"), "gluon" (as "tma", with each kernel of kernels_gluon.py
     where ``gluon_usable`` says it runs), "atomic" (five products in one kernel over key tiles,
-    adding dQ across them: kernels_gluon.py's, with TMA reduce-adds, where ``atomic_gluon`` names
-    one, else Triton's with atomics), "auto" (where forward "auto" would read descriptors, the
-    atomic backward's warp-specialised kernel where it runs (d = 128 on Hopper), else the pair
+    adding dQ across them: kernels_gluon.py's warp-specialised one, with TMA reduce-adds, where
+    ``atomic_gluon`` names it, else Triton's with atomics), "auto" (where forward "auto" would read
+    descriptors, the atomic backward's Gluon kernel where it runs (d = 64 and 128 on Hopper), else the pair
     through descriptors with the Gluon kernels where usable; the pointer pair elsewhere), or
     "pytorch" (flash_pytorch's compiled reference backward on the same saved tensors).
     fp32_dot: how the kernels' dots multiply fp32 inputs (16-bit inputs always run their own
@@ -113,14 +113,13 @@ class FlashVariant:
 
     def atomic_gluon(self, *tensors: torch.Tensor) -> str | None:
         """The kernels_gluon.py kernel the five-product (atomic) backward runs on these tensors, or
-        None. For "atomic": "atomic_ws" (warp-specialised) or "atomic" (one partition), the one
-        gluon_usable allows at this head dim, else None (Triton's atomic kernel). For "auto":
-        "atomic_ws" wherever the split pair would read descriptors and it is usable, where it
-        replaces the pair (0.69-0.80x its time at d = 128 on the H100, notes entry 23); else None."""
+        None. For "atomic": "atomic_ws" (the warp-specialised kernel) where gluon_usable allows it,
+        else None (Triton's atomic kernel). For "auto": "atomic_ws" wherever the split pair would
+        read descriptors and it is usable, where it replaces the pair (on the H100 0.69-0.80x its
+        time at d = 128, notes entry 23; 0.95x at d = 64, entry 24); else None."""
         if self.backward == "atomic":  # it reads Q, K, V, dO and adds into dQ through TMA descriptors
-            if not tma_usable(*tensors):
-                return None
-            return next((kernel for kernel in _ATOMIC_GLUON_KERNELS if gluon_usable(kernel, *tensors)), None)
+            usable = tma_usable(*tensors) and gluon_usable("atomic_ws", *tensors)
+            return "atomic_ws" if usable else None
         if self.backward == "auto" and self.backward_tma(*tensors) and gluon_usable("atomic_ws", *tensors):
             return "atomic_ws"
         return None
@@ -131,7 +130,7 @@ class FlashVariant:
 
     def backward_gluon(self, kernel: str, *tensors: torch.Tensor) -> bool:
         """Whether the backward runs kernels_gluon.py's ``kernel`` on these tensors: "dq" or "dkdv" of
-        the split pair, or the atomic backward's "atomic" or "atomic_ws"."""
+        the split pair, or the atomic backward's "atomic_ws"."""
         if kernel in _ATOMIC_GLUON_KERNELS:
             return self.atomic_gluon(*tensors) == kernel
         return (self.backward in ("auto", "gluon") and self.backward_tma(*tensors) and gluon_usable(kernel, *tensors)
@@ -662,7 +661,7 @@ def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config:
 
 
 def _launch_gluon(kernel: str, n_rows: int, batch: int, args: tuple, is_causal: bool) -> None:
-    """kernels_gluon.py's ``kernel`` ("dq", "dkdv", "atomic" or "atomic_ws") under its fixed tiles
+    """kernels_gluon.py's ``kernel`` ("dq", "dkdv" or "atomic_ws") under its fixed tiles
     (tuning.GLUON_TILES), one program per tile of n_rows (query rows for dQ, keys for the others) and
     per (batch, head)."""
     head_dim = args[0].shape[-1]
@@ -674,7 +673,6 @@ def _launch_gluon(kernel: str, n_rows: int, batch: int, args: tuple, is_causal: 
 
     fn, rows_per_program = {"dq": (kernels_gluon.flash_bwd_dq_gluon_kernel, tiles["BLOCK_M"]),
                             "dkdv": (kernels_gluon.flash_bwd_dkdv_gluon_kernel, tiles["BLOCK_N"]),
-                            "atomic": (kernels_gluon.flash_bwd_atomic_gluon_kernel, tiles["BLOCK_N"]),
                             "atomic_ws": (kernels_gluon.flash_bwd_atomic_ws_gluon_kernel, tiles["BLOCK_N"])}[kernel]
     _ensure_tma_allocator()
     fn[(triton.cdiv(n_rows, rows_per_program) * batch,)](*args, HEAD_DIM=head_dim, IS_CAUSAL=bool(is_causal), **tiles)
@@ -693,7 +691,7 @@ def launch_bwd_prep(o3, do3, delta, dq_acc) -> None:
 def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, *, config: dict | None = None,
                   meta: dict | None = None, gluon: str | None = None, fp32_dot: str = "auto") -> None:
     """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D. gluon:
-    kernels_gluon.py's "atomic" or "atomic_ws" kernel, with its fixed tiles (the tensors must be ones
+    kernels_gluon.py's "atomic_ws" kernel, with its fixed tiles (the tensors must be ones
     FlashVariant(backward="atomic").atomic_gluon names it for); None: Triton's atomic kernel."""
     batch, n_q, n_k, d = _dims(q3, k3)
     group = resolve_head_group(q3, k3, None)

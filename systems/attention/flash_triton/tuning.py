@@ -175,18 +175,19 @@ _OPTION_MAX_BLOCK_D = {("dkdv", "EARLY_DP"): 64}
 # warpgroups measured slower at (16, 16384, 64), and at d = 128 it spills. dQ (entry 17): 64x64
 # tiles over one warpgroup, K and V double-buffered: at d = 128 0.97x and 0.95x the Triton kernel
 # (16 x 16384 and 1 x 65536) in a first probe, 1.01x and 0.96x in a second; 1.04-1.13x at d = 64,
-# where the Triton kernel keeps running. The atomic backward's kernel (entry 18: the dK/dV kernel
-# plus dS K, added per query tile by a TMA reduce): 64x64 over one warpgroup, three stages, so two
-# programs share a multiprocessor; 128 keys over two warpgroups ran 1.0-1.15x its time, and at
-# d = 128 it spills. At d = 128 its warp-specialised form (entry 23): 64 queries a step over 128
-# keys, two consumer warpgroups at 240 registers, Q and dO double-buffered; 0.79-0.80x the split
-# pair's time at 16k-64k tokens and 0.69x at 16 x 4096.
+# where the Triton kernel keeps running. The atomic backward's kernel (entries 18, 23 and 24: the
+# dK/dV loop plus dS K, added per query tile by a TMA reduce), warp-specialised: 64 queries a step
+# over 128 keys, two consumer warpgroups at 240 registers, Q and dO double-buffered; at d = 128
+# 0.79-0.80x the split pair's time at 16k-64k tokens and 0.69x at 16 x 4096; at d = 64 0.95x at
+# 16k-64k (three stages: 1.01x). Entry 18's one-partition form was level with the pair at d = 64
+# and spilled at d = 128.
 GLUON_TILES: dict[str, dict[int, dict[str, int]]] = {
     "dkdv": {64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)},
     "dq": {128: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)},
-    "atomic": {64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=3, num_warps=4)},
-    # two consumer warpgroups over 128 keys (num_warps), two worker warps besides; 214 KB of shared memory
-    "atomic_ws": {128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, num_warps=8)},
+    # two consumer warpgroups over 128 keys (num_warps), two worker warps besides; 214 KB of shared
+    # memory at d = 128, 116 KB at d = 64
+    "atomic_ws": {64: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, num_warps=8),
+                  128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, num_warps=8)},
 }
 
 # bytes of tiles a config may hold (_prune's estimate: the resident tiles, and the streamed ones
