@@ -951,12 +951,12 @@ def test_auto_prefers_tma_only_for_long_16_bit_inputs():
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")
 @pytest.mark.parametrize("kernel,head_dim,other", [("dkdv", 64, 128), ("dq", 128, 64), ("atomic_ws", 64, 96),
-                                                  ("atomic_ws", 128, 256)])
+                                                  ("atomic_ws", 128, 256), ("fwd_ws", 64, 96), ("fwd_ws", 128, 256)])
 def test_gluon_only_where_it_was_built_and_measured(kernel, head_dim, other):
     """kernels_gluon.py runs only with the GPU-tested Triton (its Gluon API changes between
     releases: 3.9 renamed the TMA copies), on sm_90 (wgmma), for 16-bit inputs, at the head dims
     where each kernel measured faster than its Triton twin (dK/dV d = 64, dQ d = 128, the atomic
-    backward's d = 64 and 128)."""
+    backward and the forward d = 64 and 128)."""
     from systems.attention.flash_triton.launch import gluon_allowed
 
     tested = {"torch": ">=2.11,<2.12", "triton": ">=3.6,<3.7"}
@@ -984,6 +984,7 @@ def test_gluon_backward_variant_is_the_tma_pair_where_gluon_cannot_run():
             assert not FlashVariant(backward="split").backward_gluon(kernel, q, q, q)
             assert not FlashVariant(backward="atomic").backward_gluon(kernel, q, q, q)
         assert FlashVariant(backward="gluon").backward_tma(q, q, q) == FlashVariant(backward="tma").backward_tma(q, q, q)
+        assert not FlashVariant().forward_gluon(q, q, q)
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")
@@ -996,6 +997,8 @@ def test_gluon_launch_at_an_unmeasured_head_dim_says_where_it_runs():
         launch.launch_dq(q, q, q, q, q, lse, lse, q, True, tma=True, gluon=True)
     with pytest.raises(ValueError, match=r"the Gluon dkdv kernel runs at head dims \[64\], not 32"):
         launch.launch_dkdv(q, q, q, q, lse, lse, q, q, True, tma=True, gluon=True)
+    with pytest.raises(ValueError, match=r"the Gluon fwd_ws kernel runs at head dims \[64, 128\], not 32"):
+        launch.launch_forward(q, q, q, q, lse, True, gluon=True)
     with pytest.raises(ValueError, match=r"the Gluon atomic_ws kernel runs at head dims \[64, 128\], not 32"):
         launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon="atomic_ws")
     for name in ("dq", "atomic"):  # "atomic" was entry 18's one-partition kernel, removed
@@ -1008,7 +1011,8 @@ def test_backward_routes_to_the_warp_specialised_kernel_where_it_runs(monkeypatc
     """On an H100 (simulated: every tensor TMA-readable, each Gluon kernel usable at its
     GLUON_TILES head dims): "auto" runs the five-product backward's warp-specialised kernel where
     the split pair would read descriptors (16-bit, past TMA_MIN_SEQ) at d = 64 and 128 and the
-    pair everywhere else; "atomic" takes the Gluon kernel at its head dims; "gluon" stays the pair."""
+    pair everywhere else; "atomic" takes the Gluon kernel at its head dims; "gluon" stays the pair.
+    The forward: "auto" takes the warp-specialised Gluon forward in the same places, "tma" never."""
     from systems.attention.flash_triton import TMA_MIN_SEQ, FlashVariant, launch
     from systems.attention.flash_triton.tuning import GLUON_TILES
 
@@ -1023,11 +1027,13 @@ def test_backward_routes_to_the_warp_specialised_kernel_where_it_runs(monkeypatc
     long, short = TMA_MIN_SEQ + 64, TMA_MIN_SEQ
     auto, atomic, gluon = FlashVariant(), FlashVariant(backward="atomic"), FlashVariant(backward="gluon")
     for d in (64, 128):
+        assert auto.forward_gluon(*tensors(long, d))
+        assert not FlashVariant(forward="tma").forward_gluon(*tensors(long, d))
         assert auto.atomic_gluon(*tensors(long, d)) == "atomic_ws" and auto.runs_atomic(*tensors(long, d))
         assert not auto.backward_gluon("dq", *tensors(long, d)) and not auto.backward_gluon("dkdv", *tensors(long, d))
         assert atomic.atomic_gluon(*tensors(short, d)) == "atomic_ws"
     for args in (tensors(short, 128), tensors(short, 64), tensors(long, 96), tensors(long, 128, torch.float32)):
-        assert auto.atomic_gluon(*args) is None and not auto.runs_atomic(*args)
+        assert auto.atomic_gluon(*args) is None and not auto.runs_atomic(*args) and not auto.forward_gluon(*args)
     assert gluon.backward_gluon("dkdv", *tensors(long, 64))
     assert atomic.atomic_gluon(*tensors(short, 32)) is None and atomic.runs_atomic(*tensors(short, 32))
     assert gluon.atomic_gluon(*tensors(long, 128)) is None and gluon.backward_gluon("dq", *tensors(long, 128))
@@ -1048,11 +1054,12 @@ _GLUON_ARG_KINDS = {
     "dkdv": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["i32"] * 3 + ["fp32"] * 2,
     "dq": ["*bf16"] * 5 + ["*fp32"] * 2 + ["*bf16"] + ["i32"] * 3 + ["fp32"] * 2,
     "atomic_ws": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] + ["i32"] * 3 + ["fp32"] * 2,
+    "fwd_ws": ["*bf16"] * 4 + ["*fp32"] + ["i32"] * 3 + ["fp32"],
 }
 
 
 # each Gluon kernel and head dim tuning.GLUON_TILES runs it at
-_GLUON_BUILT = [("dkdv", 64), ("dq", 128), ("atomic_ws", 64), ("atomic_ws", 128)]
+_GLUON_BUILT = [("dkdv", 64), ("dq", 128), ("atomic_ws", 64), ("atomic_ws", 128), ("fwd_ws", 64), ("fwd_ws", 128)]
 
 
 def _gluon_ptx_for_h100(kernel: str, head_dim: int, causal: bool) -> str:
@@ -1069,7 +1076,8 @@ def _gluon_ptx_for_h100(kernel: str, head_dim: int, causal: bool) -> str:
     from systems.attention.flash_triton.tuning import GLUON_TILES
 
     fn = {"dq": kernels_gluon.flash_bwd_dq_gluon_kernel, "dkdv": kernels_gluon.flash_bwd_dkdv_gluon_kernel,
-          "atomic_ws": kernels_gluon.flash_bwd_atomic_ws_gluon_kernel}[kernel]
+          "atomic_ws": kernels_gluon.flash_bwd_atomic_ws_gluon_kernel,
+          "fwd_ws": kernels_gluon.flash_fwd_ws_gluon_kernel}[kernel]
     kinds = _GLUON_ARG_KINDS[kernel]
     signature = {name: kinds[i] if i < len(kinds) else "constexpr" for i, name in enumerate(fn.arg_names)}
     tiles = dict(GLUON_TILES[kernel][head_dim])
@@ -1089,7 +1097,9 @@ def test_gluon_kernels_compile_for_h100(kernel, head_dim, causal):
     TMA. Atomic: each query tile's dS K added into the fp32 dQ buffer by one TMA bulk reduce-add
     (no per-element atomics), issued by a worker warp, with a read-wait that leaves the newer of
     the two staging buffers' reduces in flight; the two worker warps drop to 24 registers so the
-    consumer warpgroups rise to 240 (setmaxnreg), where a single-partition kernel spills at d = 128."""
+    consumer warpgroups rise to 240 (setmaxnreg), where a single-partition kernel spills at d = 128.
+    The forward: K and V through TMA, P as a register A operand of O's product, the second consumer
+    warpgroup at 240 registers and the loader warp at 24."""
     from systems.attention.flash_triton.tuning import GLUON_TILES
 
     assert sorted(GLUON_TILES[kernel]) == sorted(d for k, d in _GLUON_BUILT if k == kernel)  # every one compiled
@@ -1102,6 +1112,9 @@ def test_gluon_kernels_compile_for_h100(kernel, head_dim, causal):
         assert "cp.async.mbarrier.arrive.noinc" in ptx and "cp.async.bulk.tensor" in ptx
         assert register_a > 0
     if kernel == "dq":
+        assert "cp.async.bulk.tensor" in ptx and register_a > 0
+    if kernel == "fwd_ws":
+        assert {"24", "240"} <= set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx))
         assert "cp.async.bulk.tensor" in ptx and register_a > 0
     if kernel == "atomic_ws":
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
@@ -1204,9 +1217,44 @@ def test_gpu_gluon_atomic_kernel_equals_the_triton_kernel(head_dim, rows, n_k, c
 
 @pytest.mark.gpu
 @needs_gluon
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("rows,n_k,causal,dtype", [
+    ((2, 1000), 1000, True, torch.bfloat16),
+    ((3, 777), 777, False, torch.bfloat16),  # a ragged last key tile, masked by the key bound
+    ((2, 640), 1280, True, torch.bfloat16),  # fewer queries than keys
+    ((2, 1280), 640, True, torch.bfloat16),  # more queries than keys: the first rows see no key
+    ((2, 1003), 1003, True, torch.float16),  # ragged last tiles of both
+    ((1, 65), 65, True, torch.bfloat16),  # one query tile, half its second warpgroup's rows past n_q
+    ((2, 700), 333, False, torch.float16),
+    ((4, 4096), 4096, True, torch.bfloat16),
+])
+def test_gpu_gluon_forward_equals_the_triton_kernel(head_dim, rows, n_k, causal, dtype):
+    """The warp-specialised Gluon forward against Triton's TMA forward on the same inputs, on the
+    rows that see a key (where a row sees none, both return what their tiles make of an all-masked
+    row). O: both accumulate in fp32 but round P to 16 bits against running maxima taken over
+    different key tiles (128 keys against the Triton tile's); measured at most 4.7e-3 of the
+    largest output on the H100 (notes entry 25), bounded by 2^-7. L: the same sums in another
+    order, measured at most 2e-6."""
+    from systems.attention.flash_triton import launch
+
+    gen = torch.Generator(device="cuda").manual_seed(sum(rows) + n_k + head_dim)
+    q = torch.randn(*rows, head_dim, generator=gen, device="cuda").to(dtype)
+    k, v = (torch.randn(rows[0], n_k, head_dim, generator=gen, device="cuda").to(dtype) for _ in range(2))
+    o_ref, l_ref = launch.flash_forward_triton(q, k, v, causal, variant=launch.FlashVariant(forward="tma"))
+    o, lse = torch.full_like(q, float("nan")), torch.full_like(l_ref, float("nan"))
+    launch.launch_forward(q, k, v, o, lse, causal, gluon=True)
+    seen = torch.isfinite(l_ref)
+    assert seen.float().mean() >= 0.5
+    assert torch.isfinite(o[seen]).all() and torch.isfinite(lse[seen]).all()
+    assert (o.float() - o_ref.float())[seen].abs().max() <= 2 ** -7 * o_ref.float()[seen].abs().max()
+    assert (lse - l_ref)[seen].abs().max() <= 1e-4
+
+
+@pytest.mark.gpu
+@needs_gluon
 def test_gpu_atomic_variant_takes_the_gluon_kernel_at_its_head_dims():
     """On the H100: "atomic" takes the warp-specialised Gluon kernel at d = 64 and 128; "auto"
-    takes it there past TMA_MIN_SEQ only."""
+    takes it there past TMA_MIN_SEQ only, and the Gluon forward with it."""
     from systems.attention import flash_triton as ft
 
     variant, auto = ft.FlashVariant(backward="atomic"), ft.FlashVariant(backward="auto")
@@ -1217,6 +1265,7 @@ def test_gpu_atomic_variant_takes_the_gluon_kernel_at_its_head_dims():
     for d, expected in ((32, None), (64, "atomic_ws"), (128, "atomic_ws")):
         q = torch.zeros(1, ft.TMA_MIN_SEQ + 64, d, device="cuda", dtype=torch.bfloat16)
         assert auto.atomic_gluon(q, q, q) == expected
+        assert auto.forward_gluon(q, q, q) == (expected is not None)
 
 
 @pytest.mark.gpu
@@ -1225,13 +1274,13 @@ def test_gpu_atomic_variant_takes_the_gluon_kernel_at_its_head_dims():
 @pytest.mark.parametrize("causal", [True, False])
 def test_gpu_default_backward_past_tma_min_seq_matches_reference(causal, head_dim):
     """The public function's default at d = 64 and 128 past TMA_MIN_SEQ runs the warp-specialised
-    five-product backward (bf16 and fp16 against float64 autograd, the tolerance of every GPU test
-    here), with a ragged last tile."""
+    forward and five-product backward (bf16 and fp16 against float64 autograd, the tolerance of
+    every GPU test here), with a ragged last tile."""
     from systems.attention import flash_triton as ft
 
     shape_q = (1, 2, ft.TMA_MIN_SEQ + 100, head_dim)
     q = torch.zeros(shape_q, device="cuda", dtype=torch.bfloat16)
-    assert ft.FlashVariant().atomic_gluon(q, q, q) == "atomic_ws"
+    assert ft.FlashVariant().atomic_gluon(q, q, q) == "atomic_ws" and ft.FlashVariant().forward_gluon(q, q, q)
     for dtype in (torch.bfloat16, torch.float16):
         run_and_compare(ft.flash_attention_triton, shape_q, shape_q[-2], dtype, causal, "cuda", tol=GPU_TOL[dtype])
 

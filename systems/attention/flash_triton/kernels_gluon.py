@@ -1,4 +1,5 @@
-"""Three backward kernels in Gluon, for Hopper: asynchronous wgmma (notes entries 16, 17, 18, 23, 24).
+"""Three backward kernels and a forward in Gluon, for Hopper: asynchronous wgmma (notes entries 16,
+17, 18, 23, 24, 25).
 
 Triton's ``tl.dot`` waits for every product that is not a loop-carried accumulator right after
 issuing it, so in kernels.py's dK/dV loop the tensor cores idle through the exponentials and dS,
@@ -24,14 +25,21 @@ beside a loader warp (Q, dO, L, D into the ring) and a dQ warp (the reduce-adds)
 hold 24 registers each, so the consumers get 240, which d = 128 needs (a one-partition form of
 it, entries 18 and 21, spilled there and was only level with the split pair at d = 64).
 
+The forward (flash_fwd_ws_gluon_kernel) is warp-specialised the same way, as FlashAttention-3's:
+a program owns 128 query rows, two consumer warpgroups of 64 rows each and a loader warp streaming
+K and V through a ring. Each consumer issues S_j = Q K_j^T beside O += P_{j-1} V_{j-1}, then does
+S_j's softmax while those run; the two consumers take turns issuing (a "ping-pong" through two
+mbarriers), so one's exponentials run while the other's products keep the tensor cores busy.
+
 Written against the Gluon of Triton 3.6 (an experimental API that changes between releases: 3.9
 renamed the TMA copies, and the reduce-add has no public call in 3.6: _tma_reduce_add), so launch.py
 runs them only inside pyproject.toml's GPU-tested versions, for 16-bit inputs on sm_90, at the head
 dims where each measured faster than its Triton twin (tuning.GLUON_TILES: dK/dV at d = 64, dQ at
-d = 128, the atomic kernel at both), and kernels.py's kernels everywhere else. Each reads the same
-inputs and writes the same outputs as its twin in kernels.py (flash_bwd_dkdv_tma_kernel,
-flash_bwd_dq_tma_kernel, flash_bwd_atomic_kernel),
-in the same program order (kernels._program_tile, imported into Gluon unchanged).
+d = 128, the atomic kernel and the forward at both), and kernels.py's kernels everywhere else.
+Each reads the same inputs and writes the same outputs as its twin in kernels.py
+(flash_bwd_dkdv_tma_kernel, flash_bwd_dq_tma_kernel, flash_bwd_atomic_kernel,
+flash_fwd_tma_kernel), in the same program order (kernels._program_tile, imported into Gluon
+unchanged).
 """
 
 from __future__ import annotations
@@ -53,9 +61,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from systems.attention.flash_triton import kernels
 
 _LOG2E = gl.constexpr(kernels.LOG2E)
+_LN2 = gl.constexpr(kernels._LN2.value)
 _MASKED = gl.constexpr(-1e6)  # kernels._MASKED
 # the atomic kernel's dQ staging buffers: a tile's reduce reads one while the next tile's products
-# run (in entry 18's one-partition kernel, three or four cost 1.23-1.28x in occupancy at d = 64)
+# run. Three or four measured 1.01x the time at d = 64 (notes entry 24); at d = 128 they do not fit.
 _DQ_BUFFERS = gl.constexpr(2)
 # kernels.py's index helpers are scalar arithmetic only, so they compile as Gluon unchanged
 _program_tile = gluon.jit(kernels._program_tile.fn)
@@ -583,3 +592,177 @@ def flash_bwd_dq_gluon_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group
 
     _store_tile(dQ, dq * sm_scale, bh, m0, n_q, HEAD_DIM, BLOCK_M, dq_layout)  # dQ = dS K * scale
 
+
+
+# ----------------------------------------------------------------------------- forward, warp-specialised
+
+_WG_ROWS = gl.constexpr(64)  # the query rows of one consumer warpgroup (wgmma's M)
+
+
+@gluon.jit
+def _softmax_tile(qk, m_i, l_i, qk_scale, keys, rows, n_k, offset, MASK: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """One key tile's online-softmax step on the raw scores qk (rows x keys): P (fp32, base 2), the
+    new row max, alpha (what rescales the sums and O accumulated under the old max) and the new row
+    sums, as kernels._fwd_key_loop. MASK: the causal mask (IS_CAUSAL) and the key bound; unmasked,
+    the max is taken over the raw scores and scaled once (one fused multiply-add a score)."""
+    if MASK:
+        s = qk * qk_scale
+        keep = keys[None, :] < n_k
+        if IS_CAUSAL:
+            keep = keep & (keys[None, :] <= rows[:, None] + offset)
+        s = gl.where(keep, s, _MASKED)
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        p = gl.exp2(s - m_new[:, None])
+    else:
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        p = gl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p, m_new, alpha, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _fwd_key_loop(acc, p_op, m_i, l_i, q_s, k_ring, v_ring, ready, empty, turn, wg, rows, n_k, offset, qk_scale,
+                  lo, hi, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  p_layout: gl.constexpr):
+    """Key tiles lo..hi-1 (indices; tile 0 ran before): on this warpgroup's turn, issue S_j and
+    O += P_{j-1} V_{j-1} and hand the turn to the other; S_j's softmax runs under O's product and
+    the other warpgroup's, then O is rescaled and tile j-1's ring slot released. Returns O without
+    P_j V_j (the caller adds the last tile's)."""
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([_WG_ROWS, BLOCK_N], gl.float32, s_layout)
+    for j in range(lo, hi):
+        slot = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(turn.index(wg), (j + 1 - wg) & 1)  # consumer 0 issues first (a fresh barrier passes 1)
+        qk = warpgroup_mma(q_s, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
+        mbarrier.arrive(turn.index(1 - wg), count=1)
+        qk = warpgroup_mma_wait(1, deps=[qk])
+        p, m_i, alpha, l_i = _softmax_tile(qk, m_i, l_i, qk_scale, j * BLOCK_N + cols, rows, n_k, offset, MASK,
+                                           IS_CAUSAL)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(q_s.dtype), p_layout)
+    return acc, p_op, m_i, l_i
+
+
+@gluon.jit
+def _fwd_key_tiles(m0, n_q, n_k, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The key tiles of the query tile at row m0: how many every row sees in full (kernels._key_bounds)
+    and how many any row sees; at least one, which runs masked when no row sees a key."""
+    hi_unmasked, hi = _key_bounds(m0, n_k, n_k - n_q, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    return hi_unmasked // BLOCK_N, gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+
+
+@gluon.jit
+def _fwd_consumer(q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, wg,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr):
+    """Consumer warpgroup ``wg``: rows m0 + 64 wg ... against every key tile the program visits, then
+    their O and L (natural-log logsumexp of the scaled scores) stored."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    offset = n_k - n_q
+    n_unmasked, n_tiles = _fwd_key_tiles(m0, n_q, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    first_masked = gl.maximum(n_unmasked, 1)
+    rows = m0 + wg * _WG_ROWS + gl.arange(0, _WG_ROWS, layout=gl.SliceLayout(1, s_layout))
+    q_s = q_smem.index(wg)
+    mbarrier.wait(q_bar, 0)
+    # key tile 0 on its own (masked: harmless where no mask is needed): S_0 and its softmax
+    mbarrier.wait(ready.index(0), 0)
+    mbarrier.wait(turn.index(wg), (1 - wg) & 1)
+    qk = warpgroup_mma(q_s, k_ring.index(0).permute((1, 0)), gl.zeros([_WG_ROWS, BLOCK_N], gl.float32, s_layout),
+                       use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(1 - wg), count=1)
+    qk = warpgroup_mma_wait(0, deps=[qk])
+    m_i = gl.full([_WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([_WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    p, m_i, alpha, l_i = _softmax_tile(qk, m_i, l_i, qk_scale, keys, rows, n_k, offset, True, IS_CAUSAL)
+    p_op = gl.convert_layout(p.to(q_s.dtype), p_layout)
+    acc = gl.zeros([_WG_ROWS, HEAD_DIM], gl.float32, o_layout)
+    acc, p_op, m_i, l_i = _fwd_key_loop(acc, p_op, m_i, l_i, q_s, k_ring, v_ring, ready, empty, turn, wg, rows, n_k,
+                                        offset, qk_scale, 1, first_masked, BLOCK_N, STAGES, False, IS_CAUSAL,
+                                        s_layout, o_layout, p_layout)
+    acc, p_op, m_i, l_i = _fwd_key_loop(acc, p_op, m_i, l_i, q_s, k_ring, v_ring, ready, empty, turn, wg, rows, n_k,
+                                        offset, qk_scale, first_masked, n_tiles, BLOCK_N, STAGES, True, IS_CAUSAL,
+                                        s_layout, o_layout, p_layout)
+    last = (n_tiles - 1) % STAGES
+    acc = warpgroup_mma(p_op, v_ring.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.arrive(empty.index(last), count=1)
+
+    o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    _store_tile(O, o, bh, m0 + wg * _WG_ROWS, n_q, HEAD_DIM, _WG_ROWS, o_layout)
+    gl.store(L + bh * n_q + rows, (m_i + gl.log2(l_i)) * _LN2, mask=rows < n_q)
+
+
+@gluon.jit
+def _fwd_second_consumer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0,
+                         n_q, n_k, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """The worker partition of consumer 1 (worker partitions share one signature, the loader's)."""
+    _fwd_consumer(q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, 1,
+                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)
+
+
+@gluon.jit
+def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0,
+                n_q, n_k, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """The loader warp: both consumers' Q tiles once, then each visited key tile's K and V (TMA;
+    rows past n_k read as zeros) into the ring slot both consumers released (``empty``)."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem.index(0))  # rows past n_q read as zeros
+    tma.async_copy_global_to_shared(q_desc, [m0 + _WG_ROWS, 0], q_bar, q_smem.index(1))
+    _, n_tiles = _fwd_key_tiles(m0, n_q, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    for j in range(n_tiles):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        _issue_key_tile(k_desc, v_desc, k_ring, v_ring, ready, slot, j * BLOCK_N)
+
+
+@gluon.jit(do_not_specialize=kernels._ORDER_ARGS)
+def flash_fwd_ws_gluon_kernel(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, HEAD_DIM: gl.constexpr,
+                              IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                              STAGES: gl.constexpr):
+    """Grid (query tiles of BLOCK_M = 128 x batch, in _program_tile's order); num_warps = 4
+    (consumer 0), a worker warpgroup (consumer 1, at 240 registers) and a loader warp (24). The
+    forward of kernels.flash_fwd_tma_kernel (same arguments but SEQ_BUCKET and the tiles): O and L."""
+    gl.static_assert(BLOCK_M == 2 * _WG_ROWS, "two consumer warpgroups of 64 rows")
+    tile_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    tile, bh = _program_tile(n_q, head_group, BLOCK_M, IS_CAUSAL)
+    m0 = tile * BLOCK_M
+    q_desc = _head_descriptor(Q, bh, n_q, HEAD_DIM, _WG_ROWS, tile_smem)
+    k_desc = _head_descriptor(K, bh, n_k, HEAD_DIM, BLOCK_N, tile_smem)
+    v_desc = _head_descriptor(V, bh, n_k, HEAD_DIM, BLOCK_N, tile_smem)
+    q_smem = gl.allocate_shared_memory(dtype, [2, _WG_ROWS, HEAD_DIM], tile_smem)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_smem)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_smem)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # whose turn to issue
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
+    for s in gl.static_range(2):
+        mbarrier.init(turn.index(s), count=1)
+    fence_async_shared()
+    # (the worker arguments are written out twice: in a tuple variable the block sizes would not stay constexpr)
+    gl.warp_specialize([
+        (_fwd_consumer, (q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, 0,
+                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+        (_fwd_second_consumer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L,
+                                bh, m0, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+        (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0,
+                       n_q, n_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+    ], [4, 1], [240, 24])

@@ -67,8 +67,9 @@ class FlashVariant:
     timed side by side.
 
     forward: "pointer" (tiles loaded through pointers), "tma" (the streamed tiles read through TMA
-    tensor descriptors; the pointer kernel where tma_usable says no), or "auto" (tma for 16-bit
-    inputs longer than TMA_MIN_SEQ, pointer otherwise).
+    tensor descriptors; the pointer kernel where tma_usable says no), or "auto" (for 16-bit inputs
+    longer than TMA_MIN_SEQ kernels_gluon.py's warp-specialised forward where ``forward_gluon`` says
+    it runs (d = 64 and 128 on Hopper), else tma; pointer otherwise).
     backward: "split" (a dQ kernel, then a dK/dV kernel, through pointers), "tma" (the same pair
     through descriptors, as forward "tma"), "gluon" (as "tma", with each kernel of kernels_gluon.py
     where ``gluon_usable`` says it runs), "atomic" (five products in one kernel over key tiles,
@@ -105,6 +106,12 @@ class FlashVariant:
     def forward_tma(self, *tensors: torch.Tensor) -> bool:
         """Whether the forward reads these (..., seq, d) tensors through TMA descriptors."""
         return _wants_tma(self.forward, tensors)
+
+    def forward_gluon(self, *tensors: torch.Tensor) -> bool:
+        """Whether the forward on these tensors is kernels_gluon.py's warp-specialised one: for "auto"
+        wherever it would read descriptors and the kernel is usable (on the H100 0.82-0.86x the
+        Triton TMA forward's time at d = 128 and 16k-64k tokens, 0.97x at d = 64; notes entry 25)."""
+        return self.forward == "auto" and self.forward_tma(*tensors) and gluon_usable("fwd_ws", *tensors)
 
     def backward_tma(self, *tensors: torch.Tensor) -> bool:
         """Whether the split backward reads these tensors through TMA descriptors."""
@@ -615,15 +622,20 @@ def resolve_head_group(q3: torch.Tensor, k3: torch.Tensor, given: int | None) ->
 # order's group of heads (kernels._program_tile), head_group()'s rule where None.
 
 def launch_forward(q3, k3, v3, o, lse, is_causal: bool, *, config: dict | None = None, tma: bool = False,
-                   fp32_dot: str = "auto", head_group: int | None = None) -> Callable | None:
+                   gluon: bool = False, fp32_dot: str = "auto", head_group: int | None = None) -> Callable | None:
     """Fill O (like Q) and L (Q's leading dims and n_q, fp32) from Q (..., n_q, d) and K, V
-    (..., n_k, d). tma: the TMA kernel (the tensors must pass tma_usable). Returns _launch's bound
-    launch (taking Q, K, V, O, L), or None."""
+    (..., n_k, d). tma: the TMA kernel (the tensors must pass tma_usable). gluon: kernels_gluon.py's
+    warp-specialised forward instead (the tensors must pass gluon_usable("fwd_ws", ...)), with its
+    fixed tiles. Returns _launch's bound launch (taking Q, K, V, O, L), or None (the Gluon kernel's
+    included)."""
     batch, n_q, n_k, d = _dims(q3, k3)
-    grid = _tile_grid(n_q, "BLOCK_M", batch)
     group = resolve_head_group(q3, k3, head_group)
-    return _launch(_pick(_FWD, tma), grid, (q3, k3, v3, o, lse, n_q, n_k, group, d ** -0.5 * kernels.LOG2E),
-                   _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
+    args = (q3, k3, v3, o, lse, n_q, n_k, group, d ** -0.5 * kernels.LOG2E)
+    if gluon:
+        _launch_gluon("fwd_ws", n_q, batch, args, is_causal)
+        return None
+    grid = _tile_grid(n_q, "BLOCK_M", batch)
+    return _launch(_pick(_FWD, tma), grid, args, _common(d, max(n_q, n_k), q3.dtype, is_causal, fp32_dot), config)
 
 
 def launch_dq(q3, k3, v3, o3, do3, lse, delta, dq, is_causal: bool, *, config: dict | None = None,
@@ -661,9 +673,9 @@ def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config:
 
 
 def _launch_gluon(kernel: str, n_rows: int, batch: int, args: tuple, is_causal: bool) -> None:
-    """kernels_gluon.py's ``kernel`` ("dq", "dkdv" or "atomic_ws") under its fixed tiles
-    (tuning.GLUON_TILES), one program per tile of n_rows (query rows for dQ, keys for the others) and
-    per (batch, head)."""
+    """kernels_gluon.py's ``kernel`` ("dq", "dkdv", "atomic_ws" or "fwd_ws") under its fixed tiles
+    (tuning.GLUON_TILES), one program per tile of n_rows (query rows for dQ and the forward, keys for
+    the others) and per (batch, head)."""
     head_dim = args[0].shape[-1]
     tiles = GLUON_TILES[kernel].get(head_dim)
     if tiles is None:
@@ -673,7 +685,8 @@ def _launch_gluon(kernel: str, n_rows: int, batch: int, args: tuple, is_causal: 
 
     fn, rows_per_program = {"dq": (kernels_gluon.flash_bwd_dq_gluon_kernel, tiles["BLOCK_M"]),
                             "dkdv": (kernels_gluon.flash_bwd_dkdv_gluon_kernel, tiles["BLOCK_N"]),
-                            "atomic_ws": (kernels_gluon.flash_bwd_atomic_ws_gluon_kernel, tiles["BLOCK_N"])}[kernel]
+                            "atomic_ws": (kernels_gluon.flash_bwd_atomic_ws_gluon_kernel, tiles["BLOCK_N"]),
+                            "fwd_ws": (kernels_gluon.flash_fwd_ws_gluon_kernel, tiles["BLOCK_M"])}[kernel]
     _ensure_tma_allocator()
     fn[(triton.cdiv(n_rows, rows_per_program) * batch,)](*args, HEAD_DIM=head_dim, IS_CAUSAL=bool(is_causal), **tiles)
 
@@ -726,6 +739,9 @@ def flash_forward_triton(q3, k3, v3, is_causal: bool, *, variant: FlashVariant =
     _contiguous(q3, k3, v3)
     o = torch.empty_like(q3)
     lse = torch.empty(q3.shape[:-1], device=q3.device, dtype=torch.float32)
+    if variant.forward_gluon(q3, k3, v3):  # (no recipe: the Gluon launch is not bound, and runs milliseconds)
+        launch_forward(q3, k3, v3, o, lse, is_causal, gluon=True, head_group=variant.head_group)
+        return o, lse
     key = recipe_key("fwd", variant, is_causal, q3, k3, v3)
     if _replay(key, (q3, k3, v3, o, lse)):
         return o, lse

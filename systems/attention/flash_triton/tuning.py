@@ -180,7 +180,9 @@ _OPTION_MAX_BLOCK_D = {("dkdv", "EARLY_DP"): 64}
 # over 128 keys, two consumer warpgroups at 240 registers, Q and dO double-buffered; at d = 128
 # 0.79-0.80x the split pair's time at 16k-64k tokens and 0.69x at 16 x 4096; at d = 64 0.95x at
 # 16k-64k (three stages: 1.01x). Entry 18's one-partition form was level with the pair at d = 64
-# and spilled at d = 128.
+# and spilled at d = 128. The forward (entry 25): 128 query rows over two consumer warpgroups taking
+# turns, 128-key tiles through a three-slot ring; at d = 128 0.82-0.86x the Triton TMA forward's
+# time at 16k-64k tokens (64-key tiles 0.92-0.93x), at d = 64 0.97x (two slots 1.07-1.10x).
 GLUON_TILES: dict[str, dict[int, dict[str, int]]] = {
     "dkdv": {64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)},
     "dq": {128: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)},
@@ -188,6 +190,10 @@ GLUON_TILES: dict[str, dict[int, dict[str, int]]] = {
     # memory at d = 128, 116 KB at d = 64
     "atomic_ws": {64: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, num_warps=8),
                   128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, num_warps=8)},
+    # num_warps: consumer 0 (the other consumer and the loader are worker partitions); 224 KB of
+    # shared memory at d = 128, 112 KB at d = 64
+    "fwd_ws": {64: dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4),
+               128: dict(BLOCK_M=128, BLOCK_N=128, STAGES=3, num_warps=4)},
 }
 
 # bytes of tiles a config may hold (_prune's estimate: the resident tiles, and the streamed ones
