@@ -1007,7 +1007,7 @@ def test_gluon_launch_at_an_unmeasured_head_dim_says_where_it_runs():
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")
-def test_backward_routes_to_the_warp_specialised_kernel_where_it_runs(monkeypatch):
+def test_routes_to_the_warp_specialised_kernels_where_they_run(monkeypatch):
     """On an H100 (simulated: every tensor TMA-readable, each Gluon kernel usable at its
     GLUON_TILES head dims): "auto" runs the five-product backward's warp-specialised kernel where
     the split pair would read descriptors (16-bit, past TMA_MIN_SEQ) at d = 64 and 128 and the
