@@ -739,11 +739,11 @@ def flash_forward_triton(q3, k3, v3, is_causal: bool, *, variant: FlashVariant =
     _contiguous(q3, k3, v3)
     o = torch.empty_like(q3)
     lse = torch.empty(q3.shape[:-1], device=q3.device, dtype=torch.float32)
+    key = recipe_key("fwd", variant, is_causal, q3, k3, v3)
+    if _replay(key, (q3, k3, v3, o, lse)):  # first: the host-bound short calls take it
+        return o, lse
     if variant.forward_gluon(q3, k3, v3):  # (no recipe: the Gluon launch is not bound, and runs milliseconds)
         launch_forward(q3, k3, v3, o, lse, is_causal, gluon=True, head_group=variant.head_group)
-        return o, lse
-    key = recipe_key("fwd", variant, is_causal, q3, k3, v3)
-    if _replay(key, (q3, k3, v3, o, lse)):
         return o, lse
     tma = variant.forward_tma(q3, k3, v3)
     run = launch_forward(q3, k3, v3, o, lse, is_causal, tma=tma, fp32_dot=variant.fp32_dot,
@@ -762,16 +762,17 @@ def flash_backward_triton(q3, k3, v3, o3, lse, do3, is_causal: bool, *, variant:
     _contiguous(q3, k3, v3, o3, do3)
     delta = torch.empty_like(lse)
     dk, dv = torch.empty_like(k3), torch.empty_like(v3)
-    if variant.runs_atomic(q3, k3, v3, o3, do3):
-        dq_acc = torch.empty(q3.shape, device=q3.device, dtype=torch.float32)
-        dq = dq_acc if q3.dtype == torch.float32 else torch.empty_like(q3)
-        launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal,
-                               gluon=variant.atomic_gluon(q3, k3, v3, o3, do3), fp32_dot=variant.fp32_dot)
-        return dq, dk, dv
     dq = torch.empty_like(q3)
     key = recipe_key("bwd", variant, is_causal, q3, k3, v3, o3, do3, lse)
     if _replay(key, (q3, k3, v3, o3, do3, lse, delta, dq), (q3, k3, v3, do3, lse, delta, dk, dv)):
-        return dq, dk, dv  # the split pair as launched for this key before
+        return dq, dk, dv  # the split pair as launched for this key before (only it keeps recipes)
+    if variant.runs_atomic(q3, k3, v3, o3, do3):  # (asked after the replay: the short calls skip it)
+        dq_acc = torch.empty(q3.shape, device=q3.device, dtype=torch.float32)
+        if q3.dtype == torch.float32:
+            dq = dq_acc
+        launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, is_causal,
+                               gluon=variant.atomic_gluon(q3, k3, v3, o3, do3), fp32_dot=variant.fp32_dot)
+        return dq, dk, dv
     # one dict for both launches
     meta = _common(q3.shape[-1], max(q3.shape[-2], k3.shape[-2]), q3.dtype, is_causal, variant.fp32_dot)
     tma = variant.backward_tma(q3, k3, v3, o3, do3)
