@@ -621,13 +621,13 @@ def _softmax_tile(qk, m_i, l_i, qk_scale, keys, rows, n_k, offset, MASK: gl.cons
 
 
 @gluon.jit
-def _fwd_key_loop(acc, p_op, m_i, l_i, q_s, k_ring, v_ring, ready, empty, turn, wg, rows, n_k, offset, qk_scale,
-                  lo, hi, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+def _fwd_key_loop(acc, p_op, m_i, l_i, q_s, k_ring, v_ring, ready, empty, turn, rows, n_k, offset, qk_scale,
+                  lo, hi, WG: gl.constexpr, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   p_layout: gl.constexpr):
     """Key tiles lo..hi-1 (indices; tile 0 ran before): on this warpgroup's turn, issue S_j and
-    O += P_{j-1} V_{j-1} and hand the turn to the other; S_j's softmax runs under O's product and
-    the other warpgroup's, then O is rescaled and tile j-1's ring slot released. Returns O without
+    O += P_{j-1} V_{j-1} and hand the turn to the next (round robin); S_j's softmax runs under O's
+    product and the other warpgroups', then O is rescaled and tile j-1's ring slot released. Returns O without
     P_j V_j (the caller adds the last tile's)."""
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([_WG_ROWS, BLOCK_N], gl.float32, s_layout)
@@ -635,10 +635,11 @@ def _fwd_key_loop(acc, p_op, m_i, l_i, q_s, k_ring, v_ring, ready, empty, turn, 
         slot = j % STAGES
         prev = (j - 1) % STAGES
         mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-        mbarrier.wait(turn.index(wg), (j + 1 - wg) & 1)  # consumer 0 issues first (a fresh barrier passes 1)
+        # in turn, consumer 0 first (a fresh barrier passes parity 1)
+        mbarrier.wait(turn.index(WG), (j + (1 if WG == 0 else 0)) & 1)
         qk = warpgroup_mma(q_s, k_ring.index(slot).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         acc = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
-        mbarrier.arrive(turn.index(1 - wg), count=1)
+        mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
         qk = warpgroup_mma_wait(1, deps=[qk])
         p, m_i, alpha, l_i = _softmax_tile(qk, m_i, l_i, qk_scale, j * BLOCK_N + cols, rows, n_k, offset, MASK,
                                            IS_CAUSAL)
@@ -658,10 +659,10 @@ def _fwd_key_tiles(m0, n_q, n_k, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def _fwd_consumer(q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, wg,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr):
-    """Consumer warpgroup ``wg``: rows m0 + 64 wg ... against every key tile the program visits, then
+def _fwd_consumer(q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale,
+                  WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Consumer warpgroup ``WG``: rows m0 + 64 WG ... against every key tile the program visits, then
     their O and L (natural-log logsumexp of the scaled scores) stored."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -671,15 +672,16 @@ def _fwd_consumer(q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m
     offset = n_k - n_q
     n_unmasked, n_tiles = _fwd_key_tiles(m0, n_q, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     first_masked = gl.maximum(n_unmasked, 1)
-    rows = m0 + wg * _WG_ROWS + gl.arange(0, _WG_ROWS, layout=gl.SliceLayout(1, s_layout))
-    q_s = q_smem.index(wg)
+    CONSUMERS: gl.constexpr = BLOCK_M // _WG_ROWS
+    rows = m0 + WG * _WG_ROWS + gl.arange(0, _WG_ROWS, layout=gl.SliceLayout(1, s_layout))
+    q_s = q_smem.index(WG)
     mbarrier.wait(q_bar, 0)
     # key tile 0 on its own (masked: harmless where no mask is needed): S_0 and its softmax
     mbarrier.wait(ready.index(0), 0)
-    mbarrier.wait(turn.index(wg), (1 - wg) & 1)
+    mbarrier.wait(turn.index(WG), 1 if WG == 0 else 0)
     qk = warpgroup_mma(q_s, k_ring.index(0).permute((1, 0)), gl.zeros([_WG_ROWS, BLOCK_N], gl.float32, s_layout),
                        use_acc=False, is_async=True)
-    mbarrier.arrive(turn.index(1 - wg), count=1)
+    mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
     qk = warpgroup_mma_wait(0, deps=[qk])
     m_i = gl.full([_WG_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([_WG_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
@@ -687,19 +689,19 @@ def _fwd_consumer(q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m
     p, m_i, alpha, l_i = _softmax_tile(qk, m_i, l_i, qk_scale, keys, rows, n_k, offset, True, IS_CAUSAL)
     p_op = gl.convert_layout(p.to(q_s.dtype), p_layout)
     acc = gl.zeros([_WG_ROWS, HEAD_DIM], gl.float32, o_layout)
-    acc, p_op, m_i, l_i = _fwd_key_loop(acc, p_op, m_i, l_i, q_s, k_ring, v_ring, ready, empty, turn, wg, rows, n_k,
-                                        offset, qk_scale, 1, first_masked, BLOCK_N, STAGES, False, IS_CAUSAL,
-                                        s_layout, o_layout, p_layout)
-    acc, p_op, m_i, l_i = _fwd_key_loop(acc, p_op, m_i, l_i, q_s, k_ring, v_ring, ready, empty, turn, wg, rows, n_k,
-                                        offset, qk_scale, first_masked, n_tiles, BLOCK_N, STAGES, True, IS_CAUSAL,
-                                        s_layout, o_layout, p_layout)
+    acc, p_op, m_i, l_i = _fwd_key_loop(acc, p_op, m_i, l_i, q_s, k_ring, v_ring, ready, empty, turn, rows, n_k,
+                                        offset, qk_scale, 1, first_masked, WG, CONSUMERS, BLOCK_N, STAGES, False,
+                                        IS_CAUSAL, s_layout, o_layout, p_layout)
+    acc, p_op, m_i, l_i = _fwd_key_loop(acc, p_op, m_i, l_i, q_s, k_ring, v_ring, ready, empty, turn, rows, n_k,
+                                        offset, qk_scale, first_masked, n_tiles, WG, CONSUMERS, BLOCK_N, STAGES, True,
+                                        IS_CAUSAL, s_layout, o_layout, p_layout)
     last = (n_tiles - 1) % STAGES
     acc = warpgroup_mma(p_op, v_ring.index(last), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=[acc])
     mbarrier.arrive(empty.index(last), count=1)
 
     o = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-    _store_tile(O, o, bh, m0 + wg * _WG_ROWS, n_q, HEAD_DIM, _WG_ROWS, o_layout)
+    _store_tile(O, o, bh, m0 + WG * _WG_ROWS, n_q, HEAD_DIM, _WG_ROWS, o_layout)
     gl.store(L + bh * n_q + rows, (m_i + gl.log2(l_i)) * _LN2, mask=rows < n_q)
 
 
@@ -713,14 +715,23 @@ def _fwd_second_consumer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, 
 
 
 @gluon.jit
+def _fwd_third_consumer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0,
+                        n_q, n_k, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """The worker partition of consumer 2, where BLOCK_M is 192."""
+    _fwd_consumer(q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, 2,
+                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)
+
+
+@gluon.jit
 def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0,
                 n_q, n_k, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """The loader warp: both consumers' Q tiles once, then each visited key tile's K and V (TMA;
-    rows past n_k read as zeros) into the ring slot both consumers released (``empty``)."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem.index(0))  # rows past n_q read as zeros
-    tma.async_copy_global_to_shared(q_desc, [m0 + _WG_ROWS, 0], q_bar, q_smem.index(1))
+    """The loader warp: every consumer's Q tile once, then each visited key tile's K and V (TMA;
+    rows past n_k read as zeros) into the ring slot all consumers released (``empty``)."""
+    mbarrier.expect(q_bar, (BLOCK_M // _WG_ROWS) * q_desc.block_type.nbytes)
+    for w in gl.static_range(BLOCK_M // _WG_ROWS):  # rows past n_q read as zeros
+        tma.async_copy_global_to_shared(q_desc, [m0 + w * _WG_ROWS, 0], q_bar, q_smem.index(w))
     _, n_tiles = _fwd_key_tiles(m0, n_q, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for j in range(n_tiles):
         slot = j % STAGES
@@ -732,10 +743,11 @@ def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, em
 def flash_fwd_ws_gluon_kernel(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, HEAD_DIM: gl.constexpr,
                               IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                               STAGES: gl.constexpr):
-    """Grid (query tiles of BLOCK_M = 128 x batch, in _program_tile's order); num_warps = 4
-    (consumer 0), a worker warpgroup (consumer 1, at 240 registers) and a loader warp (24). The
-    forward of kernels.flash_fwd_tma_kernel (same arguments but SEQ_BUCKET and the tiles): O and L."""
-    gl.static_assert(BLOCK_M == 2 * _WG_ROWS, "two consumer warpgroups of 64 rows")
+    """Grid (query tiles of BLOCK_M = 128 or 192 x batch, in _program_tile's order); num_warps = 4
+    (consumer 0), one worker warpgroup per further 64 rows (at 240 registers for two consumers, 160
+    for three) and a loader warp (24). The forward of kernels.flash_fwd_tma_kernel (same arguments but SEQ_BUCKET and the tiles): O and L."""
+    gl.static_assert(BLOCK_M == 2 * _WG_ROWS or BLOCK_M == 3 * _WG_ROWS, "two or three consumer warpgroups")
+    CONSUMERS: gl.constexpr = BLOCK_M // _WG_ROWS
     tile_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     dtype: gl.constexpr = Q.dtype.element_ty
     tile, bh = _program_tile(n_q, head_group, BLOCK_M, IS_CAUSAL)
@@ -743,26 +755,39 @@ def flash_fwd_ws_gluon_kernel(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, HEA
     q_desc = _head_descriptor(Q, bh, n_q, HEAD_DIM, _WG_ROWS, tile_smem)
     k_desc = _head_descriptor(K, bh, n_k, HEAD_DIM, BLOCK_N, tile_smem)
     v_desc = _head_descriptor(V, bh, n_k, HEAD_DIM, BLOCK_N, tile_smem)
-    q_smem = gl.allocate_shared_memory(dtype, [2, _WG_ROWS, HEAD_DIM], tile_smem)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, _WG_ROWS, HEAD_DIM], tile_smem)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_smem)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_smem)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # whose turn to issue
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())  # whose turn to issue
     mbarrier.init(q_bar, count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
-    for s in gl.static_range(2):
+        mbarrier.init(empty.index(s), count=CONSUMERS)  # every consumer releases a slot
+    for s in gl.static_range(CONSUMERS):
         mbarrier.init(turn.index(s), count=1)
     fence_async_shared()
-    # (the worker arguments are written out twice: in a tuple variable the block sizes would not stay constexpr)
-    gl.warp_specialize([
-        (_fwd_consumer, (q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, 0,
-                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-        (_fwd_second_consumer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L,
-                                bh, m0, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-        (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0,
-                       n_q, n_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-    ], [4, 1], [240, 24])
+    # (the worker arguments are written out each time: in a tuple variable the block sizes would not
+    # stay constexpr). Two consumers at 240 registers; three (d = 64) at 160, consumer 0 at 168.
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_fwd_consumer, (q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, 0,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_fwd_second_consumer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L,
+                                    bh, m0, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0,
+                           n_q, n_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_fwd_consumer, (q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, 0,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_fwd_second_consumer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L,
+                                    bh, m0, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_fwd_third_consumer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L,
+                                   bh, m0, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0,
+                           n_q, n_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+        ], [4, 4, 1], [160, 160, 24])
