@@ -950,13 +950,13 @@ def test_auto_prefers_tma_only_for_long_16_bit_inputs():
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")
-@pytest.mark.parametrize("kernel,head_dim,other", [("dkdv", 64, 128), ("dq", 128, 64), ("atomic_ws", 64, 96),
-                                                  ("atomic_ws", 128, 256), ("fwd_ws", 64, 96), ("fwd_ws", 128, 256)])
+@pytest.mark.parametrize("kernel,head_dim,other", [("dkdv", 64, 128), ("dq", 128, 64), ("atomic_pp", 64, 128),
+                                                  ("atomic_ws", 128, 64), ("fwd_ws", 64, 96), ("fwd_ws", 128, 256)])
 def test_gluon_only_where_it_was_built_and_measured(kernel, head_dim, other):
     """kernels_gluon.py runs only with the GPU-tested Triton (its Gluon API changes between
     releases: 3.9 renamed the TMA copies), on sm_90 (wgmma), for 16-bit inputs, at the head dims
     where each kernel measured faster than its Triton twin (dK/dV d = 64, dQ d = 128, the atomic
-    backward and the forward d = 64 and 128)."""
+    backward's two kernels d = 64 and d = 128, the forward both)."""
     from systems.attention.flash_triton.launch import gluon_allowed
 
     tested = {"torch": ">=2.11,<2.12", "triton": ">=3.6,<3.7"}
@@ -979,7 +979,7 @@ def test_gluon_backward_variant_is_the_tma_pair_where_gluon_cannot_run():
 
     for d in (64, 128):
         q = torch.zeros(1, 8192, d, dtype=torch.bfloat16)  # CPU tensors: no Gluon kernel, whatever the Triton
-        for kernel in ("dq", "dkdv", "atomic_ws"):
+        for kernel in ("dq", "dkdv", "atomic_pp", "atomic_ws"):
             assert not FlashVariant(backward="gluon").backward_gluon(kernel, q, q, q)
             assert not FlashVariant(backward="split").backward_gluon(kernel, q, q, q)
             assert not FlashVariant(backward="atomic").backward_gluon(kernel, q, q, q)
@@ -999,19 +999,22 @@ def test_gluon_launch_at_an_unmeasured_head_dim_says_where_it_runs():
         launch.launch_dkdv(q, q, q, q, lse, lse, q, q, True, tma=True, gluon=True)
     with pytest.raises(ValueError, match=r"the Gluon fwd_ws kernel runs at head dims \[64, 128\], not 32"):
         launch.launch_forward(q, q, q, q, lse, True, gluon=True)
-    with pytest.raises(ValueError, match=r"the Gluon atomic_ws kernel runs at head dims \[64, 128\], not 32"):
+    with pytest.raises(ValueError, match=r"the Gluon atomic_ws kernel runs at head dims \[128\], not 32"):
         launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon="atomic_ws")
+    with pytest.raises(ValueError, match=r"the Gluon atomic_pp kernel runs at head dims \[64\], not 32"):
+        launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon="atomic_pp")
     for name in ("dq", "atomic"):  # "atomic" was entry 18's one-partition kernel, removed
-        with pytest.raises(ValueError, match=f"launch_atomic's gluon must be one of atomic_ws; got '{name}'"):
+        with pytest.raises(ValueError, match=f"launch_atomic's gluon must be one of atomic_pp, atomic_ws; got '{name}'"):
             launch.launch_atomic(q, q, q, q, lse, lse, q, q, q.float(), True, gluon=name)
 
 
 @pytest.mark.skipif(not have_triton(), reason="needs triton")
 def test_routes_to_the_warp_specialised_kernels_where_they_run(monkeypatch):
     """On an H100 (simulated: every tensor TMA-readable, each Gluon kernel usable at its
-    GLUON_TILES head dims): "auto" runs the five-product backward's warp-specialised kernel where
-    the split pair would read descriptors (16-bit, past TMA_MIN_SEQ) at d = 64 and 128 and the
-    pair everywhere else; "atomic" takes the Gluon kernel at its head dims; "gluon" stays the pair.
+    GLUON_TILES head dims): "auto" runs the five-product backward's warp-specialised kernels where
+    the split pair would read descriptors (16-bit, past TMA_MIN_SEQ), atomic_pp at d = 64 and
+    atomic_ws at d = 128, and the pair everywhere else; "atomic" takes the same Gluon kernels; "gluon"
+    stays the pair.
     The forward: "auto" takes the warp-specialised Gluon forward in the same places, "tma" never."""
     from systems.attention.flash_triton import TMA_MIN_SEQ, FlashVariant, launch
     from systems.attention.flash_triton.tuning import GLUON_TILES
@@ -1026,12 +1029,13 @@ def test_routes_to_the_warp_specialised_kernels_where_they_run(monkeypatch):
 
     long, short = TMA_MIN_SEQ + 64, TMA_MIN_SEQ
     auto, atomic, gluon = FlashVariant(), FlashVariant(backward="atomic"), FlashVariant(backward="gluon")
-    for d in (64, 128):
+    for d, kernel in ((64, "atomic_pp"), (128, "atomic_ws")):
         assert auto.forward_gluon(*tensors(long, d))
         assert not FlashVariant(forward="tma").forward_gluon(*tensors(long, d))
-        assert auto.atomic_gluon(*tensors(long, d)) == "atomic_ws" and auto.runs_atomic(*tensors(long, d))
+        assert auto.atomic_gluon(*tensors(long, d)) == kernel and auto.runs_atomic(*tensors(long, d))
+        assert auto.backward_gluon(kernel, *tensors(long, d))
         assert not auto.backward_gluon("dq", *tensors(long, d)) and not auto.backward_gluon("dkdv", *tensors(long, d))
-        assert atomic.atomic_gluon(*tensors(short, d)) == "atomic_ws"
+        assert atomic.atomic_gluon(*tensors(short, d)) == kernel
     for args in (tensors(short, 128), tensors(short, 64), tensors(long, 96), tensors(long, 128, torch.float32)):
         assert auto.atomic_gluon(*args) is None and not auto.runs_atomic(*args) and not auto.forward_gluon(*args)
     assert gluon.backward_gluon("dkdv", *tensors(long, 64))
@@ -1059,7 +1063,10 @@ _GLUON_ARG_KINDS = {
 
 
 # each Gluon kernel and head dim tuning.GLUON_TILES runs it at
-_GLUON_BUILT = [("dkdv", 64), ("dq", 128), ("atomic_ws", 64), ("atomic_ws", 128), ("fwd_ws", 64), ("fwd_ws", 128)]
+_GLUON_ARG_KINDS["atomic_pp"] = _GLUON_ARG_KINDS["atomic_ws"]  # the same arguments
+# the atomic backward's Gluon kernel at each head dim where one runs
+_ATOMIC_GLUON_AT = {64: "atomic_pp", 128: "atomic_ws"}
+_GLUON_BUILT = [("dkdv", 64), ("dq", 128), ("atomic_pp", 64), ("atomic_ws", 128), ("fwd_ws", 64), ("fwd_ws", 128)]
 
 
 def _gluon_ptx_for_h100(kernel: str, head_dim: int, causal: bool) -> str:
@@ -1077,6 +1084,7 @@ def _gluon_ptx_for_h100(kernel: str, head_dim: int, causal: bool) -> str:
 
     fn = {"dq": kernels_gluon.flash_bwd_dq_gluon_kernel, "dkdv": kernels_gluon.flash_bwd_dkdv_gluon_kernel,
           "atomic_ws": kernels_gluon.flash_bwd_atomic_ws_gluon_kernel,
+          "atomic_pp": kernels_gluon.flash_bwd_atomic_pp_gluon_kernel,
           "fwd_ws": kernels_gluon.flash_fwd_ws_gluon_kernel}[kernel]
     kinds = _GLUON_ARG_KINDS[kernel]
     signature = {name: kinds[i] if i < len(kinds) else "constexpr" for i, name in enumerate(fn.arg_names)}
@@ -1097,7 +1105,9 @@ def test_gluon_kernels_compile_for_h100(kernel, head_dim, causal):
     TMA. Atomic: each query tile's dS K added into the fp32 dQ buffer by one TMA bulk reduce-add
     (no per-element atomics), issued by a worker warp, with a read-wait that leaves the newer of
     the two staging buffers' reduces in flight; the two worker warps drop to 24 registers so the
-    consumer warpgroups rise to 240 (setmaxnreg), where a single-partition kernel spills at d = 128.
+    consumer warpgroups rise to 240 (setmaxnreg), where a single-partition kernel spills at d = 128
+    (atomic_pp: the same, its second consumer a worker partition too). Every kernel: ptxas keeps
+    the products asynchronous (no C7512 note).
     The forward: K and V through TMA, P as a register A operand of O's product, the worker
     consumer warpgroups at 240 registers (160 for three) and the loader warp at 24."""
     from systems.attention.flash_triton.tuning import GLUON_TILES
@@ -1117,16 +1127,34 @@ def test_gluon_kernels_compile_for_h100(kernel, head_dim, causal):
         consumer_regs = "240" if GLUON_TILES[kernel][head_dim]["BLOCK_M"] == 128 else "160"
         assert {"24", consumer_regs} <= set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx))
         assert "cp.async.bulk.tensor" in ptx and register_a > 0
-    if kernel == "atomic_ws":
+    if kernel in ("atomic_ws", "atomic_pp"):
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
         assert re_count(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx) > 0
         assert re_count(r"\b(?:atom|red)\.global", ptx) == 0
-        assert set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx)) == {"24", "240"}
+        assert {"24", "240"} <= set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx))
         assert "cp.async.mbarrier.arrive.noinc" in ptx and "cp.async.bulk.tensor" in ptx
+    # ptxas keeps the products asynchronous: when it cannot (C7512, e.g. a wgmma left in flight
+    # across a loop's back edge in a worker partition, notes entry 26) it serialises every wgmma
+    assert "C7512" not in _ptxas_log(ptx)
 
 
 def re_count(pattern: str, text: str) -> int:
     return len(re.findall(pattern, text))
+
+
+def _ptxas_log(ptx: str) -> str:
+    """What the ptxas bundled with Triton says assembling ``ptx`` for sm_90a (-v: its notes)."""
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([get_ptxas(90).path, "--gpu-name", "sm_90a", "-v", path, "-o", path + ".cubin"],
+                             capture_output=True, text=True, check=True)
+    return run.stdout + run.stderr
 
 
 def _gluon_runs_here() -> bool:
@@ -1197,21 +1225,24 @@ def test_gpu_gluon_dkdv_equals_the_triton_kernel(shape, n_k, causal, dtype):
 ])
 def test_gpu_gluon_atomic_kernel_equals_the_triton_kernel(head_dim, rows, n_k, causal, dtype):
     """The same L through the atomic backward (prep, atomic kernel, cast) with Triton's kernel and
-    with the warp-specialised Gluon kernel: dK and dV from the same products per key tile, dQ
-    summed over key tiles in another order (TMA reduce-adds against per-element atomics). Measured
-    at most 1.8e-3 of the largest gradient against the split pair on the H100 at d = 128 (notes
-    entry 23) and 1.2e-3 at d = 64 (entry 24); bounded here by one bf16 rounding, 2^-8."""
+    with the warp-specialised Gluon kernel of the head dim: dK and dV from the same products per
+    key tile, dQ summed over key tiles in another order (TMA reduce-adds against per-element
+    atomics). Measured at most 1.8e-3 of the largest gradient against the split pair on the H100 at
+    d = 128 (notes entry 23) and 1.2e-3 at d = 64 (entry 24); atomic_pp at most 3.9e-3 of
+    atomic_ws's (entry 26); bounded here by one bf16 rounding, 2^-8."""
     from systems.attention.flash_triton import launch
 
     q, k, v, do, o, lse = _gpu_backward_inputs((*rows, head_dim), n_k, causal, dtype)
+    kernel = launch.FlashVariant(backward="atomic").atomic_gluon(q, k, v)
+    assert kernel == _ATOMIC_GLUON_AT[head_dim]
     got = {}
-    for gluon in (None, "atomic_ws"):
+    for gluon in (None, kernel):
         delta = torch.empty_like(lse)
         dq_acc = torch.full(q.shape, float("nan"), device="cuda")  # the prep kernel zeroes it
         dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
         launch.launch_backward_atomic(q, k, v, o, do, lse, delta, dq_acc, dq, dk, dv, causal, gluon=gluon)
         got[gluon] = dq.float(), dk.float(), dv.float()
-    for want, have in zip(got[None], got["atomic_ws"]):
+    for want, have in zip(got[None], got[kernel]):
         assert torch.isfinite(have).all()
         assert (have - want).abs().max() <= 2 ** -8 * want.abs().max()
 
@@ -1252,16 +1283,16 @@ def test_gpu_gluon_forward_equals_the_triton_kernel(head_dim, rows, n_k, causal,
 @pytest.mark.gpu
 @needs_gluon
 def test_gpu_atomic_variant_takes_the_gluon_kernel_at_its_head_dims():
-    """On the H100: "atomic" takes the warp-specialised Gluon kernel at d = 64 and 128; "auto"
-    takes it there past TMA_MIN_SEQ only, and the Gluon forward with it."""
+    """On the H100: "atomic" takes a warp-specialised Gluon kernel at d = 64 (atomic_pp) and 128
+    (atomic_ws); "auto" takes it there past TMA_MIN_SEQ only, and the Gluon forward with it."""
     from systems.attention import flash_triton as ft
 
     variant, auto = ft.FlashVariant(backward="atomic"), ft.FlashVariant(backward="auto")
-    for d, expected in ((64, "atomic_ws"), (128, "atomic_ws"), (32, None)):
+    for d, expected in ((64, "atomic_pp"), (128, "atomic_ws"), (32, None)):
         q = torch.zeros(2, 1000, d, device="cuda", dtype=torch.bfloat16)
         assert variant.atomic_gluon(q, q, q) == expected
         assert auto.atomic_gluon(q, q, q) is None  # 1000 tokens: the pointer pair
-    for d, expected in ((32, None), (64, "atomic_ws"), (128, "atomic_ws")):
+    for d, expected in ((32, None), (64, "atomic_pp"), (128, "atomic_ws")):
         q = torch.zeros(1, ft.TMA_MIN_SEQ + 64, d, device="cuda", dtype=torch.bfloat16)
         assert auto.atomic_gluon(q, q, q) == expected
         assert auto.forward_gluon(q, q, q) == (expected is not None)
@@ -1279,7 +1310,8 @@ def test_gpu_default_backward_past_tma_min_seq_matches_reference(causal, head_di
 
     shape_q = (1, 2, ft.TMA_MIN_SEQ + 100, head_dim)
     q = torch.zeros(shape_q, device="cuda", dtype=torch.bfloat16)
-    assert ft.FlashVariant().atomic_gluon(q, q, q) == "atomic_ws" and ft.FlashVariant().forward_gluon(q, q, q)
+    assert ft.FlashVariant().atomic_gluon(q, q, q) == _ATOMIC_GLUON_AT[head_dim]
+    assert ft.FlashVariant().forward_gluon(q, q, q)
     for dtype in (torch.bfloat16, torch.float16):
         run_and_compare(ft.flash_attention_triton, shape_q, shape_q[-2], dtype, causal, "cuda", tol=GPU_TOL[dtype])
 

@@ -1,5 +1,5 @@
-"""Three backward kernels and a forward in Gluon, for Hopper: asynchronous wgmma (notes entries 16,
-17, 18, 23, 24, 25).
+"""Four backward kernels and a forward in Gluon, for Hopper: asynchronous wgmma (notes entries 16,
+17, 18, 23, 24, 25, 26).
 
 Triton's ``tl.dot`` waits for every product that is not a loop-carried accumulator right after
 issuing it, so in kernels.py's dK/dV loop the tensor cores idle through the exponentials and dS,
@@ -23,7 +23,9 @@ product and waited while that runs, and is added into an fp32 buffer by one TMA 
 per query tile. It is warp-specialised: two consumer warpgroups over 128 keys run the products,
 beside a loader warp (Q, dO, L, D into the ring) and a dQ warp (the reduce-adds); the two workers
 hold 24 registers each, so the consumers get 240, which d = 128 needs (a one-partition form of
-it, entries 18 and 21, spilled there and was only level with the split pair at d = 64).
+it, entries 18 and 21, spilled there and was only level with the split pair at d = 64). At d = 64
+the two consumers are separate partitions instead (flash_bwd_atomic_pp_gluon_kernel, entry 26):
+they take turns with dQ's product, so they no longer meet at a barrier every query tile.
 
 The forward (flash_fwd_ws_gluon_kernel) is warp-specialised the same way, as FlashAttention-3's:
 a program owns 128 query rows, two consumer warpgroups of 64 rows each and a loader warp streaming
@@ -66,6 +68,7 @@ _MASKED = gl.constexpr(-1e6)  # kernels._MASKED
 # the atomic kernel's dQ staging buffers: a tile's reduce reads one while the next tile's products
 # run. Three or four measured 1.01x the time at d = 64 (notes entry 24); at d = 128 they do not fit.
 _DQ_BUFFERS = gl.constexpr(2)
+_WG_ROWS = gl.constexpr(64)  # the rows of one consumer warpgroup's tiles (wgmma's M)
 # kernels.py's index helpers are scalar arithmetic only, so they compile as Gluon unchanged
 _program_tile = gluon.jit(kernels._program_tile.fn)
 _diagonal_query_tiles = gluon.jit(kernels._diagonal_query_tiles.fn)
@@ -465,6 +468,200 @@ def flash_bwd_atomic_ws_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q,
     _store_tile(dV, dv, bh, n0, n_k, HEAD_DIM, BLOCK_N, kv_layout)
 
 
+@gluon.jit
+def _pp_query_loop(dk, dv, k_s, v_s, k_smem, q_ring, do_ring, l_ring, d_ring, ready, empty, ds_smem, ds_half, ds_free,
+                   dq_stage, dq_ready, dq_empty, offs_n, n_k, offset, qk_scale, lo, hi, it, WG: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr, s_layout: gl.constexpr, kv_layout: gl.constexpr,
+                   p_layout: gl.constexpr):
+    """Consumer WG's loop over query tiles [lo, hi) (``it`` counts tiles over the calls): the four
+    products of _ws_query_loop on its own 64 keys, and on every other tile (t % 2 == WG) dQ's part
+    dS K over both consumers' keys (one 64-column product, where _ws_query_loop splits it into two
+    of 32), once the other consumer has put its half of dS^T in shared memory (``ds_half``). The
+    other consumer waits only for a dS^T buffer to be free again (``ds_free``, two tiles on), so
+    the two drift out of step and one's exponentials run under the other's products, where
+    _ws_query_loop's two warpgroups meet at a barrier every tile.
+
+    Every product is waited within its iteration: in a worker partition, a wgmma left in flight
+    across the loop's back edge (as _ws_query_loop leaves dK's) made ptxas serialise every wgmma
+    of the kernel (its C7512, "insufficient register resources"; 1.17x the time on the H100)."""
+    n_iter = gl.cdiv(hi - lo, BLOCK_M)
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([_WG_ROWS, BLOCK_M], gl.float32, s_layout)
+    for i in range(0, n_iter):
+        start_m = lo + i * BLOCK_M
+        t = it + i
+        slot = t % STAGES
+        b = t % 2  # the dS^T and dQ staging buffer, and the consumer that runs dQ's product
+        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        q_s = q_ring.index(slot)
+        do_s = do_ring.index(slot)
+        s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_t = warpgroup_mma_wait(1, deps=[s_t])
+        s_t = _scaled_scores(s_t, qk_scale, offs_n, start_m + cols, offset, n_k, MASK, IS_CAUSAL)
+        lse = l_ring.index(slot).load(gl.SliceLayout(0, s_layout))
+        p_t = gl.exp2(s_t - lse[None, :] * _LOG2E)  # P^T = exp(S - L) (eq. 13)
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(q_s.dtype), p_layout), do_s, dv, is_async=True)  # eq. 14
+        dp_t = warpgroup_mma_wait(1, deps=[dp_t])
+        delta = d_ring.index(slot).load(gl.SliceLayout(0, s_layout))
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q_s.dtype)  # dS^T = P^T o (dP^T - D) (eq. 16)
+        ds_half_smem = ds_smem.index(b).slice(WG * _WG_ROWS, _WG_ROWS)
+        if b == WG:
+            ds_half_smem.store(ds_t)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.wait(ds_half.index(b), (t // 2) & 1)
+            dq = warpgroup_mma(ds_smem.index(b).permute((1, 0)), k_smem,  # dQ's part dS K (eq. 17)
+                               gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, kv_layout), use_acc=False, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=[dq])
+            mbarrier.arrive(ds_free.index(b), count=1)
+            mbarrier.wait(dq_empty.index(b), ((t // 2) & 1) ^ 1)
+            dq_stage.index(b).store(dq)
+            fence_async_shared()  # the generic-proxy stores before the dQ warp's TMA reads them
+            mbarrier.arrive(dq_ready.index(b), count=1)
+        else:
+            mbarrier.wait(ds_free.index(b), ((t // 2) & 1) ^ 1)  # tile t - 2's dQ product has read it
+            ds_half_smem.store(ds_t)
+            fence_async_shared()
+            mbarrier.arrive(ds_half.index(b), count=1)
+        dk = warpgroup_mma(gl.convert_layout(ds_t, p_layout), q_s, dk, is_async=True)  # dK += dS^T Q (eq. 18)
+        dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+        mbarrier.arrive(empty.index(slot), count=1)  # dK and dV, the last readers of Q and dO, are done
+        dk = warpgroup_mma_init(dk)
+        dv = warpgroup_mma_init(dv)
+    return dk, dv, it + n_iter
+
+
+@gluon.jit
+def _pp_consumer(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
+                 ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh, D_bh, bh, n0,
+                 n_q, n_k, lo, hi, qk_scale, sm_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Consumer warpgroup WG: keys n0 + 64 WG ... of the key tile; their dK and dV stored."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    k_s = k_smem.slice(WG * _WG_ROWS, _WG_ROWS)
+    v_s = v_smem.slice(WG * _WG_ROWS, _WG_ROWS)
+    dk = warpgroup_mma_init(gl.zeros([_WG_ROWS, HEAD_DIM], gl.float32, kv_layout))
+    dv = warpgroup_mma_init(gl.zeros([_WG_ROWS, HEAD_DIM], gl.float32, kv_layout))
+    offs_n = n0 + WG * _WG_ROWS + gl.arange(0, _WG_ROWS, layout=gl.SliceLayout(1, s_layout))
+    offset = n_k - n_q
+    mbarrier.wait(kv_bar, 0)
+    dk, dv, it = _pp_query_loop(dk, dv, k_s, v_s, k_smem, q_ring, do_ring, l_ring, d_ring, ready, empty, ds_smem,
+                                ds_half, ds_free, dq_stage, dq_ready, dq_empty, offs_n, n_k, offset, qk_scale, lo, hi,
+                                0, WG, HEAD_DIM, BLOCK_M, STAGES, True, IS_CAUSAL, s_layout, kv_layout, p_layout)
+    dk, dv, it = _pp_query_loop(dk, dv, k_s, v_s, k_smem, q_ring, do_ring, l_ring, d_ring, ready, empty, ds_smem,
+                                ds_half, ds_free, dq_stage, dq_ready, dq_empty, offs_n, n_k, offset, qk_scale, hi,
+                                n_q, it, WG, HEAD_DIM, BLOCK_M, STAGES, False, IS_CAUSAL, s_layout, kv_layout,
+                                p_layout)
+    dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
+    row0 = n0 + WG * _WG_ROWS
+    _store_tile(dK, dk * sm_scale, bh, row0, n_k, HEAD_DIM, _WG_ROWS, kv_layout)  # dK = dS^T Q * scale
+    _store_tile(dV, dv, bh, row0, n_k, HEAD_DIM, _WG_ROWS, kv_layout)
+
+
+@gluon.jit
+def _pp_second_consumer(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring,
+                        kv_bar, ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh,
+                        D_bh, bh, n0, n_q, n_k, lo, hi, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
+                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """The worker partition of consumer 1 (worker partitions share one signature)."""
+    _pp_consumer(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
+                 ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh, D_bh, bh, n0,
+                 n_q, n_k, lo, hi, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL)
+
+
+@gluon.jit
+def _pp_loader(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
+               ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh, D_bh, bh, n0,
+               n_q, n_k, lo, hi, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+               STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """_ws_loader under the consumers' signature."""
+    copy_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    _ws_loader(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
+               ready, empty, dq_stage, dq_ready, dq_empty, L_bh, D_bh, n0, n_q, lo, hi, BLOCK_M, STAGES, copy_layout)
+
+
+@gluon.jit
+def _pp_dq_adder(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
+                 ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh, D_bh, bh, n0,
+                 n_q, n_k, lo, hi, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """_ws_dq_adder under the consumers' signature."""
+    copy_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    _ws_dq_adder(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
+                 ready, empty, dq_stage, dq_ready, dq_empty, L_bh, D_bh, n0, n_q, lo, hi, BLOCK_M, STAGES, copy_layout)
+
+
+@gluon.jit(do_not_specialize=kernels._ORDER_ARGS)
+def flash_bwd_atomic_pp_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale,
+                                     sm_scale, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """flash_bwd_atomic_ws_gluon_kernel (same arguments and outputs) with its two consumer
+    warpgroups as two partitions of 64 keys each, which take turns running dQ's product over both
+    (_pp_query_loop) and store their own dK and dV; num_warps = 4 (consumer 0), a worker warpgroup
+    (consumer 1, 240 registers) and the loader and dQ warps (24). At d = 64 only: at d = 128 one
+    consumer's dK, dV, S^T, dP^T and dQ accumulators would need more than 240 registers."""
+    gl.static_assert(BLOCK_N == 2 * _WG_ROWS, "two consumer warpgroups of 64 keys")
+    tile_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    dq_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    tile, bh = _program_tile(n_k, head_group, BLOCK_N, False)
+    n0 = tile * BLOCK_N
+    k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring = _tile_operands(
+        K, V, n_k, Q, dO, n_q, bh, HEAD_DIM, BLOCK_N, BLOCK_M, STAGES, tile_smem)
+    dq_desc = _head_descriptor(DQ_ACC, bh, n_q, HEAD_DIM, BLOCK_M, dq_smem)
+    l_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
+    d_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], vec_smem)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], tile_smem)
+    dq_stage = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_smem)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_half = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1 + 32)  # the TMA's expect and each loader thread's cp.async
+        mbarrier.init(empty.index(s), count=2)  # both consumers release a slot
+    for s in gl.static_range(2):
+        mbarrier.init(ds_half.index(s), count=1)
+        mbarrier.init(ds_free.index(s), count=1)
+        mbarrier.init(dq_ready.index(s), count=1)
+        mbarrier.init(dq_empty.index(s), count=1)
+    mbarrier.init(kv_bar, count=1)
+    fence_async_shared()
+
+    lo, hi = _masked_query_tiles(n0, n_q, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    L_bh = L + bh * n_q
+    D_bh = Delta + bh * n_q
+    # (the worker arguments are written out each time: in a tuple variable the block sizes would not
+    # stay constexpr)
+    gl.warp_specialize([
+        (_pp_consumer, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring,
+                        kv_bar, ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh,
+                        D_bh, bh, n0, n_q, n_k, lo, hi, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, STAGES,
+                        IS_CAUSAL)),
+        (_pp_second_consumer, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring,
+                               d_ring, kv_bar, ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty,
+                               dK, dV, L_bh, D_bh, bh, n0, n_q, n_k, lo, hi, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
+                               STAGES, IS_CAUSAL)),
+        (_pp_loader, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring,
+                      kv_bar, ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh,
+                      D_bh, bh, n0, n_q, n_k, lo, hi, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL)),
+        (_pp_dq_adder, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring,
+                        kv_bar, ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh,
+                        D_bh, bh, n0, n_q, n_k, lo, hi, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL)),
+    ], [4, 1, 1], [240, 24, 24])
+
+
 # ----------------------------------------------------------------------------- dQ
 
 
@@ -596,7 +793,6 @@ def flash_bwd_dq_gluon_kernel(Q, K, V, O, dO, L, Delta, dQ, n_q, n_k, head_group
 
 # ----------------------------------------------------------------------------- forward, warp-specialised
 
-_WG_ROWS = gl.constexpr(64)  # the query rows of one consumer warpgroup (wgmma's M)
 
 
 @gluon.jit

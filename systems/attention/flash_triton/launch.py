@@ -55,8 +55,9 @@ LAUNCH_ORDERS: tuple[str, ...] = get_args(LaunchOrder)
 # launches: fwd 0.048 against 0.037 ms, backward 0.127 against 0.094): building descriptors costs
 # each program a fixed amount that a short key loop does not earn back. 4096 is that measured point.
 TMA_MIN_SEQ = 4096
-# kernels_gluon.py's kernel of the atomic backward (launch_atomic's ``gluon`` names it)
-_ATOMIC_GLUON_KERNELS = ("atomic_ws",)
+# kernels_gluon.py's kernels of the atomic backward (launch_atomic's ``gluon`` names one), each at
+# its own head dims (tuning.GLUON_TILES)
+_ATOMIC_GLUON_KERNELS = ("atomic_pp", "atomic_ws")
 
 
 @dataclass(frozen=True)
@@ -120,16 +121,16 @@ class FlashVariant:
 
     def atomic_gluon(self, *tensors: torch.Tensor) -> str | None:
         """The kernels_gluon.py kernel the five-product (atomic) backward runs on these tensors, or
-        None. For "atomic": "atomic_ws" (the warp-specialised kernel) where gluon_usable allows it,
-        else None (Triton's atomic kernel). For "auto": "atomic_ws" wherever the split pair would
-        read descriptors and it is usable, where it replaces the pair (on the H100 0.69-0.80x its
-        time at d = 128, notes entry 23; 0.95x at d = 64, entry 24); else None."""
+        None. A warp-specialised kernel, "atomic_pp" (d = 64) or "atomic_ws" (d = 128), wherever
+        gluon_usable allows it: for "atomic" wherever TMA is usable, else None (Triton's atomic
+        kernel); for "auto" wherever the split pair would read descriptors, where it replaces the
+        pair (on the H100 0.69-0.80x its time at d = 128, notes entry 23; 0.95x at d = 64, entry
+        24, then 0.96x that, entry 26); else None."""
         if self.backward == "atomic":  # it reads Q, K, V, dO and adds into dQ through TMA descriptors
-            usable = tma_usable(*tensors) and gluon_usable("atomic_ws", *tensors)
-            return "atomic_ws" if usable else None
-        if self.backward == "auto" and self.backward_tma(*tensors) and gluon_usable("atomic_ws", *tensors):
-            return "atomic_ws"
-        return None
+            wanted = tma_usable(*tensors)
+        else:
+            wanted = self.backward == "auto" and self.backward_tma(*tensors)
+        return next((kernel for kernel in _ATOMIC_GLUON_KERNELS if wanted and gluon_usable(kernel, *tensors)), None)
 
     def runs_atomic(self, *tensors: torch.Tensor) -> bool:
         """Whether the backward on these tensors is the five-product one (launch_backward_atomic)."""
@@ -137,7 +138,7 @@ class FlashVariant:
 
     def backward_gluon(self, kernel: str, *tensors: torch.Tensor) -> bool:
         """Whether the backward runs kernels_gluon.py's ``kernel`` on these tensors: "dq" or "dkdv" of
-        the split pair, or the atomic backward's "atomic_ws"."""
+        the split pair, or the atomic backward's "atomic_pp" or "atomic_ws"."""
         if kernel in _ATOMIC_GLUON_KERNELS:
             return self.atomic_gluon(*tensors) == kernel
         return (self.backward in ("auto", "gluon") and self.backward_tma(*tensors) and gluon_usable(kernel, *tensors)
@@ -673,7 +674,7 @@ def launch_dkdv(q3, k3, v3, do3, lse, delta, dk, dv, is_causal: bool, *, config:
 
 
 def _launch_gluon(kernel: str, n_rows: int, batch: int, args: tuple, is_causal: bool) -> None:
-    """kernels_gluon.py's ``kernel`` ("dq", "dkdv", "atomic_ws" or "fwd_ws") under its fixed tiles
+    """kernels_gluon.py's ``kernel`` (a key of tuning.GLUON_TILES) under its fixed tiles
     (tuning.GLUON_TILES), one program per tile of n_rows (query rows for dQ and the forward, keys for
     the others) and per (batch, head)."""
     head_dim = args[0].shape[-1]
@@ -686,6 +687,7 @@ def _launch_gluon(kernel: str, n_rows: int, batch: int, args: tuple, is_causal: 
     fn, rows_per_program = {"dq": (kernels_gluon.flash_bwd_dq_gluon_kernel, tiles["BLOCK_M"]),
                             "dkdv": (kernels_gluon.flash_bwd_dkdv_gluon_kernel, tiles["BLOCK_N"]),
                             "atomic_ws": (kernels_gluon.flash_bwd_atomic_ws_gluon_kernel, tiles["BLOCK_N"]),
+                            "atomic_pp": (kernels_gluon.flash_bwd_atomic_pp_gluon_kernel, tiles["BLOCK_N"]),
                             "fwd_ws": (kernels_gluon.flash_fwd_ws_gluon_kernel, tiles["BLOCK_M"])}[kernel]
     _ensure_tma_allocator()
     fn[(triton.cdiv(n_rows, rows_per_program) * batch,)](*args, HEAD_DIM=head_dim, IS_CAUSAL=bool(is_causal), **tiles)
@@ -704,8 +706,8 @@ def launch_bwd_prep(o3, do3, delta, dq_acc) -> None:
 def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, *, config: dict | None = None,
                   meta: dict | None = None, gluon: str | None = None, fp32_dot: str = "auto") -> None:
     """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D. gluon:
-    kernels_gluon.py's "atomic_ws" kernel, with its fixed tiles (the tensors must be ones
-    FlashVariant(backward="atomic").atomic_gluon names it for); None: Triton's atomic kernel."""
+    kernels_gluon.py's "atomic_pp" or "atomic_ws" kernel, with its fixed tiles (the tensors must be
+    ones FlashVariant(backward="atomic").atomic_gluon names it for); None: Triton's atomic kernel."""
     batch, n_q, n_k, d = _dims(q3, k3)
     group = resolve_head_group(q3, k3, None)
     args = (q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
