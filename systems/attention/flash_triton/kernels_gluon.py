@@ -28,19 +28,20 @@ the two consumers are separate partitions instead (flash_bwd_atomic_pp_gluon_ker
 they take turns with dQ's product, so they no longer meet at a barrier every query tile.
 
 The forward (flash_fwd_ws_gluon_kernel) is warp-specialised the same way, as FlashAttention-3's:
-a program owns 128 query rows, two consumer warpgroups of 64 rows each and a loader warp streaming
-K and V through a ring. Each consumer issues S_j = Q K_j^T beside O += P_{j-1} V_{j-1}, then does
-S_j's softmax while those run; the two consumers take turns issuing (a "ping-pong" through two
-mbarriers), so one's exponentials run while the other's products keep the tensor cores busy.
+a program owns 128 query rows (192 at d = 64), consumer warpgroups of 64 rows each and a loader
+warp streaming K and V through a ring. Each consumer issues S_j = Q K_j^T beside O += P_{j-1}
+V_{j-1}, then does S_j's softmax while those run; the consumers take turns issuing (a "ping-pong"
+through an mbarrier each), so one's exponentials run while the others' products keep the tensor
+cores busy.
 
 Written against the Gluon of Triton 3.6 (an experimental API that changes between releases: 3.9
 renamed the TMA copies, and the reduce-add has no public call in 3.6: _tma_reduce_add), so launch.py
 runs them only inside pyproject.toml's GPU-tested versions, for 16-bit inputs on sm_90, at the head
 dims where each measured faster than its Triton twin (tuning.GLUON_TILES: dK/dV at d = 64, dQ at
-d = 128, the atomic kernel and the forward at both), and kernels.py's kernels everywhere else.
-Each reads the same inputs and writes the same outputs as its twin in kernels.py
-(flash_bwd_dkdv_tma_kernel, flash_bwd_dq_tma_kernel, flash_bwd_atomic_kernel,
-flash_fwd_tma_kernel), in the same program order (kernels._program_tile, imported into Gluon
+d = 128, the atomic kernel's two forms at d = 64 and d = 128, the forward at both), and kernels.py's
+kernels everywhere else. Each reads the same inputs and writes the same outputs as its twin in
+kernels.py (flash_bwd_dkdv_tma_kernel, flash_bwd_dq_tma_kernel, flash_bwd_atomic_kernel for both
+atomic forms, flash_fwd_tma_kernel), in the same program order (kernels._program_tile, imported into Gluon
 unchanged).
 """
 
@@ -607,6 +608,9 @@ def flash_bwd_atomic_pp_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q,
     (consumer 1, 240 registers) and the loader and dQ warps (24). At d = 64 only: at d = 128 one
     consumer's dK, dV, S^T, dP^T and dQ accumulators would need more than 240 registers."""
     gl.static_assert(BLOCK_N == 2 * _WG_ROWS, "two consumer warpgroups of 64 keys")
+    # tile t's dS^T and dQ staging buffer is t % 2, the same index as the consumer running its dQ
+    # product, and the dQ warp (_ws_dq_adder) cycles through _DQ_BUFFERS of them
+    gl.static_assert(_DQ_BUFFERS == 2, "one dQ staging buffer per consumer")
     tile_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     dq_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     vec_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
