@@ -1058,14 +1058,14 @@ _GLUON_ARG_KINDS = {
     "dkdv": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["i32"] * 3 + ["fp32"] * 2,
     "dq": ["*bf16"] * 5 + ["*fp32"] * 2 + ["*bf16"] + ["i32"] * 3 + ["fp32"] * 2,
     "atomic_ws": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] + ["i32"] * 3 + ["fp32"] * 2,
+    "atomic_pp": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] + ["i32"] * 3 + ["fp32"] * 2,
     "fwd_ws": ["*bf16"] * 4 + ["*fp32"] + ["i32"] * 3 + ["fp32"],
 }
 
 
-# each Gluon kernel and head dim tuning.GLUON_TILES runs it at
-_GLUON_ARG_KINDS["atomic_pp"] = _GLUON_ARG_KINDS["atomic_ws"]  # the same arguments
 # the atomic backward's Gluon kernel at each head dim where one runs
 _ATOMIC_GLUON_AT = {64: "atomic_pp", 128: "atomic_ws"}
+# each Gluon kernel and head dim tuning.GLUON_TILES runs it at
 _GLUON_BUILT = [("dkdv", 64), ("dq", 128), ("atomic_pp", 64), ("atomic_ws", 128), ("fwd_ws", 64), ("fwd_ws", 128)]
 
 

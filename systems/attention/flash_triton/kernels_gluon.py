@@ -292,12 +292,11 @@ def _visited_tile_row(t, lo, hi, n_masked, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _ws_loader(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
-               ready, empty, dq_stage, dq_ready, dq_empty, L_bh, D_bh, n0, n_q, lo, hi,
-               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, copy_layout: gl.constexpr):
+def _ws_loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar, ready, empty,
+               L_bh, D_bh, n0, n_q, lo, hi, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, copy_layout: gl.constexpr):
     """The loader warp: K and V once, then per visited query tile Q and dO (TMA) and L and D
     (cp.async, zeros past n_q) into the ring slot the consumers released (``empty``), completing its
-    ``ready`` barrier. (The workers share one signature: Gluon's rule for worker partitions.)"""
+    ``ready`` barrier."""
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem)  # rows past n_k read as zeros
     tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_bar, v_smem)
@@ -311,9 +310,7 @@ def _ws_loader(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring,
 
 
 @gluon.jit
-def _ws_dq_adder(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
-                 ready, empty, dq_stage, dq_ready, dq_empty, L_bh, D_bh, n0, n_q, lo, hi,
-                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, copy_layout: gl.constexpr):
+def _ws_dq_adder(dq_desc, dq_stage, dq_ready, dq_empty, n_q, lo, hi, BLOCK_M: gl.constexpr):
     """The dQ warp: per visited query tile, once the consumers have staged its dS K (``dq_ready``),
     one TMA reduce-add into DQ_ACC (rows past n_q dropped by the descriptor); a staging buffer is
     released (``dq_empty``) once the reduce that read it is done, leaving one in flight."""
@@ -453,17 +450,13 @@ def flash_bwd_atomic_ws_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q,
     lo, hi = _masked_query_tiles(n0, n_q, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     L_bh = L + bh * n_q
     D_bh = Delta + bh * n_q
-    # (the worker arguments are written out twice: a tuple holding a layout cannot be a variable)
     dk, dv = gl.warp_specialize([
         (_ws_consumers, (k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar, ready, empty, ds_smem, dq_stage,
                          dq_ready, dq_empty, n0, n_q, n_k, lo, hi, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                          IS_CAUSAL, s_layout, kv_layout, p_layout, dq_layout)),
-        (_ws_loader, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring,
-                      kv_bar, ready, empty, dq_stage, dq_ready, dq_empty, L_bh, D_bh, n0, n_q, lo, hi, BLOCK_M,
-                      STAGES, copy_layout)),
-        (_ws_dq_adder, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring,
-                        kv_bar, ready, empty, dq_stage, dq_ready, dq_empty, L_bh, D_bh, n0, n_q, lo, hi, BLOCK_M,
-                        STAGES, copy_layout)),
+        (_ws_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
+                      ready, empty, L_bh, D_bh, n0, n_q, lo, hi, BLOCK_M, STAGES, copy_layout)),
+        (_ws_dq_adder, (dq_desc, dq_stage, dq_ready, dq_empty, n_q, lo, hi, BLOCK_M)),
     ], [1, 1], [24, 24])
     _store_tile(dK, dk * sm_scale, bh, n0, n_k, HEAD_DIM, BLOCK_N, kv_layout)  # dK = dS^T Q * scale
     _store_tile(dV, dv, bh, n0, n_k, HEAD_DIM, BLOCK_N, kv_layout)
@@ -535,10 +528,9 @@ def _pp_query_loop(dk, dv, k_s, v_s, k_smem, q_ring, do_ring, l_ring, d_ring, re
 
 
 @gluon.jit
-def _pp_consumer(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
-                 ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh, D_bh, bh, n0,
-                 n_q, n_k, lo, hi, qk_scale, sm_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def _pp_consumer(k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar, ready, empty, ds_smem, ds_half, ds_free,
+                 dq_stage, dq_ready, dq_empty, dK, dV, bh, n0, n_q, n_k, lo, hi, qk_scale, sm_scale, WG: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Consumer warpgroup WG: keys n0 + 64 WG ... of the key tile; their dK and dV stored."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -563,39 +555,6 @@ def _pp_consumer(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_rin
     row0 = n0 + WG * _WG_ROWS
     _store_tile(dK, dk * sm_scale, bh, row0, n_k, HEAD_DIM, _WG_ROWS, kv_layout)  # dK = dS^T Q * scale
     _store_tile(dV, dv, bh, row0, n_k, HEAD_DIM, _WG_ROWS, kv_layout)
-
-
-@gluon.jit
-def _pp_second_consumer(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring,
-                        kv_bar, ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh,
-                        D_bh, bh, n0, n_q, n_k, lo, hi, qk_scale, sm_scale, HEAD_DIM: gl.constexpr,
-                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """The worker partition of consumer 1 (worker partitions share one signature)."""
-    _pp_consumer(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
-                 ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh, D_bh, bh, n0,
-                 n_q, n_k, lo, hi, qk_scale, sm_scale, 1, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL)
-
-
-@gluon.jit
-def _pp_loader(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
-               ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh, D_bh, bh, n0,
-               n_q, n_k, lo, hi, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-               STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """_ws_loader under the consumers' signature."""
-    copy_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    _ws_loader(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
-               ready, empty, dq_stage, dq_ready, dq_empty, L_bh, D_bh, n0, n_q, lo, hi, BLOCK_M, STAGES, copy_layout)
-
-
-@gluon.jit
-def _pp_dq_adder(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
-                 ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh, D_bh, bh, n0,
-                 n_q, n_k, lo, hi, qk_scale, sm_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                 STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """_ws_dq_adder under the consumers' signature."""
-    copy_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    _ws_dq_adder(k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
-                 ready, empty, dq_stage, dq_ready, dq_empty, L_bh, D_bh, n0, n_q, lo, hi, BLOCK_M, STAGES, copy_layout)
 
 
 @gluon.jit(do_not_specialize=kernels._ORDER_ARGS)
@@ -646,23 +605,19 @@ def flash_bwd_atomic_pp_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q,
     lo, hi = _masked_query_tiles(n0, n_q, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     L_bh = L + bh * n_q
     D_bh = Delta + bh * n_q
-    # (the worker arguments are written out each time: in a tuple variable the block sizes would not
+    copy_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])  # the loader warp's cp.async
+    # (the consumers' arguments are written out twice: in a tuple variable the block sizes would not
     # stay constexpr)
     gl.warp_specialize([
-        (_pp_consumer, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring,
-                        kv_bar, ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh,
-                        D_bh, bh, n0, n_q, n_k, lo, hi, qk_scale, sm_scale, 0, HEAD_DIM, BLOCK_M, STAGES,
-                        IS_CAUSAL)),
-        (_pp_second_consumer, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring,
-                               d_ring, kv_bar, ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty,
-                               dK, dV, L_bh, D_bh, bh, n0, n_q, n_k, lo, hi, qk_scale, sm_scale, HEAD_DIM, BLOCK_M,
-                               STAGES, IS_CAUSAL)),
-        (_pp_loader, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring,
-                      kv_bar, ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh,
-                      D_bh, bh, n0, n_q, n_k, lo, hi, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL)),
-        (_pp_dq_adder, (k_desc, v_desc, q_desc, do_desc, dq_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring,
-                        kv_bar, ready, empty, ds_smem, ds_half, ds_free, dq_stage, dq_ready, dq_empty, dK, dV, L_bh,
-                        D_bh, bh, n0, n_q, n_k, lo, hi, qk_scale, sm_scale, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL)),
+        (_pp_consumer, (k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar, ready, empty, ds_smem, ds_half,
+                        ds_free, dq_stage, dq_ready, dq_empty, dK, dV, bh, n0, n_q, n_k, lo, hi, qk_scale, sm_scale,
+                        0, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL)),
+        (_pp_consumer, (k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar, ready, empty, ds_smem, ds_half,
+                        ds_free, dq_stage, dq_ready, dq_empty, dK, dV, bh, n0, n_q, n_k, lo, hi, qk_scale, sm_scale,
+                        1, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL)),
+        (_ws_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
+                      ready, empty, L_bh, D_bh, n0, n_q, lo, hi, BLOCK_M, STAGES, copy_layout)),
+        (_ws_dq_adder, (dq_desc, dq_stage, dq_ready, dq_empty, n_q, lo, hi, BLOCK_M)),
     ], [4, 1, 1], [240, 24, 24])
 
 
@@ -906,27 +861,8 @@ def _fwd_consumer(q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m
 
 
 @gluon.jit
-def _fwd_second_consumer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0,
-                         n_q, n_k, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """The worker partition of consumer 1 (worker partitions share one signature, the loader's)."""
-    _fwd_consumer(q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, 1,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)
-
-
-@gluon.jit
-def _fwd_third_consumer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0,
-                        n_q, n_k, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """The worker partition of consumer 2, where BLOCK_M is 192."""
-    _fwd_consumer(q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, 2,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)
-
-
-@gluon.jit
-def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0,
-                n_q, n_k, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
+def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, m0, n_q, n_k,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """The loader warp: every consumer's Q tile once, then each visited key tile's K and V (TMA;
     rows past n_k read as zeros) into the ring slot all consumers released (``empty``)."""
     mbarrier.expect(q_bar, (BLOCK_M // _WG_ROWS) * q_desc.block_type.nbytes)
@@ -969,25 +905,25 @@ def flash_fwd_ws_gluon_kernel(Q, K, V, O, L, n_q, n_k, head_group, qk_scale, HEA
     for s in gl.static_range(CONSUMERS):
         mbarrier.init(turn.index(s), count=1)
     fence_async_shared()
-    # (the worker arguments are written out each time: in a tuple variable the block sizes would not
-    # stay constexpr). Two consumers at 240 registers; three (d = 64) at 160, consumer 0 at 168.
+    # (the partitions' arguments are written out each time: in a tuple variable the block sizes would
+    # not stay constexpr). Two consumers at 240 registers; three (d = 64) at 160, consumer 0 at 168.
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_fwd_consumer, (q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, 0,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_fwd_second_consumer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L,
-                                    bh, m0, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0,
-                           n_q, n_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_fwd_consumer, (q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, 1,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, m0, n_q, n_k, BLOCK_M,
+                           BLOCK_N, STAGES, IS_CAUSAL)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
             (_fwd_consumer, (q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, 0,
                              HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_fwd_second_consumer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L,
-                                    bh, m0, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_fwd_third_consumer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L,
-                                   bh, m0, n_q, n_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
-            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0,
-                           n_q, n_k, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_fwd_consumer, (q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, 1,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_fwd_consumer, (q_smem, k_ring, v_ring, q_bar, ready, empty, turn, O, L, bh, m0, n_q, n_k, qk_scale, 2,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, ready, empty, m0, n_q, n_k, BLOCK_M,
+                           BLOCK_N, STAGES, IS_CAUSAL)),
         ], [4, 4, 1], [160, 160, 24])

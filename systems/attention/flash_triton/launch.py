@@ -111,7 +111,8 @@ class FlashVariant:
     def forward_gluon(self, *tensors: torch.Tensor) -> bool:
         """Whether the forward on these tensors is kernels_gluon.py's warp-specialised one: for "auto"
         wherever it would read descriptors and the kernel is usable (on the H100 0.82-0.86x the
-        Triton TMA forward's time at d = 128 and 16k-64k tokens, 0.97x at d = 64; notes entry 25)."""
+        Triton TMA forward's time at d = 128 and 16k-64k tokens, 0.86-0.96x at d = 64; notes entries 25
+        and 26)."""
         return self.forward == "auto" and self.forward_tma(*tensors) and gluon_usable("fwd_ws", *tensors)
 
     def backward_tma(self, *tensors: torch.Tensor) -> bool:
@@ -125,7 +126,7 @@ class FlashVariant:
         gluon_usable allows it: for "atomic" wherever TMA is usable, else None (Triton's atomic
         kernel); for "auto" wherever the split pair would read descriptors, where it replaces the
         pair (on the H100 0.69-0.80x its time at d = 128, notes entry 23; 0.95x at d = 64, entry
-        24, then 0.96x that, entry 26); else None."""
+        24, then 0.96-0.99x that, entry 26); else None."""
         if self.backward == "atomic":  # it reads Q, K, V, dO and adds into dQ through TMA descriptors
             wanted = tma_usable(*tensors)
         else:
