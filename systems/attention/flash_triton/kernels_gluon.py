@@ -1,5 +1,5 @@
 """Four backward kernels and a forward in Gluon, for Hopper: asynchronous wgmma (notes entries 16,
-17, 18, 23, 24, 25, 26).
+17, 18, 23, 24, 25, 26, 27).
 
 Triton's ``tl.dot`` waits for every product that is not a loop-carried accumulator right after
 issuing it, so in kernels.py's dK/dV loop the tensor cores idle through the exponentials and dS,
@@ -25,7 +25,10 @@ beside a loader warp (Q, dO, L, D into the ring) and a dQ warp (the reduce-adds)
 hold 24 registers each, so the consumers get 240, which d = 128 needs (a one-partition form of
 it, entries 18 and 21, spilled there and was only level with the split pair at d = 64). At d = 64
 the two consumers are separate partitions instead (flash_bwd_atomic_pp_gluon_kernel, entry 26):
-they take turns with dQ's product, so they no longer meet at a barrier every query tile.
+they take turns with dQ's product, so they no longer meet at a barrier every query tile, and every
+product takes its A operand from registers (entry 27): K and V for S^T and dP^T, and K^T for dQ's
+part, computed transposed (dQ^T = K^T dS^T). An m64n64k16 wgmma with both operands in shared
+memory reads 4 KB there in its 32 cycles of tensor work, all of shared memory's 128 bytes a cycle.
 
 The forward (flash_fwd_ws_gluon_kernel) is warp-specialised the same way, as FlashAttention-3's:
 a program owns 128 query rows (192 at d = 64), consumer warpgroups of 64 rows each and a loader
@@ -463,15 +466,16 @@ def flash_bwd_atomic_ws_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q,
 
 
 @gluon.jit
-def _pp_query_loop(dk, dv, k_s, v_s, k_smem, q_ring, do_ring, l_ring, d_ring, ready, empty, ds_smem, ds_half, ds_free,
+def _pp_query_loop(dk, dv, k_op, v_op, kt_op, q_ring, do_ring, l_ring, d_ring, ready, empty, ds_smem, ds_half, ds_free,
                    dq_stage, dq_ready, dq_empty, offs_n, n_k, offset, qk_scale, lo, hi, it, WG: gl.constexpr,
                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr, s_layout: gl.constexpr, kv_layout: gl.constexpr,
-                   p_layout: gl.constexpr):
+                   IS_CAUSAL: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
     """Consumer WG's loop over query tiles [lo, hi) (``it`` counts tiles over the calls): the four
     products of _ws_query_loop on its own 64 keys, and on every other tile (t % 2 == WG) dQ's part
-    dS K over both consumers' keys (one 64-column product, where _ws_query_loop splits it into two
-    of 32), once the other consumer has put its half of dS^T in shared memory (``ds_half``). The
+    over both consumers' keys, once the other consumer has put its half of dS^T in shared memory
+    (``ds_half``): one product, dQ^T = K^T dS^T, where _ws_query_loop runs dS K as two of 32
+    columns. k_op, v_op (this consumer's keys) and kt_op (K^T, all 128 keys) are register A
+    operands, so each product reads only its B operand from shared memory. The
     other consumer waits only for a dS^T buffer to be free again (``ds_free``, two tiles on), so
     the two drift out of step and one's exponentials run under the other's products, where
     _ws_query_loop's two warpgroups meet at a barrier every tile.
@@ -490,8 +494,8 @@ def _pp_query_loop(dk, dv, k_s, v_s, k_smem, q_ring, do_ring, l_ring, d_ring, re
         mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
         q_s = q_ring.index(slot)
         do_s = do_ring.index(slot)
-        s_t = warpgroup_mma(k_s, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp_t = warpgroup_mma(v_s, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_t = warpgroup_mma(k_op, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_op, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s_t = warpgroup_mma_wait(1, deps=[s_t])
         s_t = _scaled_scores(s_t, qk_scale, offs_n, start_m + cols, offset, n_k, MASK, IS_CAUSAL)
         lse = l_ring.index(slot).load(gl.SliceLayout(0, s_layout))
@@ -506,9 +510,10 @@ def _pp_query_loop(dk, dv, k_s, v_s, k_smem, q_ring, do_ring, l_ring, d_ring, re
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.wait(ds_half.index(b), (t // 2) & 1)
-            dq = warpgroup_mma(ds_smem.index(b).permute((1, 0)), k_smem,  # dQ's part dS K (eq. 17)
-                               gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, kv_layout), use_acc=False, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=[dq])
+            # dQ's part dS K (eq. 17), transposed: (d x queries), as dS^T is stored
+            dq_t = warpgroup_mma(kt_op, ds_smem.index(b), gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, s_layout),
+                                 use_acc=False, is_async=True)
+            dq = gl.permute(warpgroup_mma_wait(0, deps=[dq_t]), (1, 0))  # (queries x d)
             mbarrier.arrive(ds_free.index(b), count=1)
             mbarrier.wait(dq_empty.index(b), ((t // 2) & 1) ^ 1)
             dq_stage.index(b).store(dq)
@@ -544,13 +549,18 @@ def _pp_consumer(k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar, ready,
     offs_n = n0 + WG * _WG_ROWS + gl.arange(0, _WG_ROWS, layout=gl.SliceLayout(1, s_layout))
     offset = n_k - n_q
     mbarrier.wait(kv_bar, 0)
-    dk, dv, it = _pp_query_loop(dk, dv, k_s, v_s, k_smem, q_ring, do_ring, l_ring, d_ring, ready, empty, ds_smem,
+    # A operands of the products accumulating in s_layout (S^T, dP^T, dQ^T: N = BLOCK_M), loaded once:
+    # 16 + 16 + 32 registers a thread
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    k_op = k_s.load(a_layout)
+    v_op = v_s.load(a_layout)
+    kt_op = k_smem.permute((1, 0)).load(a_layout)  # (d x keys)
+    dk, dv, it = _pp_query_loop(dk, dv, k_op, v_op, kt_op, q_ring, do_ring, l_ring, d_ring, ready, empty, ds_smem,
                                 ds_half, ds_free, dq_stage, dq_ready, dq_empty, offs_n, n_k, offset, qk_scale, lo, hi,
-                                0, WG, HEAD_DIM, BLOCK_M, STAGES, True, IS_CAUSAL, s_layout, kv_layout, p_layout)
-    dk, dv, it = _pp_query_loop(dk, dv, k_s, v_s, k_smem, q_ring, do_ring, l_ring, d_ring, ready, empty, ds_smem,
+                                0, WG, HEAD_DIM, BLOCK_M, STAGES, True, IS_CAUSAL, s_layout, p_layout)
+    dk, dv, it = _pp_query_loop(dk, dv, k_op, v_op, kt_op, q_ring, do_ring, l_ring, d_ring, ready, empty, ds_smem,
                                 ds_half, ds_free, dq_stage, dq_ready, dq_empty, offs_n, n_k, offset, qk_scale, hi,
-                                n_q, it, WG, HEAD_DIM, BLOCK_M, STAGES, False, IS_CAUSAL, s_layout, kv_layout,
-                                p_layout)
+                                n_q, it, WG, HEAD_DIM, BLOCK_M, STAGES, False, IS_CAUSAL, s_layout, p_layout)
     dk, dv = warpgroup_mma_wait(0, deps=[dk, dv])
     row0 = n0 + WG * _WG_ROWS
     _store_tile(dK, dk * sm_scale, bh, row0, n_k, HEAD_DIM, _WG_ROWS, kv_layout)  # dK = dS^T Q * scale
@@ -567,6 +577,7 @@ def flash_bwd_atomic_pp_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q,
     (consumer 1, 240 registers) and the loader and dQ warps (24). At d = 64 only: at d = 128 one
     consumer's dK, dV, S^T, dP^T and dQ accumulators would need more than 240 registers."""
     gl.static_assert(BLOCK_N == 2 * _WG_ROWS, "two consumer warpgroups of 64 keys")
+    gl.static_assert(HEAD_DIM == _WG_ROWS, "dQ^T's rows are the head dim, one warpgroup's 64")
     # tile t's dS^T and dQ staging buffer is t % 2, the same index as the consumer running its dQ
     # product, and the dQ warp (_ws_dq_adder) cycles through _DQ_BUFFERS of them
     gl.static_assert(_DQ_BUFFERS == 2, "one dQ staging buffer per consumer")

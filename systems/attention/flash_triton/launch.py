@@ -126,7 +126,8 @@ class FlashVariant:
         gluon_usable allows it: for "atomic" wherever TMA is usable, else None (Triton's atomic
         kernel); for "auto" wherever the split pair would read descriptors, where it replaces the
         pair (on the H100 0.69-0.80x its time at d = 128, notes entry 23; 0.95x at d = 64, entry
-        24, then 0.96-0.99x that, entry 26); else None."""
+        24, then 0.96-0.99x that, entry 26, and 0.90-0.93x that with register A operands, entry
+        27); else None."""
         if self.backward == "atomic":  # it reads Q, K, V, dO and adds into dQ through TMA descriptors
             wanted = tma_usable(*tensors)
         else:

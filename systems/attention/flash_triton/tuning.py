@@ -181,7 +181,8 @@ _OPTION_MAX_BLOCK_D = {("dkdv", "EARLY_DP"): 64}
 # 0.79-0.80x the split pair's time at 16k-64k tokens and 0.69x at 16 x 4096; at d = 64 0.95x at
 # 16k-64k. Entry 18's one-partition form was level with the pair at d = 64 and spilled at d = 128.
 # At d = 64 its two consumers as two partitions that take turns with dQ's product (entry 26,
-# atomic_pp) ran 0.96-0.99x its time. The forward (entry 25): 128 query rows over two consumer
+# atomic_pp) ran 0.96-0.99x its time, and 0.90-0.93x that with every product's A operand in
+# registers (entry 27: K, V, and K^T for dQ's part computed transposed). The forward (entry 25): 128 query rows over two consumer
 # warpgroups taking turns, 128-key tiles through a three-slot ring; at d = 128 0.82-0.86x the
 # Triton TMA forward's time at 16k-64k tokens (64-key tiles 0.92-0.93x); at d = 64 192 rows over
 # three consumers, 0.95-0.96x the 128-row form (two slots lose at both).
@@ -192,7 +193,8 @@ GLUON_TILES: dict[str, dict[int, dict[str, int]]] = {
     # memory
     "atomic_ws": {128: dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, num_warps=8)},
     # num_warps: consumer 0 (consumer 1 and the two worker warps are worker partitions); 146 KB of
-    # shared memory. 0.96-0.99x atomic_ws's time at d = 64 (three slots; two 0.97-0.99x; notes entry 26)
+    # shared memory. 0.96-0.99x atomic_ws's time at d = 64 (three slots; two 0.97-0.99x; notes entry
+    # 26), then 0.90-0.93x that with its A operands in registers (entry 27)
     "atomic_pp": {64: dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, num_warps=4)},
     # num_warps: consumer 0 (the other consumers and the loader are worker partitions); 224 KB of
     # shared memory at d = 128; 120 KB at d = 64, where 192 query rows over three consumer warpgroups
