@@ -182,10 +182,11 @@ _OPTION_MAX_BLOCK_D = {("dkdv", "EARLY_DP"): 64}
 # 16k-64k. Entry 18's one-partition form was level with the pair at d = 64 and spilled at d = 128.
 # At d = 64 its two consumers as two partitions that take turns with dQ's product (entry 26,
 # atomic_pp) ran 0.96-0.99x its time, and 0.90-0.93x that with every product's A operand in
-# registers (entry 27: K, V, and K^T for dQ's part computed transposed). The forward (entry 25): 128 query rows over two consumer
-# warpgroups taking turns, 128-key tiles through a three-slot ring; at d = 128 0.82-0.86x the
-# Triton TMA forward's time at 16k-64k tokens (64-key tiles 0.92-0.93x); at d = 64 192 rows over
-# three consumers, 0.95-0.96x the 128-row form (two slots lose at both).
+# registers (entry 27: K, V, and K^T for dQ's part computed transposed). The forward (entry 25):
+# 128 query rows over two consumer warpgroups taking turns, 128-key tiles through a three-slot
+# ring; at d = 128 0.82-0.86x the Triton TMA forward's time at 16k-64k tokens (64-key tiles
+# 0.92-0.93x); at d = 64 192 rows over three consumers, 0.95-0.96x the 128-row form (two slots
+# lose at both; Q in registers gained nothing at 128 rows, entry 27).
 GLUON_TILES: dict[str, dict[int, dict[str, int]]] = {
     "dkdv": {64: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)},
     "dq": {128: dict(BLOCK_M=64, BLOCK_N=64, STAGES=2, num_warps=4)},
