@@ -1054,11 +1054,12 @@ def _gluon_in_tested_range() -> bool:
 
 
 # the types of each Gluon kernel's non-constexpr arguments, in order
+_ATOMIC_ARG_KINDS = ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] + ["i32"] * 3 + ["fp32"] * 2
 _GLUON_ARG_KINDS = {
     "dkdv": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["i32"] * 3 + ["fp32"] * 2,
     "dq": ["*bf16"] * 5 + ["*fp32"] * 2 + ["*bf16"] + ["i32"] * 3 + ["fp32"] * 2,
-    "atomic_ws": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] + ["i32"] * 3 + ["fp32"] * 2,
-    "atomic_pp": ["*bf16"] * 4 + ["*fp32"] * 2 + ["*bf16"] * 2 + ["*fp32"] + ["i32"] * 3 + ["fp32"] * 2,
+    "atomic_ws": _ATOMIC_ARG_KINDS,  # the atomic kernel's two forms take the same arguments
+    "atomic_pp": _ATOMIC_ARG_KINDS,
     "fwd_ws": ["*bf16"] * 4 + ["*fp32"] + ["i32"] * 3 + ["fp32"],
 }
 
