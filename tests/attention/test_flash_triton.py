@@ -1128,6 +1128,8 @@ def test_gluon_kernels_compile_for_h100(kernel, head_dim, causal):
         consumer_regs = "240" if GLUON_TILES[kernel][head_dim]["BLOCK_M"] == 128 else "160"
         assert {"24", consumer_regs} <= set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx))
         assert "cp.async.bulk.tensor" in ptx and register_a > 0
+        # P packed two at a time (kernels_gluon._to_16bit_pairs), not by a cvt per element
+        assert "cvt.rn.bf16x2.f32" in ptx
     if kernel in ("atomic_ws", "atomic_pp"):
         assert "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add" in ptx
         assert re_count(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx) > 0
