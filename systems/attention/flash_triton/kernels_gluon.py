@@ -773,13 +773,8 @@ def _to_16bit_pairs(x, dtype: gl.constexpr):
     back: 32 of the d = 64 forward's 424 instructions a key tile, on the path from the exponentials
     to O's product; without them the forward took 0.95-0.97x the time at d = 64 and 0.97-0.99x at
     d = 128 on one H100, with bit-identical outputs (notes entry 28)."""
-    if dtype == gl.bfloat16:
-        y = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
-                                      is_pure=True, pack=2)
-    else:
-        y = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
-                                      is_pure=True, pack=2)
-    return y
+    CVT: gl.constexpr = "cvt.rn.bf16x2.f32 $0, $2, $1;" if dtype == gl.bfloat16 else "cvt.rn.f16x2.f32 $0, $2, $1;"
+    return gl.inline_asm_elementwise(CVT, "=r,r,r", [x], dtype=dtype.value, is_pure=True, pack=2)
 
 
 @gluon.jit
