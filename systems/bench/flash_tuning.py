@@ -380,6 +380,8 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
         dq, dk, dv = torch.empty_like(x.q), torch.empty_like(x.k), torch.empty_like(x.v)
         delta = torch.empty_like(x.delta)
         dq_acc = torch.empty(x.q.shape, device="cuda", dtype=torch.float32)
+        lse2 = torch.empty_like(x.lse)  # the atomic kernel's L in base 2, as the prep kernel writes it
+        ft.launch_bwd_prep(x.o, x.do, x.lse, delta, lse2, dq_acc)
 
         def split():
             ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True)
@@ -412,9 +414,9 @@ def time_backwards(*, shapes=COMPARE_SHAPES, dtype: str = "bf16", warmup_ms: flo
             "kernels_gluon": lambda: split_tma(gluon),
             "part_dq": lambda: ft.launch_dq(x.q, x.k, x.v, x.o, x.do, x.lse, delta, dq, True),
             "part_dkdv": lambda: ft.launch_dkdv(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, True),
-            "part_prep": lambda: ft.launch_bwd_prep(x.o, x.do, delta, dq_acc),
-            "part_atomic": lambda: ft.launch_atomic(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, dq_acc, True),
-            "part_atomic_gluon": lambda: ft.launch_atomic(x.q, x.k, x.v, x.do, x.lse, delta, dk, dv, dq_acc, True,
+            "part_prep": lambda: ft.launch_bwd_prep(x.o, x.do, x.lse, delta, lse2, dq_acc),
+            "part_atomic": lambda: ft.launch_atomic(x.q, x.k, x.v, x.do, lse2, delta, dk, dv, dq_acc, True),
+            "part_atomic_gluon": lambda: ft.launch_atomic(x.q, x.k, x.v, x.do, lse2, delta, dk, dv, dq_acc, True,
                                                           gluon=atomic_gluon),
             "part_cast": lambda: torch.mul(dq_acc, d ** -0.5, out=dq),
             "part_fwd": lambda: ft.launch_forward(x.q, x.k, x.v, o, lse, True),

@@ -120,6 +120,25 @@ def test_interp_atomic_backward_other_tiles(shape_q, n_k, causal, tiles, defer):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_interp_prep_kernel_writes_d_l_in_base_2_and_zeros():
+    """The atomic backward's prologue over a ragged last row tile (70 = 64 + 6 rows): D = rowsum(O *
+    dO), L in base 2 for the atomic kernels (L log2(e), one fp32 multiply as torch's, so within an
+    ulp), and a zeroed dQ buffer; the rows past n_q of neither output are written."""
+    from systems.attention import flash_triton as ft
+    from systems.attention.flash_triton.kernels import LOG2E
+
+    gen = torch.Generator().manual_seed(70)
+    o, do = (torch.randn(3, 70, 16, generator=gen) for _ in range(2))
+    lse = torch.randn(3, 70, generator=gen) * 10
+    delta, lse2 = torch.full_like(lse, float("nan")), torch.full_like(lse, float("nan"))
+    dq_acc = torch.full_like(o, float("nan"))
+    ft.launch_bwd_prep(o, do, lse, delta, lse2, dq_acc)
+    torch.testing.assert_close(delta, (o * do).sum(-1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse2, lse * LOG2E, rtol=1.2e-7, atol=0)
+    assert torch.equal(dq_acc, torch.zeros_like(o))
+
+
 def _split_pass(q, k, v, do, causal, *, tma, tiles, fwd_options, bwd_options, head_group=None):
     """(O, L, dQ, dK, dV) through the forward and the split backward launched with explicit
     ``tiles`` (fwd rows x cols, dQ rows x cols, dK/dV rows x cols, warps, stages), options and
@@ -611,7 +630,7 @@ def test_atomic_kernel_compiles_for_h100(defer):
     from systems.attention.flash_triton.kernels import flash_bwd_atomic_kernel
     from systems.testing import compile_ptx_for_h100
 
-    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "dO": "*bf16", "L": "*fp32", "Delta": "*fp32",
+    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "dO": "*bf16", "L2": "*fp32", "Delta": "*fp32",
                 "dK": "*bf16", "dV": "*bf16", "DQ_ACC": "*fp32"}
     scalars = {"n_q": "i32", "n_k": "i32", "head_group": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
                "SEQ_BUCKET": "i32"}

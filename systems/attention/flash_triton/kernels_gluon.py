@@ -297,7 +297,7 @@ def _visited_tile_row(t, lo, hi, n_masked, BLOCK_M: gl.constexpr):
 @gluon.jit
 def _ws_loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar, ready, empty,
                L_bh, D_bh, n0, n_q, lo, hi, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, copy_layout: gl.constexpr):
-    """The loader warp: K and V once, then per visited query tile Q and dO (TMA) and L and D
+    """The loader warp: K and V once, then per visited query tile Q and dO (TMA) and L in base 2 and D
     (cp.async, zeros past n_q) into the ring slot the consumers released (``empty``), completing its
     ``ready`` barrier."""
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
@@ -353,8 +353,8 @@ def _ws_query_loop(dk, dv, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, read
         s_t, dk, dv = warpgroup_mma_wait(1, deps=[s_t, dk, dv])
         mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=t > 0)
         s_t = _scaled_scores(s_t, qk_scale, offs_n, start_m + cols, offset, n_k, MASK, IS_CAUSAL)
-        lse = l_ring.index(slot).load(gl.SliceLayout(0, s_layout))
-        p_t = gl.exp2(s_t - lse[None, :] * _LOG2E)  # P^T = exp(S - L) (eq. 13)
+        lse2 = l_ring.index(slot).load(gl.SliceLayout(0, s_layout))
+        p_t = gl.exp2(s_t - lse2[None, :])  # P^T = exp(S - L) (eq. 13), both in base 2
         dv = warpgroup_mma(gl.convert_layout(p_t.to(q_s.dtype), p_layout), do_s, dv, is_async=True)  # eq. 14
         dp_t = warpgroup_mma_wait(1, deps=[dp_t])
         delta = d_ring.index(slot).load(gl.SliceLayout(0, s_layout))
@@ -402,14 +402,15 @@ def _ws_consumers(k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar, ready
 
 
 @gluon.jit(do_not_specialize=kernels._ORDER_ARGS)
-def flash_bwd_atomic_ws_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale,
+def flash_bwd_atomic_ws_gluon_kernel(Q, K, V, dO, L2, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale,
                                      sm_scale, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
                                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Grid (key tiles x batch); num_warps = 8 (the consumers) and two worker warps. The atomic
     backward's kernel (five products, as kernels.flash_bwd_atomic_kernel, same arguments but the
     tiles), warp-specialised (FlashAttention-3's layout, notes entries 23 and 24): dK and dV, and
-    dS K added into DQ_ACC (zeroed, with Delta written, by kernels.flash_bwd_prep_kernel) through
-    TMA reduce-adds, one per (key tile, query tile). In one partition the kernel spills at d = 128
+    dS K added into DQ_ACC (zeroed, with Delta and L2 = L log2(e) written, by
+    kernels.flash_bwd_prep_kernel) through TMA reduce-adds, one per (key tile, query tile). In one
+    partition the kernel spills at d = 128
     (the dK, dV, S^T, dP^T and dQ accumulators alone are 224 registers a thread at 128 keys, notes
     entry 21); here the worker warps run at 24 registers, so the consumers get 240, and the loads
     and the reduce-adds leave the consumers' instruction stream."""
@@ -451,14 +452,14 @@ def flash_bwd_atomic_ws_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q,
     fence_async_shared()
 
     lo, hi = _masked_query_tiles(n0, n_q, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    L_bh = L + bh * n_q
+    L2_bh = L2 + bh * n_q  # L in base 2, written by the prep kernel
     D_bh = Delta + bh * n_q
     dk, dv = gl.warp_specialize([
         (_ws_consumers, (k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar, ready, empty, ds_smem, dq_stage,
                          dq_ready, dq_empty, n0, n_q, n_k, lo, hi, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                          IS_CAUSAL, s_layout, kv_layout, p_layout, dq_layout)),
         (_ws_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
-                      ready, empty, L_bh, D_bh, n0, n_q, lo, hi, BLOCK_M, STAGES, copy_layout)),
+                      ready, empty, L2_bh, D_bh, n0, n_q, lo, hi, BLOCK_M, STAGES, copy_layout)),
         (_ws_dq_adder, (dq_desc, dq_stage, dq_ready, dq_empty, n_q, lo, hi, BLOCK_M)),
     ], [1, 1], [24, 24])
     _store_tile(dK, dk * sm_scale, bh, n0, n_k, HEAD_DIM, BLOCK_N, kv_layout)  # dK = dS^T Q * scale
@@ -498,8 +499,8 @@ def _pp_query_loop(dk, dv, k_op, v_op, kt_op, q_ring, do_ring, l_ring, d_ring, r
         dp_t = warpgroup_mma(v_op, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s_t = warpgroup_mma_wait(1, deps=[s_t])
         s_t = _scaled_scores(s_t, qk_scale, offs_n, start_m + cols, offset, n_k, MASK, IS_CAUSAL)
-        lse = l_ring.index(slot).load(gl.SliceLayout(0, s_layout))
-        p_t = gl.exp2(s_t - lse[None, :] * _LOG2E)  # P^T = exp(S - L) (eq. 13)
+        lse2 = l_ring.index(slot).load(gl.SliceLayout(0, s_layout))
+        p_t = gl.exp2(s_t - lse2[None, :])  # P^T = exp(S - L) (eq. 13), both in base 2
         dv = warpgroup_mma(gl.convert_layout(p_t.to(q_s.dtype), p_layout), do_s, dv, is_async=True)  # eq. 14
         dp_t = warpgroup_mma_wait(1, deps=[dp_t])
         delta = d_ring.index(slot).load(gl.SliceLayout(0, s_layout))
@@ -568,7 +569,7 @@ def _pp_consumer(k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar, ready,
 
 
 @gluon.jit(do_not_specialize=kernels._ORDER_ARGS)
-def flash_bwd_atomic_pp_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale,
+def flash_bwd_atomic_pp_gluon_kernel(Q, K, V, dO, L2, Delta, dK, dV, DQ_ACC, n_q, n_k, head_group, qk_scale,
                                      sm_scale, HEAD_DIM: gl.constexpr, IS_CAUSAL: gl.constexpr,
                                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """flash_bwd_atomic_ws_gluon_kernel (same arguments and outputs) with its two consumer
@@ -614,7 +615,7 @@ def flash_bwd_atomic_pp_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q,
     fence_async_shared()
 
     lo, hi = _masked_query_tiles(n0, n_q, n_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    L_bh = L + bh * n_q
+    L2_bh = L2 + bh * n_q  # L in base 2, written by the prep kernel
     D_bh = Delta + bh * n_q
     copy_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])  # the loader warp's cp.async
     # (the consumers' arguments are written out twice: in a tuple variable the block sizes would not
@@ -627,7 +628,7 @@ def flash_bwd_atomic_pp_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACC, n_q,
                         ds_free, dq_stage, dq_ready, dq_empty, dK, dV, bh, n0, n_q, n_k, lo, hi, qk_scale, sm_scale,
                         1, HEAD_DIM, BLOCK_M, STAGES, IS_CAUSAL)),
         (_ws_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, l_ring, d_ring, kv_bar,
-                      ready, empty, L_bh, D_bh, n0, n_q, lo, hi, BLOCK_M, STAGES, copy_layout)),
+                      ready, empty, L2_bh, D_bh, n0, n_q, lo, hi, BLOCK_M, STAGES, copy_layout)),
         (_ws_dq_adder, (dq_desc, dq_stage, dq_ready, dq_empty, n_q, lo, hi, BLOCK_M)),
     ], [4, 1, 1], [240, 24, 24])
 

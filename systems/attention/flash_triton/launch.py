@@ -698,21 +698,23 @@ def _launch_gluon(kernel: str, n_rows: int, batch: int, args: tuple, is_causal: 
 _PREP_ROWS = 64  # rows per program of the prep kernel: it is memory-bound, any tile that fills the GPU does
 
 
-def launch_bwd_prep(o3, do3, delta, dq_acc) -> None:
-    """Fill D = rowsum(O * dO) (..., n_q) and zero dq_acc (like O, fp32): the atomic kernel's inputs."""
+def launch_bwd_prep(o3, do3, lse, delta, lse2, dq_acc) -> None:
+    """Fill D = rowsum(O * dO) and lse2 = L log2(e) (both like L: (..., n_q) fp32) and zero dq_acc
+    (like O, fp32): the atomic kernel's inputs."""
     batch, n_q, _, d = _dims(o3, o3)
     kernels.flash_bwd_prep_kernel[(triton.cdiv(n_q, _PREP_ROWS), batch)](
-        o3, do3, delta, dq_acc, n_q, HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_P=_PREP_ROWS, num_warps=4)
+        o3, do3, lse, delta, lse2, dq_acc, n_q, HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_P=_PREP_ROWS, num_warps=4)
 
 
-def launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal: bool, *, config: dict | None = None,
+def launch_atomic(q3, k3, v3, do3, lse2, delta, dk, dv, dq_acc, is_causal: bool, *, config: dict | None = None,
                   meta: dict | None = None, gluon: str | None = None, fp32_dot: str = "auto") -> None:
-    """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L and D. gluon:
-    kernels_gluon.py's "atomic_pp" or "atomic_ws" kernel, with its fixed tiles (the tensors must be
-    ones FlashVariant(backward="atomic").atomic_gluon names it for); None: Triton's atomic kernel."""
+    """Fill dK and dV and add dS K (dQ before its sm_scale) into dq_acc, given L in base 2 and D
+    (launch_bwd_prep's lse2 and delta). gluon: kernels_gluon.py's "atomic_pp" or "atomic_ws" kernel,
+    with its fixed tiles (the tensors must be ones FlashVariant(backward="atomic").atomic_gluon names
+    it for); None: Triton's atomic kernel."""
     batch, n_q, n_k, d = _dims(q3, k3)
     group = resolve_head_group(q3, k3, None)
-    args = (q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
+    args = (q3, k3, v3, do3, lse2, delta, dk, dv, dq_acc, n_q, n_k, group, d ** -0.5 * kernels.LOG2E, d ** -0.5)
     if gluon is not None:
         check_choice("launch_atomic's gluon", gluon, _ATOMIC_GLUON_KERNELS)
         _launch_gluon(gluon, n_k, batch, args, is_causal)
@@ -726,8 +728,9 @@ def launch_backward_atomic(q3, k3, v3, o3, do3, lse, delta, dq_acc, dq, dk, dv, 
                            fp32_dot: str = "auto") -> None:
     """The whole atomic backward: the prep kernel, the atomic kernel (launch_atomic's ``gluon``),
     then dQ = sm_scale * dq_acc written in dq's dtype (``dq`` may be ``dq_acc`` itself, for fp32 inputs)."""
-    launch_bwd_prep(o3, do3, delta, dq_acc)
-    launch_atomic(q3, k3, v3, do3, lse, delta, dk, dv, dq_acc, is_causal, config=config, meta=meta, gluon=gluon,
+    lse2 = torch.empty_like(lse)
+    launch_bwd_prep(o3, do3, lse, delta, lse2, dq_acc)
+    launch_atomic(q3, k3, v3, do3, lse2, delta, dk, dv, dq_acc, is_causal, config=config, meta=meta, gluon=gluon,
                   fp32_dot=fp32_dot)
     torch.mul(dq_acc, q3.shape[-1] ** -0.5, out=dq)  # one elementwise kernel: scale and cast together
 
