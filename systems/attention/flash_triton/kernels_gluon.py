@@ -410,10 +410,9 @@ def flash_bwd_atomic_ws_gluon_kernel(Q, K, V, dO, L2, Delta, dK, dV, DQ_ACC, n_q
     tiles), warp-specialised (FlashAttention-3's layout, notes entries 23 and 24): dK and dV, and
     dS K added into DQ_ACC (zeroed, with Delta and L2 = L log2(e) written, by
     kernels.flash_bwd_prep_kernel) through TMA reduce-adds, one per (key tile, query tile). In one
-    partition the kernel spills at d = 128
-    (the dK, dV, S^T, dP^T and dQ accumulators alone are 224 registers a thread at 128 keys, notes
-    entry 21); here the worker warps run at 24 registers, so the consumers get 240, and the loads
-    and the reduce-adds leave the consumers' instruction stream."""
+    partition the kernel spills at d = 128 (the dK, dV, S^T, dP^T and dQ accumulators alone are 224
+    registers a thread at 128 keys, notes entry 21); here the worker warps run at 24 registers, so
+    the consumers get 240, and the loads and the reduce-adds leave the consumers' instruction stream."""
     WARPS: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
