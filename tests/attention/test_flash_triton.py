@@ -122,9 +122,9 @@ def test_interp_atomic_backward_other_tiles(shape_q, n_k, causal, tiles, defer):
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
 def test_interp_prep_kernel_writes_d_l_in_base_2_and_zeros():
-    """The atomic backward's prologue over a ragged last row tile (70 = 64 + 6 rows): D = rowsum(O *
-    dO), L in base 2 for the atomic kernels (L log2(e), one fp32 multiply as torch's, so within an
-    ulp), and a zeroed dQ buffer; the rows past n_q of neither output are written."""
+    """The atomic backward's prologue over three heads of 70 rows (a ragged last row tile: 64 + 6):
+    D = rowsum(O * dO), L in base 2 for the atomic kernels (L log2(e), one fp32 multiply as torch's,
+    so within an ulp), and a zeroed dQ buffer, every row of each written (NaN before)."""
     from systems.attention import flash_triton as ft
     from systems.attention.flash_triton.kernels import LOG2E
 
