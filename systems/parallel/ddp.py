@@ -126,6 +126,15 @@ class _DDPBase(nn.Module):
         its reduction is (or will be) issued among the step's collectives. Ranks must agree."""
         return [0 if p.grad is not None else -1 for p in self._params]
 
+    def _order_proposal(self) -> list[int]:
+        """Integers this rank sends with the check for the ranks to adopt alike (``_adopt``): a
+        wrapper whose ranks must issue their work in one fixed order proposes the order it saw."""
+        return []
+
+    def _adopt(self, proposal: list[int]) -> None:
+        """Called on every rank once every rank made the same ``_order_proposal()`` (never where
+        they differ, so every rank adopts it at the same step or none does)."""
+
     def _check_same_gradients(self) -> None:
         """Raise, on every rank, if the ranks disagree on ``_issue_order()``."""
         self._complete_check(self._start_check())
@@ -137,23 +146,25 @@ class _DDPBase(nn.Module):
         if self._check_group is None:
             return None
         start = time.perf_counter()
-        mine = self._issue_order()
-        signature = torch.tensor(mine + [-x for x in mine], dtype=torch.int32)
+        mine, proposal = self._issue_order(), self._order_proposal()
+        signature = torch.tensor(mine + [-x for x in mine] + proposal + [-x for x in proposal], dtype=torch.int32)
         work = dist.all_reduce(signature, op=dist.ReduceOp.MAX, group=self._check_group, async_op=True)
         self.check_seconds += time.perf_counter() - start
-        return mine, signature, work
+        return mine, proposal, signature, work
 
     def _complete_check(self, pending: tuple | None) -> None:
         if pending is None:
             return
         start = time.perf_counter()
-        mine, signature, work = pending
+        mine, proposal, signature, work = pending
         work.wait()
-        n, agreed = len(mine), signature.tolist()
+        n, m, agreed = len(mine), len(proposal), signature.tolist()
         # max == -max(-x) == min only where every rank holds the same value
         mismatched = [i for i in range(n) if agreed[i] != -agreed[n + i]]
         self.check_seconds += time.perf_counter() - start
         self.check_calls += 1
+        if proposal and not mismatched and all(agreed[2 * n + j] == -agreed[2 * n + m + j] for j in range(m)):
+            self._adopt(proposal)
         if mismatched:  # the failure path only: every rank's order, to name who differs
             everyone: list = [None] * self.world_size
             dist.all_gather_object(everyone, mine, group=self._check_group)

@@ -26,7 +26,8 @@ Synchronisation, on the side stream, with symmetric memory's barrier (a one-bloc
 signals every peer and waits for theirs):
 - before a step's first copy: every rank has finished the previous step's updates, which read
   its receive buffer (the side stream first waits for this rank's compute stream);
-- after each group's copies, in one fixed order (the groups reversed: the backward's order): the
+- after each group's copies, in one order alike on every rank (the order in which the backward
+  completed the groups, once the ranks saw the same one; the groups reversed before that): the
   group's gradients from every peer have landed; the group's update waits for that barrier.
 
 On gloo (CPU) the same wrapper moves each group's gradients with ``all_gather`` into plain
@@ -215,7 +216,14 @@ class DDPPeer(_DDPBase):
             raise ValueError(f"{len(params) - len(covered)} trainable parameters are in no optimizer group: the "
                              "groups must cover every parameter that gets a gradient")
         self._group_of = {i: g for g, group in enumerate(self._groups) for i in group}
-        self._order = list(reversed(range(len(self._groups))))  # the backward produces the last groups first
+        # the order of the groups' barriers and updates, alike on every rank (the barriers pair by
+        # count): first the groups reversed, then the order in which the backward completed them, as
+        # soon as every rank saw the same one (``_adopt``). The reversed groups are not that order:
+        # block_groups lists the modules outside the blocks last, the embeddings among them, whose
+        # gradient the backward produces last; while it stood third, every block's barrier waited
+        # for the end of the backward and every block's update for the embeddings' copy.
+        self._order = list(reversed(range(len(self._groups))))
+        self._next_order: list[int] | None = None
         self.layout = _Layout(params)
         device = params[0].device
         if device.type == "cuda":
@@ -234,7 +242,10 @@ class DDPPeer(_DDPBase):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def _reset_step(self) -> None:
+        if self._next_order is not None:  # between steps, so that no step mixes two orders
+            self._order, self._next_order = self._next_order, None
         self._started = False
+        self._completed: list[int] = []  # groups in the order their last gradient arrived
         self._arrived = [0] * len(self._groups)
         self._ready: set[int] = set()  # parameters whose gradient arrived this step
         self._pending: dict[int, list] = {}  # per group not complete yet: (index, gradient) to push
@@ -247,8 +258,27 @@ class DDPPeer(_DDPBase):
         super().remove_hooks()
         self.optimizer.fold_gradients(None)  # the next wrapper's (or none's) plain gradients
 
+    @property
+    def group_order(self) -> list[int]:
+        """The optimizer groups' indices in the order their barriers close and their updates run."""
+        return list(self._order)
+
     def _issue_order(self) -> list[int]:
         return [0 if i in self._ready else -1 for i in range(len(self._params))]
+
+    def _order_proposal(self) -> list[int]:
+        """Per group, its position in this step's completion order; -1 where it did not complete."""
+        position = [-1] * len(self._groups)
+        for k, g in enumerate(self._completed):
+            position[g] = k
+        return position
+
+    def _adopt(self, proposal: list[int]) -> None:
+        completed = sorted((k, g) for g, k in enumerate(proposal) if k >= 0)
+        order = [g for _, g in completed]
+        order += [g for g in self._order if proposal[g] < 0]  # groups that got no gradient: as before
+        if order != self._order:
+            self._next_order = order
 
     @torch.no_grad()
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -261,6 +291,7 @@ class DDPPeer(_DDPBase):
         self._pending.setdefault(g, []).append((i, param.grad))
         self._arrived[g] += 1
         if self._arrived[g] == len(self._groups[g]):
+            self._completed.append(g)
             self.transport.push(self._pending.pop(g))
             self._close_groups(complete_only=True)
 

@@ -22,12 +22,14 @@ HYPER = dict(lr=1e-2, weight_decay=0.1)
 
 def _make(kind: str, seed: int):
     torch.manual_seed(seed)
-    return FrozenToy() if kind == "frozen" else TiedToy()
+    return FrozenToy() if kind == "frozen" else TiedToy()  # "tied" and "tied_swapped"
 
 
 def _groups(kind: str, model) -> list[list[nn.Parameter]]:
     if kind == "frozen":  # the frozen layer is no trainable parameter; `unused` never gets a gradient
         return [[model.fc1.weight, model.fc1.bias], [model.fc2.weight, model.fc2.bias, model.unused]]
+    if kind == "tied_swapped":  # listed as block_groups lists a model: the embedding after the layer
+        return [[model.mix.weight], [model.embed.weight]]
     return [[model.embed.weight], [model.mix.weight]]
 
 
@@ -41,15 +43,21 @@ def _batch(kind: str, step: int, rank: int, world_size: int):
     return tokens[rows], targets[rows].flatten()
 
 
-def _train(kind: str, *, rank: int = 0, world_size: int = 1, seed: int = 17, late_check: bool = False):
+def _train(kind: str, *, rank: int = 0, world_size: int = 1, seed: int = 17, late_check: bool = False,
+           proposal: list[int] | None = None):
     """STEPS steps of a GroupedOptimizer of FusedAdamW; with world_size > 1, through DDPPeer.
-    ``late_check``: the agreement completed after the updates are queued, as with copy engines."""
+    ``late_check``: the agreement completed after the updates are queued, as with copy engines.
+    ``proposal``: the group order this rank claims to have seen, whatever it saw."""
     model = _make(kind, seed)
     opt = GroupedOptimizer(_groups(kind, model), make_optimizer=lambda ps: FusedAdamW(ps, **HYPER))
     ddp = DDPPeer(model, optimizer=opt) if world_size > 1 else None
     if late_check:
         ddp.transport.host_collectives = False
+    if proposal is not None:
+        ddp._order_proposal = lambda: proposal
+    orders = []
     for step in range(STEPS):
+        orders.append(ddp.group_order if ddp is not None else None)
         x, y = _batch(kind, step, rank, world_size)
         opt.zero_grad(set_to_none=True)
         if ddp is not None:
@@ -63,7 +71,7 @@ def _train(kind: str, *, rank: int = 0, world_size: int = 1, seed: int = 17, lat
     if ddp is not None:
         ddp.remove_hooks()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return state, {"checks": checks, "folded_while_wrapped": [len(f) for f in folded],
+    return state, {"checks": checks, "orders": orders, "folded_while_wrapped": [len(f) for f in folded],
                    "folded_after_removal": [len(o._addends) for o in opt.optimizers],
                    "tied": kind != "tied" or model.head.weight is model.embed.weight}
 
@@ -109,6 +117,29 @@ def test_the_agreement_may_complete_after_the_updates_are_queued():
     reference, _ = _train("tied")
     for rank, (state, info) in enumerate(results):
         assert info["checks"] == STEPS
+        for key in reference:  # tolerance as in test_peer_matches_single_process
+            torch.testing.assert_close(state[key], reference[key], rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
+
+
+def _order_worker(ctx, late_check, disagree):
+    # rank 1 claims the groups completed in the static order (1, 0) while rank 0 saw (0, 1)
+    proposal = [1, 0] if disagree and ctx.rank == 1 else None
+    return _train("tied_swapped", rank=ctx.rank, world_size=ctx.world_size, seed=17 + ctx.rank,
+                  late_check=late_check, proposal=proposal)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("late_check", [False, True])
+@pytest.mark.parametrize("disagree", [False, True])
+def test_the_groups_are_closed_in_the_order_the_backward_completes_them_once_the_ranks_agree(late_check, disagree):
+    # groups [mix], [embed]: the static order (reversed) is embed, mix, but the tied embedding's
+    # gradient is complete only after the lookup's backward, the last: the ranks adopt (mix, embed)
+    # from the second step, at once on every rank, and keep the static order where they disagree
+    results = spawn(_order_worker, 2, "gloo", args=(late_check, disagree), timeout_s=60, deadline_s=120)
+    reference, _ = _train("tied_swapped")
+    expected = [[1, 0]] * STEPS if disagree else [[1, 0]] + [[0, 1]] * (STEPS - 1)
+    for rank, (state, info) in enumerate(results):
+        assert info["orders"] == expected, f"rank {rank}"
         for key in reference:  # tolerance as in test_peer_matches_single_process
             torch.testing.assert_close(state[key], reference[key], rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
 
