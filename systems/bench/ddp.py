@@ -523,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run these precisions again with every Transformer block compiled")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled settings")
     parser.add_argument("--no-torch-ddp", action="store_true")
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help="the eager and compiled settings' variants (default: nosync, naive, flat, overlap, "
+                             "a bucketed one per bucket option, torch_ddp)")
     parser.add_argument("--master-weights", action="store_true",
                         help="add the bf16 setting with bf16 weights and fp32 masters, last")
     parser.add_argument("--master-variants", nargs="+", default=list(d.master_variants),
@@ -541,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             compile_mode=args.compile_mode,
             include_torch_ddp=not args.no_torch_ddp, master_weights=args.master_weights,
             master_variants=tuple(v for v in args.master_variants if not (args.no_torch_ddp and v == "torch_ddp")),
+            variants=tuple(v for v in args.variants or () if not (args.no_torch_ddp and v == "torch_ddp")),
             warmup=args.warmup, steps=args.steps,
             profile=not args.no_profile, profile_steps=args.profile_steps, attn_impl=args.attn_impl,
             tf32=args.tf32, out_path=str(out / "07_distributed_ddp.jsonl"),

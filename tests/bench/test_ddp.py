@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from systems.bench.ddp import DDPBenchConfig, notebook_config, run_ddp_benchmark
+from systems.bench.ddp import DDPBenchConfig, main, notebook_config, run_ddp_benchmark
 from systems.measure.results import read_records
 
 
@@ -30,6 +30,16 @@ def test_ddp_benchmark_compiled_setting_runs_after_eager(tmp_path):
         assert r["first_step_s"] > 0 and r["step_ms"] > 0
     by = {(r["setting"], r["variant"]): r for r in rows}
     assert by[("fp32+compile", "torch_ddp")]["baseline_step_ms"] == by[("fp32+compile", "nosync")]["step_ms"]
+
+
+@pytest.mark.slow
+def test_the_command_line_runs_only_the_variants_it_is_given(tmp_path):
+    main(["--model", "debug", "--context-length", "32", "--global-batch", "2", "--backend", "gloo",
+          "--precisions", "fp32", "--variants", "nosync", "overlap", "torch_ddp", "--no-torch-ddp", "--no-profile",
+          "--warmup", "1", "--steps", "2", "--out-dir", str(tmp_path)])
+    rows = read_records(tmp_path / "07_distributed_ddp.jsonl")
+    assert [(r["setting"], r["variant"], r["status"]) for r in rows] == [("fp32", "nosync", "ok"),
+                                                                         ("fp32", "overlap", "ok")]
 
 
 @pytest.mark.slow
