@@ -143,12 +143,10 @@ VARIANTS: dict[str, Variant] = {
                                    master_weights=True, compile_mode="reduce-overhead", optimizer_in_backward=True),
     # inductor's max-autotune: every GEMM of a block (forward and backward) timed against Triton
     # templates, the fastest kept, pointwise neighbours fused into a Triton GEMM's epilogue where
-    # one wins; the blocks replayed as CUDA graphs, as with reduce-overhead
+    # one wins; the blocks replayed as CUDA graphs, as with reduce-overhead. Measured on an H100:
+    # no gain, 150-210 s of compiling (docs/training_step_notes.md, entry 15), so not in FULL_PLAN
     "ours_autotune_split": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
                                    master_weights=True, compile_mode="max-autotune", split_masters=True),
-    "ours_autotune_overlap": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
-                                     master_weights=True, compile_mode="max-autotune", split_masters=True,
-                                     optimizer_in_backward=True),
     **{f"ours_master_overlap_sm{sms}": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
                                                master_weights=True, optimizer_in_backward=True, sm_carveout=sms)
        for sms in (16, 32)},
