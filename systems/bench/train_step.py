@@ -141,6 +141,13 @@ VARIANTS: dict[str, Variant] = {
                                  master_weights=True, compile_mode="reduce-overhead", split_masters=True),
     "ours_graphs_overlap": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
                                    master_weights=True, compile_mode="reduce-overhead", optimizer_in_backward=True),
+    # the two best levers of each size with split masters on top
+    "ours_graphs_overlap_split": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
+                                         master_weights=True, compile_mode="reduce-overhead",
+                                         optimizer_in_backward=True, split_masters=True),
+    "ours_master_overlap_sm16_split": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
+                                              master_weights=True, optimizer_in_backward=True, sm_carveout=16,
+                                              split_masters=True),
     # inductor's max-autotune: every GEMM of a block (forward and backward) timed against Triton
     # templates, the fastest kept, pointwise neighbours fused into a Triton GEMM's epilogue where
     # one wins; the blocks replayed as CUDA graphs, as with reduce-overhead. Measured on an H100:
