@@ -177,6 +177,8 @@ LEVERS: tuple[tuple[str, str, str], ...] = (
     ("optimizer inside the backward", "ours_fast", "ours_overlap"),
     ("optimizer inside the backward", "ours_master", "ours_master_overlap"),
     ("optimizer inside the backward", "ours_graphs", "ours_graphs_overlap"),
+    ("split fp32 masters (bf16 weight + 16 low bits)", "ours_graphs_overlap", "ours_graphs_overlap_split"),
+    ("split fp32 masters (bf16 weight + 16 low bits)", "ours_master_overlap_sm16", "ours_master_overlap_sm16_split"),
     ("16 SMs carved out of the backward's matmuls for the updates", "ours_master_overlap", "ours_master_overlap_sm16"),
     ("32 SMs carved out of the backward's matmuls for the updates", "ours_master_overlap", "ours_master_overlap_sm32"),
 )
@@ -201,9 +203,10 @@ class Plan:
 FULL_PLAN = Plan(
     variants={"2.7B": ("hf_llama", "ours_eager", "ours_compiled", "ours_fused", "ours_fast", "ours_master",
                        "ours_master_fusedproj", "ours_master_split", "ours_master_overlap", "ours_master_overlap_sm16",
-                       "ours_master_overlap_sm32", "ours_graphs", "ours_graphs_split"),
+                       "ours_master_overlap_sm32", "ours_master_overlap_sm16_split", "ours_graphs",
+                       "ours_graphs_split"),
               "xl-2025": ("hf_llama", "ours_eager", "ours_fast", "ours_master", "ours_graphs", "ours_graphs_fusedproj",
-                          "ours_graphs_split", "ours_graphs_overlap")},
+                          "ours_graphs_split", "ours_graphs_overlap", "ours_graphs_overlap_split")},
     step=dict(batch_size=4, context_length=512, warmup=5, steps=20), trace=("2.7B", "ours_master_overlap"))
 # CPU: the debug model; compiled variants are left out (inductor's CPU compile dominates a smoke run
 # and needs a C++ toolchain)
