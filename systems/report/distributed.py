@@ -464,10 +464,15 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
                     exposed = float(traced["exposed_comm_ms"])
                     # overlapped communication still costs: NCCL kernels take SMs and memory
                     # bandwidth from the computation running beside them
-                    s += (f"; its trace shows {exposed:.3g} ms/step of communication with no computation beside it, "
-                          + ("so most of the difference is computation slowed by the communication running beside it"
-                             if exposed < best["comm_overhead_ms"] / 2 else
-                             "so most of the difference is communication left exposed"))
+                    s += f"; its trace shows {exposed:.3g} ms/step of communication with no computation beside it, "
+                    if exposed > best["comm_overhead_ms"]:
+                        # the profiler's own host work can leave the GPU idle beside the communication
+                        s += ("more than the whole difference: the profiled step did not run as the timed ones did, "
+                              "so its trace does not say how their difference splits")
+                    elif exposed < best["comm_overhead_ms"] / 2:
+                        s += "so most of the difference is computation slowed by the communication running beside it"
+                    else:
+                        s += "so most of the difference is communication left exposed"
             else:
                 b0 = base.iloc[0]
                 s += f"`{best['variant']}` costs nothing measurable over it ({best['comm_overhead_ms']:.3g} ms"

@@ -24,15 +24,19 @@ def test_ddp_commentary_tells_slowed_computation_from_exposed_communication():
                      comm_share=(best_ms - 100.0) / best_ms),
                 dict(common, variant="torch_ddp", step_ms=130.0, comm_overhead_ms=30.0, comm_share=30 / 130)]
 
-    ddp = pd.DataFrame(rows("a", 120.0) + rows("b", 120.0))
+    ddp = pd.DataFrame(rows("a", 120.0) + rows("b", 120.0) + rows("c", 120.0))
     overlap = pd.DataFrame([dict(setting="a", precision="bf16", variant="bucketed:1000", exposed_comm_ms=1.0, overlap_pct=95.0,
                                  comm_ms=20.0, exposed_comm_pct_of_step=0.8),
                             dict(setting="b", precision="bf16", variant="bucketed:1000", exposed_comm_ms=15.0, overlap_pct=25.0,
-                                 comm_ms=20.0, exposed_comm_pct_of_step=12.5)])
+                                 comm_ms=20.0, exposed_comm_pct_of_step=12.5),
+                            # a profiled step that exposes more than the timed steps' whole 20 ms
+                            dict(setting="c", precision="bf16", variant="bucketed:1000", exposed_comm_ms=25.0, overlap_pct=5.0,
+                                 comm_ms=26.0, exposed_comm_pct_of_step=20.0)])
     text = ddp_commentary(ddp, overlap)
-    line_a, line_b = [ln for ln in text.splitlines() if ln.startswith("- **")]
+    line_a, line_b, line_c = [ln for ln in text.splitlines() if ln.startswith("- **")]
     assert "20 ms slower" in line_a and "computation slowed by the communication" in line_a
     assert "communication left exposed" in line_b
+    assert "more than the whole difference" in line_c and "left exposed" not in line_c
     assert "0.923x torch DDP" in line_a
 
     from systems.report.distributed import ddp_table, ddp_targets
@@ -44,7 +48,7 @@ def test_ddp_commentary_tells_slowed_computation_from_exposed_communication():
     assert targets == [f"- {s}: best `bucketed:1000` runs at 0.923x torch DDP's step time (our target <= 1); 16.7% of "
                        f"its step is time over the no-communication step (our target <= 5%), {pct}% exposed "
                        "communication in its trace (our target <= 3%)."
-                       for s, pct in (("a", "0.8"), ("b", "12.5"))]
+                       for s, pct in (("a", "0.8"), ("b", "12.5"), ("c", "20.0"))]
 
 
 def _allreduce_row(backend, ws, mb, ms, env):
