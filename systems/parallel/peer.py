@@ -187,7 +187,9 @@ class DDPPeer(_DDPBase):
     whose group optimizers fold addends (``FusedAdamW``, ``MasterWeightAdamW``); each group is
     updated in ``finish_gradient_synchronization`` as soon as every peer's gradients of it have
     landed, so ``optimizer.step()`` afterwards has nothing left to do. ``.grad`` holds this
-    rank's own gradient, not the average."""
+    rank's own gradient, not the average. The ranks agree on the order of the groups' barriers and
+    updates through the gradient check: with ``check_gradients=False`` they keep the first one, the
+    groups reversed."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *, optimizer,
                  copy_streams: int = 1, check_gradients: bool = True, timeout_s: float = 300.0):

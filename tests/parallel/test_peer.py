@@ -44,13 +44,13 @@ def _batch(kind: str, step: int, rank: int, world_size: int):
 
 
 def _train(kind: str, *, rank: int = 0, world_size: int = 1, seed: int = 17, late_check: bool = False,
-           proposal: list[int] | None = None):
+           proposal: list[int] | None = None, check: bool = True):
     """STEPS steps of a GroupedOptimizer of FusedAdamW; with world_size > 1, through DDPPeer.
     ``late_check``: the agreement completed after the updates are queued, as with copy engines.
     ``proposal``: the group order this rank claims to have seen, whatever it saw."""
     model = _make(kind, seed)
     opt = GroupedOptimizer(_groups(kind, model), make_optimizer=lambda ps: FusedAdamW(ps, **HYPER))
-    ddp = DDPPeer(model, optimizer=opt) if world_size > 1 else None
+    ddp = DDPPeer(model, optimizer=opt, check_gradients=check) if world_size > 1 else None
     if late_check:
         ddp.transport.host_collectives = False
     if proposal is not None:
@@ -121,23 +121,26 @@ def test_the_agreement_may_complete_after_the_updates_are_queued():
             torch.testing.assert_close(state[key], reference[key], rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
 
 
-def _order_worker(ctx, late_check, disagree):
+def _order_worker(ctx, late_check, disagree, check):
     # rank 1 claims the groups completed in the static order (1, 0) while rank 0 saw (0, 1)
     proposal = [1, 0] if disagree and ctx.rank == 1 else None
     return _train("tied_swapped", rank=ctx.rank, world_size=ctx.world_size, seed=17 + ctx.rank,
-                  late_check=late_check, proposal=proposal)
+                  late_check=late_check, proposal=proposal, check=check)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("late_check", [False, True])
-@pytest.mark.parametrize("disagree", [False, True])
-def test_the_groups_are_closed_in_the_order_the_backward_completes_them_once_the_ranks_agree(late_check, disagree):
+@pytest.mark.parametrize("late_check, disagree, check", [(False, False, True), (True, False, True),
+                                                         (False, True, True), (True, True, True),
+                                                         (False, False, False)])
+def test_the_groups_are_closed_in_the_order_the_backward_completes_them_once_the_ranks_agree(late_check, disagree,
+                                                                                             check):
     # groups [mix], [embed]: the static order (reversed) is embed, mix, but the tied embedding's
     # gradient is complete only after the lookup's backward, the last: the ranks adopt (mix, embed)
     # from the second step, at once on every rank, and keep the static order where they disagree
-    results = spawn(_order_worker, 2, "gloo", args=(late_check, disagree), timeout_s=60, deadline_s=120)
+    # or where no check runs (the order travels with it)
+    results = spawn(_order_worker, 2, "gloo", args=(late_check, disagree, check), timeout_s=60, deadline_s=120)
     reference, _ = _train("tied_swapped")
-    expected = [[1, 0]] * STEPS if disagree else [[1, 0]] + [[0, 1]] * (STEPS - 1)
+    expected = [[1, 0]] * STEPS if disagree or not check else [[1, 0]] + [[0, 1]] * (STEPS - 1)
     for rank, (state, info) in enumerate(results):
         assert info["orders"] == expected, f"rank {rank}"
         for key in reference:  # tolerance as in test_peer_matches_single_process
