@@ -31,6 +31,12 @@ left after backward). Communication overhead = step time - the nosync step time 
 precision, the cost of communicating whatever is or is not overlapped; it is the one measure
 that also applies to torch DDP, whose waiting happens inside backward.
 
+``paired_rounds`` then times, in the master-weights setting and before torch DDP, rounds that
+alternate nosync and the fastest of our variants (ABBA order, each a fresh warm-up and ``steps``
+steps): a machine whose speed drifts between two variants' blocks of steps moves their difference
+by more than a few percent (notebook 07 once timed nosync 3-5 ms slower than four other runs of the
+same code), and within a round it moves both alike. One row per round in ``paired_path``.
+
 Then naive, overlap and the fastest of our variants are profiled (torch.profiler, rank 0) and the
 traces analysed for overlap (systems.measure.trace).
 
@@ -109,8 +115,13 @@ class DDPBenchConfig(RunConfig):
     # wall-clock seconds for the timed and profiled variants; a variant that would run past it is
     # recorded as "skipped (budget)" instead (None: no limit)
     budget_s: float | None = None
+    # after the master-weights setting's variants (before torch DDP): rounds alternating no sync and
+    # the fastest of ours, each a fresh warm-up and `steps` timed steps, so that the overhead is
+    # taken within a round, not between two variants timed minutes apart (0: none)
+    paired_rounds: int = 0
     out_path: str = "build/ddp/07_distributed_ddp.jsonl"
     overlap_path: str = "build/ddp/07_distributed_overlap.jsonl"
+    paired_path: str = "build/ddp/07_distributed_paired.jsonl"
     trace_dir: str = "build/ddp/07_distributed_traces"
     variants: tuple[str, ...] = field(default=())  # filled from the options above when empty
 
@@ -125,6 +136,11 @@ class DDPBenchConfig(RunConfig):
             raise ValueError(f"bucket sizes must be positive MiB values, got {self.bucket_sizes_mb}")
         if self.warmup < 1:
             raise ValueError(f"need warmup >= 1, got {self.warmup}")
+        if not (isinstance(self.paired_rounds, int) and self.paired_rounds >= 0):
+            raise ValueError(f"paired_rounds counts rounds, got {self.paired_rounds!r}; use 0 for none")
+        if self.paired_rounds and not (self.master_weights and "nosync" in self.master_variants):
+            raise ValueError("paired_rounds alternate the master-weights setting's nosync with its fastest variant: "
+                             "set master_weights=True and keep nosync among master_variants")
         if self.budget_s is not None and not self.budget_s > 0:
             raise ValueError(f"budget_s must be positive seconds or None, got {self.budget_s!r}")
         if not self.variants:
@@ -219,16 +235,17 @@ def notebook_config(*, profile: str, handout: str) -> DDPBenchConfig:
                               tail_buckets_mb=((1.0, 0.05),), lp_reduce_buckets_mb=(1.0,), warmup=1, steps=3,
                               profile_steps=1, master_weights=True,
                               master_variants=("nosync", "overlap", "bucketed:0.2", "bucketed_update", "peer_update",
-                                               "torch_ddp"))
+                                               "torch_ddp"), paired_rounds=2)
     model = preset_of("xl", handout)
     if handout == "2025":
         return DDPBenchConfig(model=model, context_length=512, batch_size=4, lp_reduce_buckets_mb=(1000.0,),
                               tail_buckets_mb=((1000.0, 1.0),), compiled_precisions=("bf16",),
                               compile_mode="reduce-overhead", master_weights=True, warmup=3, steps=10,
-                              budget_s=380.0)
+                              paired_rounds=4, budget_s=380.0)
     return DDPBenchConfig(model=model, context_length=512, batch_size=4, bucket_sizes_mb=(100.0,),
                           tail_buckets_mb=((1000.0, 1.0),), compiled_precisions=("bf16",),
-                          compile_mode="reduce-overhead", master_weights=True, warmup=2, steps=8, budget_s=380.0)
+                          compile_mode="reduce-overhead", master_weights=True, warmup=2, steps=8, paired_rounds=4,
+                          budget_s=380.0)
 
 
 def _train_step(name: str, model: torch.nn.Module, opt, precision: str) -> tuple[Parallelized, TrainStep]:
@@ -354,7 +371,8 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
 
     writer = ResultWriter(cfg.out_path) if ctx.is_main else None
     overlap_writer = ResultWriter(cfg.overlap_path) if ctx.is_main and cfg.profile else None
-    rows, overlap_rows = [], []
+    paired_writer = ResultWriter(cfg.paired_path) if ctx.is_main and cfg.paired_rounds else None
+    rows, overlap_rows, paired_rows = [], [], []
     common = {"backend": ctx.backend, "world_size": ctx.world_size, "model": cfg.model,
               "n_params": model_cfg.n_params, "grad_bytes": _grad_bytes(model),
               "n_tensors": sum(1 for p in model.parameters() if p.requires_grad), "context_length": cfg.context_length,
@@ -385,7 +403,14 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             compiled_yet = True
         baseline_ms = None
         timed: dict[str, float] = {}
-        for name in (cfg.master_variants if master else cfg.variants):
+        names = list(cfg.master_variants if master else cfg.variants)
+        rounds_at = names.index("torch_ddp") if "torch_ddp" in names else len(names)  # torch DDP stays last
+        for position, name in enumerate(names + [None]):
+            if master and cfg.paired_rounds and position == rounds_at:
+                paired_rows += _paired_rounds(timed, model, opt, precision, tokens, targets, ctx, cfg, budget,
+                                              about=about, writer=paired_writer, torch_ddp_left=name is not None)
+            if name is None:
+                break
             plan = variant_plan(name)
             row = {**about, "variant": name, "kind": name.partition(":")[0], "bucket_size_mb": plan.bucket_size_mb,
                    "last_bucket_mb": plan.last_bucket_mb}
@@ -427,7 +452,37 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
                                                               "step_ms": timed.get(name), "status": "ok"}))
                     print(f"[{setting}] profiled {name}: overlap {stats['overlap_pct'] or 0:.1f}% "
                           f"exposed comm {stats['exposed_comm_ms']:.2f} ms/step", flush=True)
-    return {"rows": rows, "overlap": overlap_rows} if ctx.is_main else {}
+    return {"rows": rows, "overlap": overlap_rows, "paired": paired_rows} if ctx.is_main else {}
+
+
+def _paired_rounds(timed: dict[str, float], model, opt, precision: str, tokens, targets, ctx: DistContext,
+                   cfg: DDPBenchConfig, budget: "_Budget", *, about: dict, writer, torch_ddp_left: bool) -> list[dict]:
+    """``cfg.paired_rounds`` rounds of no sync and the fastest of our timed variants, in ABBA order
+    (a drift that is linear in time cancels over two rounds); one row per round with both medians
+    and the overhead within the round. Rows are written as each round ends; a round the budget has
+    no room for (keeping room for torch DDP after them) is recorded as skipped."""
+    ours = {v: t for v, t in timed.items() if v not in ("nosync", "torch_ddp")}
+    if "nosync" not in timed or not ours:
+        return []
+    best = min(ours, key=ours.get)
+    per_variant = cfg.warmup + cfg.steps
+    rows = []
+    for r in range(cfg.paired_rounds):
+        row = {**about, "variant": best, "round": r, "steps": cfg.steps}
+        if not budget.allows(2 * per_variant + (per_variant if torch_ddp_left else 0), extra_s=5.0):
+            row["status"] = "skipped (budget)"
+        else:
+            order = ("nosync", best) if r % 2 == 0 else (best, "nosync")
+            ms = {name: _time_variant(name, model, opt, precision, tokens, targets, ctx, cfg)["step_ms"]
+                  for name in order}
+            row.update(first=order[0], nosync_ms=ms["nosync"], variant_ms=ms[best],
+                       overhead_ms=ms[best] - ms["nosync"], share=(ms[best] - ms["nosync"]) / ms[best], status="ok")
+        if ctx.is_main:
+            rows.append(writer.write(row))
+            print(f"[{about['setting']}] round {r}: " + (f"nosync {row['nosync_ms']:.2f}, {best} {row['variant_ms']:.2f} "
+                                                         f"ms/step" if row["status"] == "ok" else row["status"]),
+                  flush=True)
+    return rows
 
 
 def summarise_steps(gathered: list[list[dict]]) -> dict:
@@ -530,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="add the bf16 setting with bf16 weights and fp32 masters, last")
     parser.add_argument("--master-variants", nargs="+", default=list(d.master_variants),
                         help="the master-weights setting's variants")
+    parser.add_argument("--paired-rounds", type=int, default=d.paired_rounds,
+                        help="after the master-weights setting's variants: rounds alternating nosync and the "
+                             "fastest of ours, the overhead taken within each round")
     parser.add_argument("--profile-steps", type=int, default=d.profile_steps)
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in the fp32 runs")
     args = parser.parse_args(argv)
@@ -548,7 +606,8 @@ def main(argv: list[str] | None = None) -> int:
             warmup=args.warmup, steps=args.steps,
             profile=not args.no_profile, profile_steps=args.profile_steps, attn_impl=args.attn_impl,
             tf32=args.tf32, out_path=str(out / "07_distributed_ddp.jsonl"),
-            overlap_path=str(out / "07_distributed_overlap.jsonl"), trace_dir=str(out / "07_distributed_traces"))
+            overlap_path=str(out / "07_distributed_overlap.jsonl"), trace_dir=str(out / "07_distributed_traces"),
+            paired_rounds=args.paired_rounds, paired_path=str(out / "07_distributed_paired.jsonl"))
         config.check_world_size(args.world_size)
     except ValueError as exc:
         parser.error(str(exc))

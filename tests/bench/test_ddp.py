@@ -72,6 +72,26 @@ def test_ddp_benchmark_master_weights_setting_runs_last_with_bf16_gradients(tmp_
     assert peer["optimizer_ms"] < peer["sync_wait_ms"]
 
 
+@pytest.mark.slow
+def test_paired_rounds_alternate_nosync_and_the_fastest_variant_before_torch_ddp(tmp_path):
+    """The rounds run in ABBA order between the master-weights setting's variants and torch DDP,
+    which stays last; each round's overhead is its own two medians' difference."""
+    cfg = DDPBenchConfig(model="debug", context_length=32, batch_size=2, precisions=("fp32",), variants=("nosync",),
+                         master_weights=True, master_variants=("nosync", "peer_update", "torch_ddp"), paired_rounds=2,
+                         warmup=1, steps=2, profile=False, out_path=str(tmp_path / "ddp.jsonl"),
+                         overlap_path=str(tmp_path / "overlap.jsonl"), paired_path=str(tmp_path / "paired.jsonl"),
+                         trace_dir=str(tmp_path / "traces"))
+    result = run_ddp_benchmark(cfg, world_size=2, backend="gloo", timeout_s=300)
+    rounds = read_records(tmp_path / "paired.jsonl")
+    assert rounds == result["paired"]
+    assert [(r["setting"], r["round"], r["variant"], r["first"], r["status"]) for r in rounds] == [
+        ("bf16-master", 0, "peer_update", "nosync", "ok"), ("bf16-master", 1, "peer_update", "peer_update", "ok")]
+    for r in rounds:
+        assert r["overhead_ms"] == r["variant_ms"] - r["nosync_ms"]
+        assert r["share"] == pytest.approx(r["overhead_ms"] / r["variant_ms"])
+    assert [r["variant"] for r in read_records(tmp_path / "ddp.jsonl")][-1] == "torch_ddp"
+
+
 def test_ddp_bench_config_rejects_unknown_compiled_precision():
     with pytest.raises(ValueError, match="precisions must be among"):
         DDPBenchConfig(compiled_precisions=("fp8",))
@@ -91,6 +111,10 @@ def test_ddp_bench_config_rejects_unknown_compiled_precision():
         DDPBenchConfig(master_weights=True, master_variants=("nosync", "bucketed_update:x"))
     with pytest.raises(ValueError, match="gradients are bf16 already"):
         DDPBenchConfig(master_weights=True, master_variants=("nosync", "bucketed_lp:100"))
+    with pytest.raises(ValueError, match="paired_rounds alternate the master-weights setting's nosync"):
+        DDPBenchConfig(paired_rounds=2)
+    with pytest.raises(ValueError, match="paired_rounds counts rounds"):
+        DDPBenchConfig(master_weights=True, paired_rounds=-1)
     with pytest.raises(ValueError, match="<MiB>/<last MiB>"):  # refused before any rank starts
         DDPBenchConfig(variants=("bucketed_tail:1000",))
     proc = subprocess.run([sys.executable, "-m", "systems.bench.ddp", "--tail-buckets-mb", "1000"],

@@ -19,6 +19,8 @@ def test_notebook_07_smoke(tmp_path, handout):
     assert {"nosync", "naive", "flat", "overlap", "torch_ddp"} <= variants
     assert {r["precision"] for r in ddp_rows} == {"fp32", "bf16"}
     assert read_records(tmp_path / "results" / f"{NB}_overlap.jsonl")
+    rounds = read_records(tmp_path / "results" / f"{NB}_paired.jsonl")
+    assert [r["round"] for r in rounds] == [0, 1] and all(r["status"] == "ok" for r in rounds)
     stems = ["allreduce", "ddp_variants", "overlap"] + (["bucket_model"] if handout == "2025" else [])
     for stem in stems:
         assert (tmp_path / "figures" / f"{NB}_{stem}.png").exists()

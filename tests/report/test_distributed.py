@@ -51,6 +51,34 @@ def test_ddp_commentary_tells_slowed_computation_from_exposed_communication():
                        for s, pct in (("a", "0.8"), ("b", "12.5"), ("c", "20.0"))]
 
 
+def test_paired_rounds_give_the_median_overhead_beside_the_blocks_one():
+    import pandas as pd
+
+    from systems.report.distributed import ddp_table, ddp_targets, paired_summary, paired_table
+
+    common = dict(setting="m", precision="bf16", n_buckets=None, step_ms_p10=None, step_ms_p90=None, fwd_bwd_ms=0.0,
+                  sync_wait_ms=0.0, optimizer_ms=0.0, first_step_s=float("nan"), status="ok")
+    ddp = pd.DataFrame([dict(common, variant="nosync", step_ms=80.0, comm_overhead_ms=0.0, comm_share=0.0),
+                        dict(common, variant="peer_update", step_ms=81.0, comm_overhead_ms=1.0, comm_share=1 / 81),
+                        dict(common, variant="torch_ddp", step_ms=100.0, comm_overhead_ms=20.0, comm_share=0.2)])
+
+    def round_(r, nosync, variant, status="ok"):
+        return dict(setting="m", round=r, variant="peer_update", first="nosync", nosync_ms=nosync, variant_ms=variant,
+                    overhead_ms=variant - nosync, share=(variant - nosync) / variant, status=status)
+
+    # a skipped round counts for nothing; the median of 4/76, 3/75 and 5/77 is 4/76
+    paired = pd.DataFrame([round_(0, 72.0, 76.0), round_(1, 72.0, 75.0), round_(2, 72.0, 77.0),
+                           round_(3, float("nan"), float("nan"), status="skipped (budget)")])
+    summary = paired_summary(paired, setting="m")
+    assert summary["n"] == 3 and summary["overhead_ms"] == 4.0
+    assert summary["share"] == pytest.approx(4 / 76) and summary["share_max"] == pytest.approx(5 / 77)
+    assert paired_summary(paired, setting="other") is None and paired_summary(None, setting="m") is None
+    line = ddp_targets(ddp_table(ddp), None, paired)
+    assert "1.2% of its step is time over the no-communication step (our target <= 5%), 5.3% as the median of 3 " \
+           "rounds alternating it with no sync (4.0-6.5% by round)" in line
+    assert list(paired_table(paired)["share_pct"])[:1] == [pytest.approx(100 * 4 / 76)]
+
+
 def _allreduce_row(backend, ws, mb, ms, env):
     size = int(mb * 1e6)
     return dict(backend=backend, world_size=ws, size_bytes=size, size_mb=mb, status="ok", time_ms=ms,
