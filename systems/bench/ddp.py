@@ -456,7 +456,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
 
 
 def _paired_rounds(timed: dict[str, float], model, opt, precision: str, tokens, targets, ctx: DistContext,
-                   cfg: DDPBenchConfig, budget: "_Budget", *, about: dict, writer, torch_ddp_left: bool) -> list[dict]:
+                   cfg: DDPBenchConfig, budget: _Budget, *, about: dict, writer, torch_ddp_left: bool) -> list[dict]:
     """``cfg.paired_rounds`` rounds of no sync and the fastest of our timed variants, in ABBA order
     (a drift that is linear in time cancels over two rounds); one row per round with both medians
     and the overhead within the round. Rows are written as each round ends; a round the budget has
@@ -479,9 +479,9 @@ def _paired_rounds(timed: dict[str, float], model, opt, precision: str, tokens, 
                        overhead_ms=ms[best] - ms["nosync"], share=(ms[best] - ms["nosync"]) / ms[best], status="ok")
         if ctx.is_main:
             rows.append(writer.write(row))
-            print(f"[{about['setting']}] round {r}: " + (f"nosync {row['nosync_ms']:.2f}, {best} {row['variant_ms']:.2f} "
-                                                         f"ms/step" if row["status"] == "ok" else row["status"]),
-                  flush=True)
+            said = (f"nosync {row['nosync_ms']:.2f}, {best} {row['variant_ms']:.2f} ms/step" if row["status"] == "ok"
+                    else row["status"])
+            print(f"[{about['setting']}] round {r}: {said}", flush=True)
     return rows
 
 

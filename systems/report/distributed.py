@@ -438,8 +438,8 @@ def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None, paired: pd.Da
                 f"target <= 5%)")
         rounds = paired_summary(paired, setting=setting)
         if rounds is not None:
-            line += (f", {100 * rounds['share']:.1f}% as the median of {rounds['n']} rounds alternating it with no sync "
-                     f"({100 * rounds['share_min']:.1f}-{100 * rounds['share_max']:.1f}% by round)")
+            line += (f", {100 * rounds['share']:.1f}% as the median of {rounds['n']} rounds alternating it with "
+                     f"no sync ({100 * rounds['share_min']:.1f}-{100 * rounds['share_max']:.1f}% by round)")
         lines.append(line + f", {exposed:.1f}% exposed communication in its trace (our target <= 3%).")
     return "\n".join(lines)
 
