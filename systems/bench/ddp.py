@@ -433,8 +433,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
                                                     if row["status"] == "ok" else row["status"]), flush=True)
 
         if cfg.profile:
-            ours = {v: t for v, t in timed.items() if v not in ("nosync", "torch_ddp")}
-            best = min(ours, key=ours.get) if ours else None
+            best = _fastest_of_ours(timed)
             to_profile = [v for v in ("naive", "overlap") if v in timed]
             if best and best not in to_profile:
                 to_profile.append(best)
@@ -455,16 +454,21 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
     return {"rows": rows, "overlap": overlap_rows, "paired": paired_rows} if ctx.is_main else {}
 
 
+def _fastest_of_ours(timed: dict[str, float]) -> str | None:
+    """The timed variant with the shortest step, the baseline and torch DDP aside (None: none)."""
+    ours = {v: t for v, t in timed.items() if v not in ("nosync", "torch_ddp")}
+    return min(ours, key=ours.get) if ours else None
+
+
 def _paired_rounds(timed: dict[str, float], model, opt, precision: str, tokens, targets, ctx: DistContext,
                    cfg: DDPBenchConfig, budget: _Budget, *, about: dict, writer, torch_ddp_left: bool) -> list[dict]:
     """``cfg.paired_rounds`` rounds of no sync and the fastest of our timed variants, in ABBA order
     (a drift that is linear in time cancels over two rounds); one row per round with both medians
     and the overhead within the round. Rows are written as each round ends; a round the budget has
     no room for (keeping room for torch DDP after them) is recorded as skipped."""
-    ours = {v: t for v, t in timed.items() if v not in ("nosync", "torch_ddp")}
-    if "nosync" not in timed or not ours:
+    best = _fastest_of_ours(timed)
+    if "nosync" not in timed or best is None:
         return []
-    best = min(ours, key=ours.get)
     per_variant = cfg.warmup + cfg.steps
     rows = []
     for r in range(cfg.paired_rounds):

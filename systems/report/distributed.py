@@ -445,15 +445,15 @@ def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None, paired: pd.Da
 
 
 def paired_summary(paired: pd.DataFrame | None, *, setting: str) -> dict | None:
-    """The paired rounds of ``setting``: their variant, count, and the median, lowest and highest
-    overhead (ms) and share of the variant's step; None without a completed round."""
+    """The paired rounds of ``setting``: their count, the median overhead (ms), and the median,
+    lowest and highest share of the variant's step; None without a completed round."""
     if paired is None or not len(paired):
         return None
     g = _ok(paired)
     g = g[g["setting"] == setting]
     if not len(g):
         return None
-    return {"variant": g["variant"].iloc[0], "n": len(g), "overhead_ms": float(g["overhead_ms"].median()),
+    return {"n": len(g), "overhead_ms": float(g["overhead_ms"].median()),
             "share": float(g["share"].median()), "share_min": float(g["share"].min()),
             "share_max": float(g["share"].max())}
 
