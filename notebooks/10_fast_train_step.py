@@ -32,6 +32,7 @@ out_dir = "build/smoke"  # the runner injects this
 handout = "2026"         # "2025" or "2026": which handout's names and questions
 
 # %%
+from systems.bench import gemms
 from systems.bench import leaderboard as lbd
 from systems.bench import train_step as ts
 from systems.measure import profiler as profiling
@@ -106,6 +107,24 @@ fig = kernel_profiling.plot_step_timeline(trace_path, title=f"{plan.trace[0]} `{
 nb.save_figure(fig, ctx, "timeline")
 timed = table.set_index(["model", "variant"]).loc[plan.trace, "step_ms"]
 nb.md(report.profile_answer(items, phases, cats, timed_ms=timed))
+
+# %% [markdown]
+# ## The matmuls of one block, shape by shape
+# Each Linear runs three GEMMs per step (forward, input gradient, weight gradient). At 2,048
+# tokens some are too small to fill the GPU, so their rate, not the peak, is what the step's matmul
+# time is made of. Each is timed alone here (`systems.bench.gemms`), with the separate projections
+# beside the fused ones (QKV as one GEMM, W1/W3 as one): the fusion's gain on the GEMMs themselves,
+# to set against what the `*_fusedproj` levers above measured on the whole step.
+
+# %%
+gemm_rows = gemms.run_gemms(list(plan.variants), tokens=step["batch_size"] * step["context_length"],
+                            device=ctx.device, peak_tflops=peak_tflops, writer=ResultWriter(ctx.result_path("gemms")))
+gemm_tab = report.gemm_table(gemm_rows)
+nb.show(gemm_tab, caption=f"Each GEMM of one block timed alone, bf16 ({ctx.gpu})")
+fig = report.plot_gemms(gemm_tab, title=f"GEMM rates of one block ({ctx.gpu})", peak_tflops=peak_tflops)
+nb.save_figure(fig, ctx, "gemms")
+matmul_ms = cats.set_index("category")["ms_per_step"].get("matmul")
+nb.md(report.gemm_answer(gemm_rows, traced=(*plan.trace, matmul_ms) if matmul_ms is not None else None))
 
 # %% [markdown]
 # ## The 2026 leaderboard: the 8B step on two GPUs

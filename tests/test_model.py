@@ -243,3 +243,19 @@ def test_a_state_dict_of_the_other_layout_is_refused_with_the_conversion_to_use(
         get_config("debug", fused_projections="yes")
     with pytest.raises(ValueError, match="stacked must be a positive integer dividing out_features"):
         Linear(4, 6, stacked=4)
+
+
+def test_rope_is_bit_identical_to_rotating_each_pair_and_stacking_the_halves():
+    # the textbook form the module replaced (docs/training_step_notes.md, entry 17): the same
+    # products and sums, so equal to the last bit in eager mode, in fp32 and in bf16
+    d, seq = 64, 40
+    rope = RotaryEmbedding(d, context_length=seq)
+    inv_freq = 10_000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)
+    pos = torch.arange(seq)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 3, seq, d).to(dtype)
+        x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+        cos, sin = angles.cos(), angles.sin()
+        ref = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).to(dtype)
+        assert torch.equal(rope(x, pos), ref)

@@ -148,6 +148,15 @@ VARIANTS: dict[str, Variant] = {
     "ours_master_overlap_sm16_split": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
                                               master_weights=True, optimizer_in_backward=True, sm_carveout=16,
                                               split_masters=True),
+    # and the fused projections on top of those
+    "ours_graphs_overlap_split_fusedproj": Variant(impl="ours", compile_blocks=True, fused_loss=True,
+                                                   optimizer="fused", master_weights=True,
+                                                   compile_mode="reduce-overhead", optimizer_in_backward=True,
+                                                   split_masters=True, fused_projections=True),
+    "ours_master_overlap_sm16_split_fusedproj": Variant(impl="ours", compile_blocks=True, fused_loss=True,
+                                                        optimizer="fused", master_weights=True,
+                                                        optimizer_in_backward=True, sm_carveout=16,
+                                                        split_masters=True, fused_projections=True),
     # inductor's max-autotune: every GEMM of a block (forward and backward) timed against Triton
     # templates, the fastest kept, pointwise neighbours fused into a Triton GEMM's epilogue where
     # one wins; the blocks replayed as CUDA graphs, as with reduce-overhead. Measured on an H100:
@@ -171,6 +180,8 @@ LEVERS: tuple[tuple[str, str, str], ...] = (
     ("QKV and W1/W3 as one GEMM each", "ours_fused_master", "ours_fused_master_fusedproj"),
     ("QKV and W1/W3 as one GEMM each", "ours_master", "ours_master_fusedproj"),
     ("QKV and W1/W3 as one GEMM each", "ours_graphs", "ours_graphs_fusedproj"),
+    ("QKV and W1/W3 as one GEMM each", "ours_graphs_overlap_split", "ours_graphs_overlap_split_fusedproj"),
+    ("QKV and W1/W3 as one GEMM each", "ours_master_overlap_sm16_split", "ours_master_overlap_sm16_split_fusedproj"),
     ("split fp32 masters (bf16 weight + 16 low bits)", "ours_fused_master", "ours_fused_master_split"),
     ("split fp32 masters (bf16 weight + 16 low bits)", "ours_master", "ours_master_split"),
     ("split fp32 masters (bf16 weight + 16 low bits)", "ours_graphs", "ours_graphs_split"),
@@ -203,10 +214,11 @@ class Plan:
 FULL_PLAN = Plan(
     variants={"2.7B": ("hf_llama", "ours_eager", "ours_compiled", "ours_fused", "ours_fast", "ours_master",
                        "ours_master_fusedproj", "ours_master_split", "ours_master_overlap", "ours_master_overlap_sm16",
-                       "ours_master_overlap_sm32", "ours_master_overlap_sm16_split", "ours_graphs",
-                       "ours_graphs_split"),
+                       "ours_master_overlap_sm32", "ours_master_overlap_sm16_split",
+                       "ours_master_overlap_sm16_split_fusedproj", "ours_graphs", "ours_graphs_split"),
               "xl-2025": ("hf_llama", "ours_eager", "ours_fast", "ours_master", "ours_graphs", "ours_graphs_fusedproj",
-                          "ours_graphs_split", "ours_graphs_overlap", "ours_graphs_overlap_split")},
+                          "ours_graphs_split", "ours_graphs_overlap", "ours_graphs_overlap_split",
+                          "ours_graphs_overlap_split_fusedproj")},
     step=dict(batch_size=4, context_length=512, warmup=5, steps=20), trace=("2.7B", "ours_master_overlap"))
 # CPU: the debug model; compiled variants are left out (inductor's CPU compile dominates a smoke run
 # and needs a C++ toolchain)

@@ -65,6 +65,43 @@ def plot_phases(table, *, title: str):
 
 
 
+def gemm_table(rows):
+    """One line per (model, projections layout, projection, GEMM): its shape, median time, spread,
+    rate and share of the measured peak (``systems.bench.gemms``)."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    df["shape (m x k x n)"] = [f"{m} x {k} x {n}" for m, k, n in zip(df["m"], df["k"], df["n"])]
+    df["us"], df["us_p10"], df["us_p90"] = df["median_ms"] * 1e3, df["p10_ms"] * 1e3, df["p90_ms"] * 1e3
+    cols = ["model", "projections", "projection", "per_block", "gemm", "shape (m x k x n)", "us", "us_p10", "us_p90",
+            "tflops", "of_peak"]
+    return df[[c for c in cols if c in df.columns]]
+
+
+def plot_gemms(table, *, title: str, peak_tflops: float | None = None):
+    """Each GEMM's rate, separate and fused projections side by side, one panel per model."""
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(table["model"]))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        part = table[table["model"] == model]
+        labels = [f"{p} {g}" for p, g in zip(part["projection"], part["gemm"])]
+        colors = ["C0" if layout == "separate" else "C1" for layout in part["projections"]]
+        ax.barh(range(len(part)), part["tflops"], color=colors)
+        ax.set_yticks(range(len(part)), labels, fontsize=7)
+        ax.invert_yaxis()
+        if peak_tflops:
+            ax.axvline(peak_tflops, color="k", linestyle="--", linewidth=1, label=f"peak {peak_tflops:.0f}")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.set_xlabel("TFLOP/s (blue: separate projections, orange: fused)")
+        ax.set_title(model)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+
 
 # ----------------------------------------------------------------------------- answers
 
@@ -172,3 +209,38 @@ def leaderboard_answer(row: dict, *, source: str) -> str:
             f"recomputation not counted), peak memory per rank {per_rank} GiB. Against the handout's naive baseline "
             f"of {HANDOUT_BASELINE_S:g} s: {HANDOUT_BASELINE_S / row['step_s']:.2f}x faster; our own target (the "
             f"project's) of <= {TARGET_STEP_S:g} s: **{'met' if row['step_s'] <= TARGET_STEP_S else 'not met'}**.")
+
+
+def gemm_answer(rows, *, traced: tuple[str, str, float] | None = None) -> str:
+    """Per model: the block's GEMMs per step with separate and with fused projections, and the
+    slowest and fastest GEMM against the peak; ``traced``: (model, variant, ms of matmul kernels
+    in its profiled step), set beside them."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    lines = []
+    for model in dict.fromkeys(df["model"]):
+        part = df[df["model"] == model]
+        layers = int(part["n_layers"].iloc[0])
+        per_step = {layout: part.loc[part["projections"] == layout, "block_ms"].sum() * layers
+                    for layout in dict.fromkeys(part["projections"])}
+        sep = part[part["projections"] == "separate"]
+        slow, fast = sep.loc[sep["tflops"].idxmin()], sep.loc[sep["tflops"].idxmax()]
+        text = (f"- **{model}** ({int(part['tokens'].iloc[0])} tokens): a block's GEMMs, each timed alone, add up to "
+                f"{per_step['separate']:.2f} ms per step over {layers} layers with separate projections")
+        if "fused" in per_step:
+            saved = per_step["separate"] - per_step["fused"]
+            text += (f" and {per_step['fused']:.2f} ms with QKV and W1/W3 fused "
+                     f"({abs(saved):.2f} ms {'less' if saved >= 0 else 'more'})")
+        text += (f". Slowest: {slow['projection']} {slow['gemm']} ({slow['m']} x {slow['k']} x {slow['n']}) at "
+                 f"{slow['tflops']:.3g} TFLOP/s; fastest: {fast['projection']} {fast['gemm']} at {fast['tflops']:.3g}")
+        if "of_peak" in part and slow["of_peak"] == slow["of_peak"]:
+            text += f" ({slow['of_peak']:.0%} and {fast['of_peak']:.0%} of the measured peak)"
+        text += "."
+        if traced is not None and traced[0] == model:
+            text += (f" The profiled step of `{traced[1]}` spent {traced[2]:.2f} ms in matmul kernels (the LM head's "
+                     f"included), beside other kernels and with a warm L2.")
+        lines.append(text)
+    clock = ("CUDA events, the L2 flushed before each call" if "device" in df and (df["device"] == "cuda").all()
+             else "a host clock")
+    return f"**The matmuls, shape by shape.** Each GEMM of a block timed alone ({clock}).\n\n" + "\n".join(lines)

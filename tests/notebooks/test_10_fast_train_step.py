@@ -1,7 +1,7 @@
 """Notebook 10's smoke profile for both handouts: it runs every variant of its plan, draws its
 figures, answers the 2026 leaderboard question from a row of the leaderboard's configuration only
 (a debug row from the command line is passed over), and records nothing for the 2025 handout,
-which gives it no question."""
+which gives it no question. It times the GEMMs of a block, both layouts, and answers from them."""
 
 import json
 import subprocess
@@ -25,11 +25,14 @@ def test_notebook_10_smoke(tmp_path, handout):
                            "--out-dir", str(tmp_path), "--no-progress", "-p", "handout", handout],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    for stem in ("phases", "timeline"):
+    for stem in ("phases", "timeline", "gemms"):
         assert (tmp_path / "figures" / f"10_fast_train_step_{stem}.png").exists()
     rows = read_records(tmp_path / "results" / "10_fast_train_step_steps.jsonl")
     assert {r["variant"] for r in rows} == set(ts.SMOKE_PLAN.variants["debug"])
     assert all(r["status"] == "ok" for r in rows)
+    gemm_rows = read_records(tmp_path / "results" / "10_fast_train_step_gemms.jsonl")
+    assert {(r["projections"], r["gemm"]) for r in gemm_rows} == {
+        (layout, g) for layout in ("separate", "fused") for g in ("forward", "input_grad", "weight_grad")}
     answers = read_records(tmp_path / "results" / "10_fast_train_step_deliverables.jsonl")
     if handout == "2026":
         assert [(a["problem"], a["status"]) for a in answers] == [("leaderboard", "answered")]
@@ -39,3 +42,4 @@ def test_notebook_10_smoke(tmp_path, handout):
     assert "8B model on 2 x NVIDIA H200" in executed and "2 x None" not in executed
     assert "model 'debug'" in executed  # the passed-over row is named, not shown as the 8B step
     assert "QKV and W1/W3 as one GEMM each" in executed  # the smoke plan measures the fused-projections lever
+    assert "The matmuls, shape by shape" in executed and "Slowest: " in executed

@@ -2,6 +2,7 @@
 handout's size names, our targets labelled as ours, every number from the rows."""
 
 import pandas as pd
+import pytest
 
 from systems.report import fast_train_step as report
 
@@ -65,3 +66,32 @@ def test_leaderboard_row_skips_other_configurations(tmp_path):
     assert passed_over == [f"`{first}`: model 'debug' (the leaderboard's: '8B')"]
     assert report.leaderboard_row([first]) == (None, None, passed_over)
     assert isinstance(report.leaderboard_table(row), pd.DataFrame)
+
+
+def _gemm(model, projections, projection, gemm, median_ms, *, per_block=1, m=2048, k=1600, n=1600, n_layers=2):
+    flops = 2 * m * k * n
+    return dict(model=model, device="cuda", n_layers=n_layers, tokens=2048, projections=projections,
+                projection=projection, per_block=per_block, gemm=gemm, m=m, k=k, n=n, flops=flops,
+                median_ms=median_ms, p10_ms=median_ms * 0.9, p90_ms=median_ms * 1.1,
+                tflops=flops / (median_ms * 1e-3) / 1e12, of_peak=flops / (median_ms * 1e-3) / 1e12 / 800,
+                block_ms=per_block * median_ms)
+
+
+def test_gemm_answer_sums_each_layout_per_step_and_names_the_slowest_gemm():
+    rows = [_gemm("m", "separate", "q/k/v_proj", "forward", 0.02, per_block=3),
+            _gemm("m", "separate", "w2", "forward", 0.05, k=6400),
+            _gemm("m", "fused", "qkv_proj", "forward", 0.05, n=4800),
+            _gemm("m", "fused", "w2", "forward", 0.05, k=6400)]
+    table = report.gemm_table(rows)
+    assert list(table["shape (m x k x n)"]) == ["2048 x 1600 x 1600", "2048 x 6400 x 1600", "2048 x 1600 x 4800",
+                                                "2048 x 6400 x 1600"]
+    assert table["us"].tolist() == pytest.approx([20.0, 50.0, 50.0, 50.0])
+    text = report.gemm_answer(rows, traced=("m", "ours_x", 12.5))
+    # separate: (3 x 0.02 + 0.05) x 2 layers = 0.22 ms; fused: (0.05 + 0.05) x 2 = 0.20
+    assert "add up to 0.22 ms per step over 2 layers with separate projections and 0.20 ms with QKV" in text
+    assert "(0.02 ms less)" in text
+    slow = 2 * 2048 * 1600 * 1600 / 0.02e-3 / 1e12
+    assert f"Slowest: q/k/v_proj forward (2048 x 1600 x 1600) at {slow:.3g} TFLOP/s" in text
+    assert "(CUDA events, the L2 flushed before each call)" in text
+    assert f"({slow / 800:.0%} and" in text and "`ours_x` spent 12.50 ms in matmul kernels" in text
+    assert "with QKV and W1/W3 fused" not in report.gemm_answer(rows[:2])
