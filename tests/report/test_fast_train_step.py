@@ -95,3 +95,17 @@ def test_gemm_answer_sums_each_layout_per_step_and_names_the_slowest_gemm():
     assert "(CUDA events, the L2 flushed before each call)" in text
     assert f"({slow / 800:.0%} and" in text and "`ours_x` spent 12.50 ms in matmul kernels" in text
     assert "with QKV and W1/W3 fused" not in report.gemm_answer(rows[:2])
+
+
+def test_profile_answer_counts_kernels_on_concurrent_streams_once():
+    # two streams, in us: 0-60 ms and 40-100 ms overlap for 20 ms, then 150-170: busy 120 ms, summed 140 ms
+    items = pd.DataFrame({"ts": [0.0, 40e3, 150e3], "dur": [60e3, 60e3, 20e3]})
+    phases = pd.DataFrame({"range": ["step"], "wall_ms_per_step": [200.0]})
+    cats = pd.DataFrame({"category": ["matmul", "elementwise"], "ms_per_step": [80.0, 60.0], "share": [0.57, 0.43],
+                         "kernels_per_step": [2, 1]})
+    text = report.profile_answer(items, phases, cats, timed_ms=180.0)
+    assert "at least one kernel runs for 120.0 ms of the step's 200.0 ms (60%)" in text
+    assert "add up to 140.0 ms, 20.0 ms of it on concurrent streams" in text
+    assert "The largest category is matmul with 80.0 ms (57% of kernel time) in 2 kernels." in text
+    alone = report.profile_answer(items.iloc[[0, 2]], phases, cats, timed_ms=180.0)
+    assert "concurrent" not in alone and "80.0 ms of the step's 200.0 ms (40%)" in alone
