@@ -24,7 +24,9 @@ def step_table(rows, *, baseline: str = "hf_llama", handout: str | None = None):
 
 def lever_table(table, *, levers=LEVERS):
     """One line per (model, lever) whose two variants both ran: step and phase medians before and
-    after, and the milliseconds the lever saved (negative: it cost time)."""
+    after, the milliseconds the lever saved (negative: it cost time), and ``beyond_spread``: whether
+    the two variants' p10-p90 ranges of step time are apart (where they overlap, the difference
+    of medians is within what the steps of one variant spread over)."""
     import pandas as pd
 
     ok = table[table["status"] == "ok"].set_index(["model", "variant"])
@@ -36,6 +38,8 @@ def lever_table(table, *, levers=LEVERS):
             b, a = ok.loc[(model, before)], ok.loc[(model, after)]
             line = {"model": model, "lever": lever, "from": before, "to": after,
                     "step_ms_from": b["step_ms"], "step_ms_to": a["step_ms"], "saved_ms": b["step_ms"] - a["step_ms"]}
+            if {"step_ms_p10", "step_ms_p90"} <= set(ok.columns):
+                line["beyond_spread"] = bool(a["step_ms_p90"] < b["step_ms_p10"] or a["step_ms_p10"] > b["step_ms_p90"])
             for phase in PHASES:
                 line[f"{phase}_ms_change"] = a[f"{phase}_ms"] - b[f"{phase}_ms"]
             out.append(line)
@@ -147,13 +151,22 @@ def step_answer(table, *, targets: dict[str, float], handout: str) -> str:
 
 
 def lever_answer(levers) -> str:
-    """The largest single lever per model, from lever_table."""
+    """The largest single lever per model, from lever_table, and which levers' differences lie
+    within their variants' spread of step times."""
     if levers.empty:
         return "No lever's two variants both ran."
     by = levers.loc[levers.groupby("model")["saved_ms"].idxmax()]
-    return "**Largest single lever per model:** " + "; ".join(
+    text = "**Largest single lever per model:** " + "; ".join(
         f"{r.model}: {r.lever} (`{r['from']}` -> `{r.to}`), {r.saved_ms:.1f} ms saved "
         f"({r.step_ms_from:.1f} -> {r.step_ms_to:.1f} ms)" for _, r in by.iterrows()) + "."
+    if "beyond_spread" in levers:
+        within = levers[~levers["beyond_spread"]]
+        if len(within):
+            text += (f" In {len(within)} of the {len(levers)} comparisons the two variants' p10-p90 ranges of step "
+                     "time overlap, so this run does not settle whether the lever gains or costs: "
+                     + "; ".join(f"{r.model} `{r['from']}` -> `{r.to}` (saved {r.saved_ms:+.1f} ms)"
+                                 for _, r in within.iterrows()) + ".")
+    return text
 
 
 def profile_answer(items, phases, cats, *, timed_ms: float) -> str:

@@ -109,3 +109,17 @@ def test_profile_answer_counts_kernels_on_concurrent_streams_once():
     assert "The largest category is matmul with 80.0 ms (57% of kernel time) in 2 kernels." in text
     alone = report.profile_answer(items.iloc[[0, 2]], phases, cats, timed_ms=180.0)
     assert "concurrent" not in alone and "80.0 ms of the step's 200.0 ms (40%)" in alone
+
+
+def test_levers_whose_variants_spread_over_each_other_are_named_as_unsettled():
+    # _row spreads each variant over +-10% of its median: 10.0 (9-11) against 7.0 (6.3-7.7) are
+    # apart; 7.0 against 6.5 (5.85-7.15) overlap
+    table = report.step_table([_row("debug", "ours_eager", 10.0), _row("debug", "ours_fused", 7.0),
+                               _row("debug", "ours_fused_master", 6.5)])
+    levers = report.lever_table(table).set_index("to")
+    assert bool(levers.loc["ours_fused", "beyond_spread"]) and not levers.loc["ours_fused_master", "beyond_spread"]
+    text = report.lever_answer(report.lever_table(table))
+    assert ("In 1 of the 2 comparisons the two variants' p10-p90 ranges of step time overlap" in text
+            and "debug `ours_fused` -> `ours_fused_master` (saved +0.5 ms)" in text)
+    costly = report.lever_table(report.step_table([_row("debug", "ours_eager", 10.0), _row("debug", "ours_fused", 13.0)]))
+    assert bool(costly.loc[0, "beyond_spread"]) and costly.loc[0, "saved_ms"] == pytest.approx(-3.0)
