@@ -112,11 +112,12 @@ nb.md(report.profile_answer(items, phases, cats, timed_ms=timed))
 
 # %% [markdown]
 # ## The matmuls of one block, shape by shape
-# Each Linear runs three GEMMs per step (forward, input gradient, weight gradient). At 2,048
-# tokens some are too small to fill the GPU, so their rate, not the peak, is what the step's matmul
-# time is made of. Each is timed alone here (`systems.bench.gemms`), with the separate projections
-# beside the fused ones (QKV as one GEMM, W1/W3 as one): the fusion's gain on the GEMMs themselves,
-# to set against what the `*_fusedproj` levers above measured on the whole step.
+# Each Linear runs three GEMMs per step (forward, input gradient, weight gradient). At the full
+# profile's 2,048 tokens (batch 4 x 512) some are too small to fill the GPU, so their rate, not
+# the peak, is what the step's matmul time is made of. Each is timed alone here
+# (`systems.bench.gemms`), with the separate projections beside the fused ones (QKV as one GEMM,
+# W1/W3 as one): the fusion's gain on the GEMMs themselves, to set against what the `*_fusedproj`
+# levers above measured on the whole step.
 
 # %%
 gemm_rows = gemms.run_gemms(list(plan.variants), tokens=step["batch_size"] * step["context_length"],

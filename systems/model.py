@@ -111,7 +111,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.cos[positions], self.sin[positions]  # (seq, d_head)
-        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (..., d_head/2, 2) each pair reversed -> (..., d_head)
+        # (..., d_head) -> (..., d_head/2, 2), each pair reversed, -> (..., d_head)
+        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
         return (x * cos + swapped * sin).to(x.dtype)  # (..., seq, d_head)
 
 

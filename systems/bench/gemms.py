@@ -75,8 +75,9 @@ def time_gemms(cfg: ModelConfig, *, tokens: int, fused: bool, device: torch.devi
             a, b = gemm_operands(p, pass_, tokens=tokens, device=device, dtype=dtype)
             flops = 2 * tokens * p.d_in * p.d_out
             t = time_fn(lambda: torch.mm(a, b), device=device)
-            row = dict(model=cfg.name, device=torch.device(device).type, n_layers=cfg.n_layers, tokens=tokens, dtype=str(dtype).removeprefix("torch."),
-                       projections="fused" if fused else "separate", projection=p.name, per_block=p.per_block,
+            row = dict(model=cfg.name, device=torch.device(device).type, n_layers=cfg.n_layers, tokens=tokens,
+                       dtype=str(dtype).removeprefix("torch."), projections="fused" if fused else "separate",
+                       projection=p.name, per_block=p.per_block,
                        gemm=pass_, m=a.shape[0], k=a.shape[1], n=b.shape[1], flops=flops, **t,
                        tflops=flops / (t["median_ms"] * 1e-3) / 1e12, block_ms=p.per_block * t["median_ms"])
             if peak_tflops:

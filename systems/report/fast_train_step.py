@@ -68,7 +68,6 @@ def plot_phases(table, *, title: str):
     return fig
 
 
-
 def gemm_table(rows):
     """One line per (model, projections layout, projection, GEMM): its shape, median time, spread,
     rate and share of the measured peak (``systems.bench.gemms``)."""
@@ -103,8 +102,6 @@ def plot_gemms(table, *, title: str, peak_tflops: float | None = None):
     fig.suptitle(title)
     fig.tight_layout()
     return fig
-
-
 
 
 # ----------------------------------------------------------------------------- answers
@@ -182,7 +179,8 @@ def profile_answer(items, phases, cats, *, timed_ms: float) -> str:
     text = (f"In the profiled step (each phase closed by a synchronisation, so its range holds its kernels) at least "
             f"one kernel runs for {busy:.1f} ms of the step's {step_wall:.1f} ms ({busy / step_wall:.0%})")
     if kernel_ms > busy * 1.01:
-        text += f"; the kernels' durations add up to {kernel_ms:.1f} ms, {kernel_ms - busy:.1f} ms of it on concurrent streams"
+        text += (f"; the kernels' durations add up to {kernel_ms:.1f} ms, {kernel_ms - busy:.1f} ms of it on "
+                 "concurrent streams")
     return (text + f". The timed steps of the same variant took {timed_ms:.1f} ms (median). The largest category is "
             f"{top['category']} with {top['ms_per_step']:.1f} ms ({top['share']:.0%} of kernel time) in "
             f"{top['kernels_per_step']:.0f} kernels.")
