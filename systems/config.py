@@ -21,6 +21,9 @@ class ModelConfig:
     # same arithmetic (up to rounding order), each block initialised as its own Linear; the state
     # dicts differ (qkv_proj, w13), and systems.model's fuse/unfuse_projections_state_dict convert them.
     fused_projections: bool = False
+    # with fused_projections, on CUDA: q, k, v split from the fused output and q, k rotated by one
+    # Triton pass each way (systems.kernels.rope_qkv) instead of PyTorch ops; the same arithmetic
+    qkv_rope_kernel: bool = False
     name: str = "custom"
     d_head: int = field(init=False)
 
@@ -31,6 +34,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.fused_projections, bool):
             raise ValueError(f"fused_projections must be True or False, got {self.fused_projections!r}")
+        if self.qkv_rope_kernel and not self.fused_projections:
+            raise ValueError("qkv_rope_kernel rotates the fused QKV projection's output: set fused_projections=True")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"

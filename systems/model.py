@@ -90,6 +90,16 @@ class RMSNorm(nn.Module):
         return (self.weight * (x * rms)).to(in_dtype)
 
 
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Each adjacent pair (x[2i], x[2i+1]) of the last dimension rotated by its angle, given
+    ``cos`` (each angle's cosine twice) and ``sin`` (its sine, negated at even places), both
+    broadcast against ``x``: x[2i] cos - x[2i+1] sin, x[2i+1] cos + x[2i] sin, computed in
+    ``cos``'s dtype and returned in ``x``'s."""
+    # (..., d) -> (..., d/2, 2), each pair reversed, -> (..., d)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (x * cos + swapped * sin).to(x.dtype)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates adjacent pairs (x[2i], x[2i+1]) by angle pos * theta^(-2i/d).
 
@@ -109,11 +119,12 @@ class RotaryEmbedding(nn.Module):
         sin = angles.sin()
         self.register_buffer("sin", torch.stack((-sin, sin), dim=-1).flatten(-2), persistent=False)  # (context, d_head)
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions``, each (seq, d_head)."""
+        return self.cos[positions], self.sin[positions]
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos[positions], self.sin[positions]  # (seq, d_head)
-        # (..., d_head) -> (..., d_head/2, 2), each pair reversed, -> (..., d_head)
-        swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        return (x * cos + swapped * sin).to(x.dtype)  # (..., seq, d_head)
+        return rotate_pairs(x, *self.tables(positions))  # (..., seq, d_head)
 
 
 class CausalSelfAttention(nn.Module):
@@ -124,6 +135,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.n_heads, self.attn_impl, self.fused = cfg.n_heads, cfg.attn_impl, cfg.fused_projections
+        self.qkv_rope_kernel = cfg.qkv_rope_kernel
         if self.fused:
             self.qkv_proj = Linear(d, 3 * d, device=device, dtype=dtype, stacked=3)
         else:
@@ -137,13 +149,18 @@ class CausalSelfAttention(nn.Module):
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.unflatten(-1, (self.n_heads, -1)).transpose(-3, -2)  # (b, seq, d) -> (b, h, seq, d_head)
 
-        if self.fused:
-            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # (b, seq, 3d) -> 3 x (b, seq, d) views
+        if self.qkv_rope_kernel and x.is_cuda:  # (b, seq, 3d) -> 3 x (b, h, seq, d_head), q and k rotated
+            from systems.kernels.rope_qkv import rope_qkv
+
+            q, k, v = rope_qkv(self.qkv_proj(x), *self.rope.tables(positions), n_heads=self.n_heads)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = self.rope(heads(q), positions)
-        k = self.rope(heads(k), positions)
-        v = heads(v)
+            if self.fused:
+                q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # (b, seq, 3d) -> 3 x (b, seq, d) views
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = self.rope(heads(q), positions)
+            k = self.rope(heads(k), positions)
+            v = heads(v)
         out = get_backend(self.attn_impl)(q, k, v, is_causal=True)  # (b, h, seq, d_head)
         return self.output_proj(out.transpose(-3, -2).flatten(-2))  # (b, h, seq, d_head) -> (b, seq, d)
 

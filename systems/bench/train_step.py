@@ -81,6 +81,9 @@ class Variant:
     compile_mode: str | None = None  # torch.compile mode of the blocks (with compile_blocks)
     fused_projections: bool = False  # QKV and SwiGLU's W1/W3 as one GEMM each (ModelConfig.fused_projections)
     split_masters: bool = False  # the fp32 masters as the model's bf16 weight + 16 low bits (with master_weights)
+    # with fused_projections: q, k, v split and q, k rotated by one Triton pass each way
+    # (ModelConfig.qkv_rope_kernel, systems.kernels.rope_qkv)
+    qkv_rope_kernel: bool = False
     sm_carveout: int = 0  # SMs the backward's matmuls leave to the updates (with optimizer_in_backward)
 
     def __post_init__(self) -> None:
@@ -90,6 +93,8 @@ class Variant:
             raise ValueError("master_weights needs impl='ours' and optimizer='fused' (MasterWeightAdamW)")
         if self.split_masters and not self.master_weights:
             raise ValueError("split_masters splits the fp32 masters of master_weights: set master_weights=True")
+        if self.qkv_rope_kernel and not self.fused_projections:
+            raise ValueError("qkv_rope_kernel rotates the fused QKV projection's output: set fused_projections=True")
         if self.sm_carveout and not self.optimizer_in_backward:
             raise ValueError("sm_carveout leaves SMs to the updates inside the backward: set optimizer_in_backward=True")
         if self.compile_mode is not None and not self.compile_blocks:
@@ -157,6 +162,22 @@ VARIANTS: dict[str, Variant] = {
                                                         optimizer="fused", master_weights=True,
                                                         optimizer_in_backward=True, sm_carveout=16,
                                                         split_masters=True, fused_projections=True),
+    # the fused projections with the QKV split and RoPE as one Triton pass each way instead of
+    # Inductor's concatenation kernel (docs/training_step_notes.md, entry 17). Not yet measured on
+    # a GPU, so not in FULL_PLAN
+    "ours_graphs_fusedproj_qkvrope": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
+                                             master_weights=True, compile_mode="reduce-overhead",
+                                             fused_projections=True, qkv_rope_kernel=True),
+    "ours_graphs_overlap_split_fusedproj_qkvrope": Variant(impl="ours", compile_blocks=True, fused_loss=True,
+                                                           optimizer="fused", master_weights=True,
+                                                           compile_mode="reduce-overhead",
+                                                           optimizer_in_backward=True, split_masters=True,
+                                                           fused_projections=True, qkv_rope_kernel=True),
+    "ours_master_overlap_sm16_split_fusedproj_qkvrope": Variant(impl="ours", compile_blocks=True, fused_loss=True,
+                                                                optimizer="fused", master_weights=True,
+                                                                optimizer_in_backward=True, sm_carveout=16,
+                                                                split_masters=True, fused_projections=True,
+                                                                qkv_rope_kernel=True),
     # inductor's max-autotune: every GEMM of a block (forward and backward) timed against Triton
     # templates, the fastest kept, pointwise neighbours fused into a Triton GEMM's epilogue where
     # one wins; the blocks replayed as CUDA graphs, as with reduce-overhead. Measured on an H100:
@@ -182,6 +203,11 @@ LEVERS: tuple[tuple[str, str, str], ...] = (
     ("QKV and W1/W3 as one GEMM each", "ours_graphs", "ours_graphs_fusedproj"),
     ("QKV and W1/W3 as one GEMM each", "ours_graphs_overlap_split", "ours_graphs_overlap_split_fusedproj"),
     ("QKV and W1/W3 as one GEMM each", "ours_master_overlap_sm16_split", "ours_master_overlap_sm16_split_fusedproj"),
+    ("the QKV split and RoPE in one Triton pass each way", "ours_graphs_fusedproj", "ours_graphs_fusedproj_qkvrope"),
+    ("the QKV split and RoPE in one Triton pass each way", "ours_graphs_overlap_split_fusedproj",
+     "ours_graphs_overlap_split_fusedproj_qkvrope"),
+    ("the QKV split and RoPE in one Triton pass each way", "ours_master_overlap_sm16_split_fusedproj",
+     "ours_master_overlap_sm16_split_fusedproj_qkvrope"),
     ("split fp32 masters (bf16 weight + 16 low bits)", "ours_fused_master", "ours_fused_master_split"),
     ("split fp32 masters (bf16 weight + 16 low bits)", "ours_master", "ours_master_split"),
     ("split fp32 masters (bf16 weight + 16 low bits)", "ours_graphs", "ours_graphs_split"),
@@ -241,16 +267,19 @@ class StepConfig(RunConfig):
             raise ValueError(f"unknown variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
         if self.warmup < 1:
             raise ValueError(f"need warmup >= 1 (the first step compiles), got {self.warmup}")
-        if "fused_projections" in self.model_overrides:
-            raise ValueError("fused projections are a variant's lever: choose a *_fusedproj variant instead of "
-                             "model_overrides={'fused_projections': ...}")
+        for lever in ("fused_projections", "qkv_rope_kernel"):
+            if lever in self.model_overrides:
+                raise ValueError(f"{lever} is a variant's lever: choose a *_fusedproj or *_qkvrope variant instead of "
+                                 f"model_overrides={{'{lever}': ...}}")
         super().__post_init__()
 
     def model_config(self) -> ModelConfig:
         # every variant attends through SDPA (HF's attn_implementation="sdpa" as well); the variant
         # alone sets the projections' layout, so each row's variant says which one it measured
+        variant = VARIANTS[self.variant]
         return dataclasses.replace(super().model_config(), attn_impl="sdpa", context_length=self.context_length,
-                                   fused_projections=VARIANTS[self.variant].fused_projections)
+                                   fused_projections=variant.fused_projections,
+                                   qkv_rope_kernel=variant.qkv_rope_kernel)
 
 
 # ----------------------------------------------------------------------------- building

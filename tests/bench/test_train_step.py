@@ -157,8 +157,14 @@ def test_variants_refuse_contradictions():
         ts.Variant(impl="ours", compile_blocks=True, optimizer="fused", sm_carveout=16)
     with pytest.raises(ValueError, match="optimizer in the backward or fused projections"):
         ts.Variant(impl="hf", optimizer="torch_fused", fused_projections=True)
-    with pytest.raises(ValueError, match="choose a \\*_fusedproj variant"):
+    with pytest.raises(ValueError, match="choose a \\*_fusedproj or \\*_qkvrope variant"):
         ts.StepConfig(model="debug", variant="ours_eager", model_overrides={"fused_projections": True})
+    with pytest.raises(ValueError, match="qkv_rope_kernel is a variant's lever"):
+        ts.StepConfig(model="debug", variant="ours_eager", model_overrides={"qkv_rope_kernel": True})
+    with pytest.raises(ValueError, match="set fused_projections=True"):
+        ts.Variant(impl="ours", compile_blocks=True, qkv_rope_kernel=True)
+    cfg = ts.StepConfig(model="debug", variant="ours_graphs_fusedproj_qkvrope", device="cpu").model_config()
+    assert cfg.fused_projections and cfg.qkv_rope_kernel
 
 
 def test_hf_llama_has_our_architectures_parameter_count():
