@@ -129,7 +129,8 @@ class RotaryEmbedding(nn.Module):
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE on q and k. ``cfg.fused_projections``: q, k, v
-    come from one ``qkv_proj`` (its rows: q's, then k's, then v's) instead of three Linears."""
+    come from one ``qkv_proj`` (its rows: q's, then k's, then v's) instead of three Linears;
+    ``cfg.qkv_rope_kernel``: on CUDA, split and rotated by ``systems.kernels.rope_qkv``."""
 
     def __init__(self, cfg: ModelConfig, device=None, dtype=None):
         super().__init__()
