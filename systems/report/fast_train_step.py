@@ -148,14 +148,22 @@ def step_answer(table, *, targets: dict[str, float], handout: str) -> str:
 
 
 def lever_answer(levers) -> str:
-    """The largest single lever per model, from lever_table, and which levers' differences lie
-    within their variants' spread of step times."""
+    """The largest single lever per model among those whose two variants' spreads of step time
+    are apart (all of them without ``beyond_spread``), from lever_table, then the comparisons
+    this run does not settle."""
     if levers.empty:
         return "No lever's two variants both ran."
-    by = levers.loc[levers.groupby("model")["saved_ms"].idxmax()]
-    text = "**Largest single lever per model:** " + "; ".join(
-        f"{r.model}: {r.lever} (`{r['from']}` -> `{r.to}`), {r.saved_ms:.1f} ms saved "
-        f"({r.step_ms_from:.1f} -> {r.step_ms_to:.1f} ms)" for _, r in by.iterrows()) + "."
+    settled = levers[levers["beyond_spread"]] if "beyond_spread" in levers else levers
+    lines = []
+    for model in dict.fromkeys(levers["model"]):
+        part = settled[settled["model"] == model]
+        if part.empty:
+            lines.append(f"{model}: no lever's difference is clear of its two variants' spread in this run")
+            continue
+        r = part.loc[part["saved_ms"].idxmax()]
+        lines.append(f"{r.model}: {r.lever} (`{r['from']}` -> `{r.to}`), {r.saved_ms:.1f} ms saved "
+                     f"({r.step_ms_from:.1f} -> {r.step_ms_to:.1f} ms)")
+    text = "**Largest single lever per model:** " + "; ".join(lines) + "."
     if "beyond_spread" in levers:
         within = levers[~levers["beyond_spread"]]
         if len(within):

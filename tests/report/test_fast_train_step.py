@@ -121,6 +121,10 @@ def test_levers_whose_variants_spread_over_each_other_are_named_as_unsettled():
     text = report.lever_answer(report.lever_table(table))
     assert ("In 1 of the 2 comparisons the two variants' p10-p90 ranges of step time overlap" in text
             and "debug `ours_fused` -> `ours_fused_master` (saved +0.5 ms)" in text)
+    assert "debug: fused LM head + loss, fused AdamW (`ours_eager` -> `ours_fused`), 3.0 ms saved" in text
+    unsettled = report.lever_table(report.step_table([_row("debug", "ours_fused", 7.0),
+                                                      _row("debug", "ours_fused_master", 6.5)]))
+    assert "debug: no lever's difference is clear of its two variants' spread" in report.lever_answer(unsettled)
     costly = report.lever_table(report.step_table([_row("debug", "ours_eager", 10.0),
                                                    _row("debug", "ours_fused", 13.0)]))
     assert bool(costly.loc[0, "beyond_spread"]) and costly.loc[0, "saved_ms"] == pytest.approx(-3.0)
