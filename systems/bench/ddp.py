@@ -22,6 +22,8 @@ Variants, timed in this order:
   block's update sums and averages the received gradients in its own pass
   (``systems.parallel.peer.DDPPeer``): no SM moves or reduces a gradient; ``peer_update:<N>``
   spreads the copies over N side streams, which may run on several copy engines at once;
+  ``peer_update:graphs`` replays each block's copies as one CUDA graph (one host call instead of
+  one per gradient, for the default compile mode, whose backward waits on the host);
 - ``torch_ddp``: torch.nn.parallel.DistributedDataParallel with its defaults, last (it keeps
   hooks on the parameters until it is deleted).
 
@@ -199,8 +201,10 @@ def variant_plan(name: str) -> ParallelPlan:
         variant_sm_carveout(name)  # a malformed <N> fails with the plan
         return ParallelPlan(data_parallel="bucketed", update_per_bucket=True)
     if kind == "peer_update":
+        if arg == "graphs":
+            return ParallelPlan(data_parallel="peer", copy_graphs=True)
         if arg and not (arg.isdigit() and int(arg) > 0):
-            raise ValueError(f"peer_update:<N> takes a positive count of copy streams, got {arg!r}")
+            raise ValueError(f"peer_update:<N> takes a positive count of copy streams (or 'graphs'), got {arg!r}")
         return ParallelPlan(data_parallel="peer", copy_streams=int(arg) if arg else 1)
     return ParallelPlan(data_parallel=kind)
 

@@ -41,7 +41,7 @@ barrier for a group its peers never close then waits until its timeout.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,55 @@ class _Layout:
         return buffer[start:start + self.nbytes[index]].view(like.dtype).view(like.shape)
 
 
+class CopyGraphs:
+    """Each group's gradient copies captured once as a CUDA graph and replayed with one launch.
+
+    Why: where the backward waits on the host (the default compile mode) every host call in the
+    hooks delays the backward's own launches, and a copy into a peer-mapped buffer costs about
+    10 us of CUDA runtime alone (a profile counted 584 in two steps: docs/training_step_notes.md,
+    entries 14 and 18), one per gradient. A graph replays a group's copies (the same copy-engine
+    transfers) with one launch. Its transfers read fixed addresses: a graph is replayed only while
+    the group's gradients sit where it was captured (the caching allocator gives a step's same
+    sequence of allocations the same blocks), recaptured when they moved, and after
+    ``max_captures`` captures of one group that group's copies are issued one by one again.
+    ``capture(copy)`` records what ``copy()`` issues on the current stream and returns an object
+    with ``replay()``; the default captures a ``torch.cuda.CUDAGraph``."""
+
+    def __init__(self, *, max_captures: int = 3, capture: Callable | None = None):
+        self.max_captures = max_captures
+        self._capture = capture or _capture_cuda_graph
+        self.graphs: dict[tuple[int, ...], tuple[tuple[int, ...], object]] = {}
+        self.captures: dict[tuple[int, ...], int] = {}
+
+    def run(self, key: tuple[int, ...], addresses: tuple[int, ...], copy: Callable[[], None]) -> None:
+        """Issue ``copy()``'s transfers for group ``key``, whose sources are at ``addresses``."""
+        entry = self.graphs.get(key)
+        if entry is not None and entry[0] == addresses:
+            entry[1].replay()
+            return
+        if self.captures.get(key, 0) >= self.max_captures:
+            self.graphs.pop(key, None)
+            copy()
+            return
+        self.captures[key] = self.captures.get(key, 0) + 1
+        graph = self._capture(copy)
+        self.graphs[key] = (addresses, graph)
+        graph.replay()
+
+
+def _capture_cuda_graph(copy: Callable[[], None]):
+    # not torch.cuda.graph(): it synchronises the device and empties the allocator's cache, which
+    # would move the next step's gradients off the addresses being captured; "thread_local": the
+    # backward's other CUDA calls go on while this thread captures
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(capture_error_mode="thread_local")
+    try:
+        copy()
+    finally:
+        graph.capture_end()
+    return graph
+
+
 def slot_of(source: int, receiver: int) -> int:
     """The slot of rank ``source``'s gradients in rank ``receiver``'s buffer (no slot for itself)."""
     if source == receiver:
@@ -88,7 +137,7 @@ class _CopyEngineTransport:
     host_collectives = False  # every wait is queued on the GPU
 
     def __init__(self, params, layout: _Layout, group, rank: int, world_size: int, device: torch.device,
-                 timeout_s: float, copy_streams: int = 1):
+                 timeout_s: float, copy_streams: int = 1, copy_graphs: bool = False):
         from torch.distributed import _symmetric_memory as symm_mem
 
         self.timeout_ms = int(timeout_s * 1000)
@@ -103,6 +152,7 @@ class _CopyEngineTransport:
         self.destinations = [[layout.view(remote[q], slot_of(rank, q), i, p) for q in peers]
                              for i, p in enumerate(params)]
         self.group_events: dict[int, torch.cuda.Event] = {}
+        self.copy_graphs = CopyGraphs() if copy_graphs else None
 
     def _barrier(self) -> None:
         self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
@@ -124,10 +174,17 @@ class _CopyEngineTransport:
         stream = self.streams[self._turn]
         self._turn = (self._turn + 1) % len(self.streams)
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+
+        def copy() -> None:
             for index, grad in grads:
                 for destination in self.destinations[index]:
                     destination.copy_(grad)  # same dtype, both dense: a cudaMemcpyAsync, on a copy engine
+
+        with torch.cuda.stream(stream):
+            if self.copy_graphs is None:
+                copy()
+            else:
+                self.copy_graphs.run(tuple(i for i, _ in grads), tuple(g.data_ptr() for _, g in grads), copy)
 
     def close_group(self, group: int, indices: Sequence[int]) -> None:
         for other in self.streams[1:]:  # the group's copies on every stream come before its barrier
@@ -189,10 +246,12 @@ class DDPPeer(_DDPBase):
     landed, so ``optimizer.step()`` afterwards has nothing left to do. ``.grad`` holds this
     rank's own gradient, not the average. The ranks agree on the order of the groups' barriers and
     updates through the gradient check: with ``check_gradients=False`` they keep the first one, the
-    groups reversed."""
+    groups reversed. ``copy_graphs`` (GPUs): each group's copies replayed as one CUDA graph
+    (``CopyGraphs``) instead of one call per gradient."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *, optimizer,
-                 copy_streams: int = 1, check_gradients: bool = True, timeout_s: float = 300.0):
+                 copy_streams: int = 1, copy_graphs: bool = False, check_gradients: bool = True,
+                 timeout_s: float = 300.0):
         if not (hasattr(optimizer, "groups") and hasattr(optimizer, "step_group")
                 and hasattr(optimizer, "fold_gradients")):
             raise ValueError("DDPPeer updates each group as its gradients land and folds the other ranks' gradients "
@@ -230,7 +289,7 @@ class DDPPeer(_DDPBase):
         device = params[0].device
         if device.type == "cuda":
             self.transport = _CopyEngineTransport(params, self.layout, process_group, self.rank, self.world_size,
-                                                  device, timeout_s, copy_streams)
+                                                  device, timeout_s, copy_streams, copy_graphs)
         else:
             self.transport = _GatherTransport(params, self.layout, process_group, self.rank, self.world_size, device)
         self._slots = [[self.layout.view(self.transport.buffer, s, i, p) for s in range(self.world_size - 1)]

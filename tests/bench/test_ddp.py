@@ -107,6 +107,11 @@ def test_ddp_bench_config_rejects_unknown_compiled_precision():
             DDPBenchConfig(variants=("nosync", grouped))
     with pytest.raises(ValueError, match="positive count of copy streams"):
         DDPBenchConfig(master_weights=True, master_variants=("nosync", "peer_update:0"))
+    from systems.bench.ddp import variant_plan
+
+    graphed = variant_plan("peer_update:graphs")
+    assert graphed.data_parallel == "peer" and graphed.copy_graphs and graphed.copy_streams == 1
+    assert not variant_plan("peer_update:2").copy_graphs
     with pytest.raises(ValueError, match="positive count of SMs"):
         DDPBenchConfig(master_weights=True, master_variants=("nosync", "bucketed_update:x"))
     with pytest.raises(ValueError, match="gradients are bf16 already"):

@@ -230,10 +230,52 @@ def test_layout_aligns_every_gradient_and_slots_skip_the_receiver():
         slot_of(1, 1)
 
 
+class _FakeGraph:
+    def __init__(self, copy, log):
+        self.copy, self.log = copy, log
+        log.append("capture")
+
+    def replay(self):
+        self.log.append("replay")
+        self.copy()
+
+
+def test_copy_graphs_replay_while_the_gradients_stay_put_and_give_up_on_a_group_that_keeps_moving():
+    from systems.parallel.peer import CopyGraphs
+
+    log, copies = [], []
+    graphs = CopyGraphs(max_captures=2, capture=lambda copy: _FakeGraph(copy, log))
+
+    def copy():
+        copies.append(1)
+
+    graphs.run((0, 1), (100, 200), copy)  # first sight: captured, then replayed
+    graphs.run((0, 1), (100, 200), copy)  # same addresses: replayed, not captured
+    assert log == ["capture", "replay", "replay"] and len(copies) == 2
+    graphs.run((2,), (300,), copy)  # another group: its own graph
+    assert graphs.captures == {(0, 1): 1, (2,): 1}
+    graphs.run((0, 1), (100, 999), copy)  # moved: captured again (the second and last time)
+    assert log[-2:] == ["capture", "replay"] and len(copies) == 4
+    graphs.run((0, 1), (100, 777), copy)  # moved again: copied one by one from now on
+    assert log.count("capture") == 3 and len(copies) == 5
+    assert graphs.captures[(0, 1)] == 2 and (0, 1) not in graphs.graphs
+    log.clear()
+    graphs.run((0, 1), (100, 200), copy)  # even at the first addresses: that group gave up
+    assert log == [] and len(copies) == 6
+
+
+def test_copy_graphs_apply_to_the_peer_wrapper_only():
+    from systems.parallel.plan import ParallelPlan
+
+    with pytest.raises(ValueError, match="copy_graphs applies to data_parallel='peer' only"):
+        ParallelPlan(data_parallel="bucketed", bucket_size_mb=10.0, copy_graphs=True)
+    assert ParallelPlan(data_parallel="peer", copy_graphs=True).copy_graphs
+
+
 # ----------------------------------------------------------------------------- GPU (copy engines)
 
 
-def _gpu_worker(ctx, copy_streams):
+def _gpu_worker(ctx, copy_streams, copy_graphs=False):
     """The copy-engine path on the debug model: bf16 weights, split fp32 masters, one group a block."""
     from systems.config import get_config
     from systems.model import TransformerLM
@@ -243,10 +285,10 @@ def _gpu_worker(ctx, copy_streams):
     model = TransformerLM(get_config("debug"), device=ctx.device)
     opt = build_optimizer(model, OptimizerSpec(kind="fused", lr=1e-3, master_weights=True, split_masters=True,
                                                grouped=True))
-    ddp = DDPPeer(model, optimizer=opt, copy_streams=copy_streams)
+    ddp = DDPPeer(model, optimizer=opt, copy_streams=copy_streams, copy_graphs=copy_graphs)
     g = torch.Generator().manual_seed(ctx.rank)
     vocab = model.cfg.vocab_size
-    for _ in range(3):
+    for _ in range(4):
         tokens = torch.randint(0, vocab, (2, 33), generator=g).to(ctx.device)
         opt.zero_grad(set_to_none=True)
         ddp.on_train_batch_start()
@@ -257,16 +299,21 @@ def _gpu_worker(ctx, copy_streams):
         opt.step()
     ddp.remove_hooks()
     torch.cuda.synchronize()
-    return {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+    graphs = ddp.transport.copy_graphs
+    captures = sum(graphs.captures.values()) if graphs is not None else None
+    return {n: p.detach().float().cpu() for n, p in model.named_parameters()}, captures, len(ddp._groups)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("copy_streams", [1, 3])
-def test_gpu_copy_engines_keep_the_replicas_equal(copy_streams):
+@pytest.mark.parametrize("copy_streams,copy_graphs", [(1, False), (3, False), (1, True)])
+def test_gpu_copy_engines_keep_the_replicas_equal(copy_streams, copy_graphs):
     # the ranks' own gradients differ (their halves of the batch): the replicas stay equal only if
     # each update read the other rank's gradient, and bit for bit because fp32 addition commutes
     # (rank 0 sums a + b, rank 1 b + a) and everything else is the same arithmetic
-    states = spawn(_gpu_worker, 2, "nccl", args=(copy_streams,), timeout_s=120, deadline_s=300)
-    for name in states[0]:
-        torch.testing.assert_close(states[1][name], states[0][name], atol=0, rtol=0, msg=name)
+    (states0, captures, groups), (states1, _, _) = spawn(_gpu_worker, 2, "nccl", args=(copy_streams, copy_graphs),
+                                                         timeout_s=120, deadline_s=300)
+    for name in states0:
+        torch.testing.assert_close(states1[name], states0[name], atol=0, rtol=0, msg=name)
+    if copy_graphs:  # the gradients came back to their addresses: some of the 4 steps replayed a graph
+        assert groups <= captures < 4 * groups
