@@ -151,7 +151,7 @@ class CausalSelfAttention(nn.Module):
             return t.unflatten(-1, (self.n_heads, -1)).transpose(-3, -2)  # (b, seq, d) -> (b, h, seq, d_head)
 
         if self.qkv_rope_kernel and x.is_cuda:  # (b, seq, 3d) -> 3 x (b, h, seq, d_head), q and k rotated
-            from systems.kernels.rope_qkv import rope_qkv
+            from systems.kernels.rope_qkv import rope_qkv  # here: it imports Triton, which the model needs nowhere else
 
             q, k, v = rope_qkv(self.qkv_proj(x), *self.rope.tables(positions), n_heads=self.n_heads)
         else:

@@ -51,15 +51,15 @@ def block_projections(cfg: ModelConfig, *, fused: bool) -> list[Projection]:
 def gemm_operands(p: Projection, pass_: str, *, tokens: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The two operands of ``pass_`` of projection ``p`` (random, never zeros: cuBLAS runs faster
     on zeros), laid out as autograd hands them to the matmul."""
-    x = torch.randn(tokens, p.d_in, device=device, dtype=dtype)
-    w = torch.randn(p.d_out, p.d_in, device=device, dtype=dtype)
-    dy = torch.randn(tokens, p.d_out, device=device, dtype=dtype)
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype)
+
     if pass_ == "forward":
-        return x, w.t()  # (T, in) @ (in, out): nn.Linear's x W^T
+        return randn(tokens, p.d_in), randn(p.d_out, p.d_in).t()  # (T, in) @ (in, out): nn.Linear's x W^T
     if pass_ == "input_grad":
-        return dy, w  # (T, out) @ (out, in)
+        return randn(tokens, p.d_out), randn(p.d_out, p.d_in)  # dy (T, out) @ W (out, in)
     if pass_ == "weight_grad":
-        return dy.t(), x  # (out, T) @ (T, in): W's gradient, in W's layout
+        return randn(tokens, p.d_out).t(), randn(tokens, p.d_in)  # dy^T (out, T) @ x (T, in): W's layout
     raise ValueError(f"pass must be one of {', '.join(PASSES)}, got {pass_!r}")
 
 

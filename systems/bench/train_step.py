@@ -153,31 +153,6 @@ VARIANTS: dict[str, Variant] = {
     "ours_master_overlap_sm16_split": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
                                               master_weights=True, optimizer_in_backward=True, sm_carveout=16,
                                               split_masters=True),
-    # and the fused projections on top of those
-    "ours_graphs_overlap_split_fusedproj": Variant(impl="ours", compile_blocks=True, fused_loss=True,
-                                                   optimizer="fused", master_weights=True,
-                                                   compile_mode="reduce-overhead", optimizer_in_backward=True,
-                                                   split_masters=True, fused_projections=True),
-    "ours_master_overlap_sm16_split_fusedproj": Variant(impl="ours", compile_blocks=True, fused_loss=True,
-                                                        optimizer="fused", master_weights=True,
-                                                        optimizer_in_backward=True, sm_carveout=16,
-                                                        split_masters=True, fused_projections=True),
-    # the fused projections with the QKV split and RoPE as one Triton pass each way instead of
-    # Inductor's concatenation kernel (docs/training_step_notes.md, entry 17). Not yet measured on
-    # a GPU, so not in FULL_PLAN
-    "ours_graphs_fusedproj_qkvrope": Variant(impl="ours", compile_blocks=True, fused_loss=True, optimizer="fused",
-                                             master_weights=True, compile_mode="reduce-overhead",
-                                             fused_projections=True, qkv_rope_kernel=True),
-    "ours_graphs_overlap_split_fusedproj_qkvrope": Variant(impl="ours", compile_blocks=True, fused_loss=True,
-                                                           optimizer="fused", master_weights=True,
-                                                           compile_mode="reduce-overhead",
-                                                           optimizer_in_backward=True, split_masters=True,
-                                                           fused_projections=True, qkv_rope_kernel=True),
-    "ours_master_overlap_sm16_split_fusedproj_qkvrope": Variant(impl="ours", compile_blocks=True, fused_loss=True,
-                                                                optimizer="fused", master_weights=True,
-                                                                optimizer_in_backward=True, sm_carveout=16,
-                                                                split_masters=True, fused_projections=True,
-                                                                qkv_rope_kernel=True),
     # inductor's max-autotune: every GEMM of a block (forward and backward) timed against Triton
     # templates, the fastest kept, pointwise neighbours fused into a Triton GEMM's epilogue where
     # one wins; the blocks replayed as CUDA graphs, as with reduce-overhead. Measured on an H100:
@@ -188,6 +163,14 @@ VARIANTS: dict[str, Variant] = {
                                                master_weights=True, optimizer_in_backward=True, sm_carveout=sms)
        for sms in (16, 32)},
 }
+# Each of these is the variant it is named after with one lever changed: the fastest variants of
+# each size with the fused projections on top; and the fused-projection variants with the QKV
+# split and RoPE as one Triton pass each way instead of Inductor's concatenation kernel
+# (docs/training_step_notes.md, entry 17; not yet measured on a GPU, so not in FULL_PLAN)
+FUSEDPROJ_OF = ("ours_graphs_overlap_split", "ours_master_overlap_sm16_split")
+VARIANTS.update({f"{n}_fusedproj": dataclasses.replace(VARIANTS[n], fused_projections=True) for n in FUSEDPROJ_OF})
+QKVROPE_OF = ("ours_graphs_fusedproj", *(f"{n}_fusedproj" for n in FUSEDPROJ_OF))
+VARIANTS.update({f"{n}_qkvrope": dataclasses.replace(VARIANTS[n], qkv_rope_kernel=True) for n in QKVROPE_OF})
 
 # (lever, variant without it, variant with it): notebook 10 credits each lever with the
 # difference between the two, measured in the same run
@@ -201,13 +184,8 @@ LEVERS: tuple[tuple[str, str, str], ...] = (
     ("QKV and W1/W3 as one GEMM each", "ours_fused_master", "ours_fused_master_fusedproj"),
     ("QKV and W1/W3 as one GEMM each", "ours_master", "ours_master_fusedproj"),
     ("QKV and W1/W3 as one GEMM each", "ours_graphs", "ours_graphs_fusedproj"),
-    ("QKV and W1/W3 as one GEMM each", "ours_graphs_overlap_split", "ours_graphs_overlap_split_fusedproj"),
-    ("QKV and W1/W3 as one GEMM each", "ours_master_overlap_sm16_split", "ours_master_overlap_sm16_split_fusedproj"),
-    ("the QKV split and RoPE in one Triton pass each way", "ours_graphs_fusedproj", "ours_graphs_fusedproj_qkvrope"),
-    ("the QKV split and RoPE in one Triton pass each way", "ours_graphs_overlap_split_fusedproj",
-     "ours_graphs_overlap_split_fusedproj_qkvrope"),
-    ("the QKV split and RoPE in one Triton pass each way", "ours_master_overlap_sm16_split_fusedproj",
-     "ours_master_overlap_sm16_split_fusedproj_qkvrope"),
+    *(("QKV and W1/W3 as one GEMM each", n, f"{n}_fusedproj") for n in FUSEDPROJ_OF),
+    *(("the QKV split and RoPE in one Triton pass each way", n, f"{n}_qkvrope") for n in QKVROPE_OF),
     ("split fp32 masters (bf16 weight + 16 low bits)", "ours_fused_master", "ours_fused_master_split"),
     ("split fp32 masters (bf16 weight + 16 low bits)", "ours_master", "ours_master_split"),
     ("split fp32 masters (bf16 weight + 16 low bits)", "ours_graphs", "ours_graphs_split"),

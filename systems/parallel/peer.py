@@ -290,6 +290,9 @@ class DDPPeer(_DDPBase):
         if device.type == "cuda":
             self.transport = _CopyEngineTransport(params, self.layout, process_group, self.rank, self.world_size,
                                                   device, timeout_s, copy_streams, copy_graphs)
+        elif copy_graphs:
+            raise ValueError("copy_graphs replays CUDA copies: on CPU ranks (gloo) DDPPeer all-gathers instead; "
+                             "leave copy_graphs=False there")
         else:
             self.transport = _GatherTransport(params, self.layout, process_group, self.rank, self.world_size, device)
         self._slots = [[self.layout.view(self.transport.buffer, s, i, p) for s in range(self.world_size - 1)]

@@ -30,6 +30,7 @@ def lever_table(table, *, levers=LEVERS):
     import pandas as pd
 
     ok = table[table["status"] == "ok"].set_index(["model", "variant"])
+    spread = {"step_ms_p10", "step_ms_p90"} <= set(ok.columns)
     out = []
     for model in dict.fromkeys(table["model"]):
         for lever, before, after in levers:
@@ -38,7 +39,7 @@ def lever_table(table, *, levers=LEVERS):
             b, a = ok.loc[(model, before)], ok.loc[(model, after)]
             line = {"model": model, "lever": lever, "from": before, "to": after,
                     "step_ms_from": b["step_ms"], "step_ms_to": a["step_ms"], "saved_ms": b["step_ms"] - a["step_ms"]}
-            if {"step_ms_p10", "step_ms_p90"} <= set(ok.columns):
+            if spread:
                 line["beyond_spread"] = bool(a["step_ms_p90"] < b["step_ms_p10"] or a["step_ms_p10"] > b["step_ms_p90"])
             for phase in PHASES:
                 line[f"{phase}_ms_change"] = a[f"{phase}_ms"] - b[f"{phase}_ms"]

@@ -176,7 +176,9 @@ def _errors_worker(ctx):
     messages = []
     for make in (lambda: DDPPeer(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
                  lambda: DDPPeer(model, optimizer=GroupedOptimizer([[model.fc1.weight]],
-                                                                   make_optimizer=lambda ps: FusedAdamW(ps)))):
+                                                                   make_optimizer=lambda ps: FusedAdamW(ps))),
+                 lambda: DDPPeer(model, copy_graphs=True, optimizer=GroupedOptimizer(
+                     [[p for p in model.parameters() if p.requires_grad]], make_optimizer=lambda ps: FusedAdamW(ps)))):
         try:
             make()
         except ValueError as exc:
@@ -188,9 +190,10 @@ def _errors_worker(ctx):
 @pytest.mark.slow
 def test_peer_refuses_optimizers_it_cannot_fold_into_and_uncovered_parameters():
     messages = spawn(_errors_worker, 2, "gloo", timeout_s=30, deadline_s=90)[0]
-    assert len(messages) == 2
+    assert len(messages) == 3
     assert "GroupedOptimizer of FusedAdamW" in messages[0]
     assert "in no optimizer group" in messages[1]
+    assert "copy_graphs replays CUDA copies" in messages[2]
 
 
 def _state_broadcast_worker(ctx):
