@@ -37,6 +37,19 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _pairs(x, ROWS: tl.constexpr, D: tl.constexpr):
+    # (rows, d) -> the even places and the odd places, each (rows, d/2): the swap as a register
+    # shuffle; loading x at d ^ 1 instead defeats the vectorised loads (3x slower on an H200)
+    return tl.split(tl.reshape(x, (ROWS, D // 2, 2)))
+
+
+@triton.jit
+def _interleave(even, odd, ROWS: tl.constexpr, D: tl.constexpr):
+    # two (rows, d/2) -> (rows, d), even[i] at 2i and odd[i] at 2i + 1
+    return tl.reshape(tl.join(even, odd), (ROWS, D))
+
+
+@triton.jit
 def _rope_qkv_fwd_kernel(QKV, Cos, Sin, Q, K, V, n_rows, seq, H: tl.constexpr, D: tl.constexpr,
                          BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     # rows: (batch, seq, head) flattened; q, k, v out: (batch, seq, head, d_head) contiguous
@@ -45,21 +58,20 @@ def _rope_qkv_fwd_kernel(QKV, Cos, Sin, Q, K, V, n_rows, seq, H: tl.constexpr, D
     mask = (rows < n_rows)[:, None] & (d < D)[None, :]
     token = rows // H  # batch * seq + position
     head = rows % H
-    angle = (token % seq)[:, None] * D
-    cos = tl.load(Cos + angle + d[None, :], mask=mask, other=0.0)
-    sin = tl.load(Sin + angle + d[None, :], mask=mask, other=0.0)
-    src = (token * 3 * H + head)[:, None] * D  # q's features of the row in qkv's (batch, seq, 3, H, D)
+    angle = (token % seq)[:, None] * D + d[None, :]
+    cos, _ = _pairs(tl.load(Cos + angle, mask=mask, other=0.0), BLOCK_ROWS, BLOCK_D)  # each cosine twice
+    sin_even, sin_odd = _pairs(tl.load(Sin + angle, mask=mask, other=0.0), BLOCK_ROWS, BLOCK_D)
+    src = (token * 3 * H + head)[:, None] * D + d[None, :]  # q's features in qkv's (batch, seq, 3, H, D)
     dst = rows[:, None] * D + d[None, :]
     for j in tl.static_range(2):  # q, then k: rotated
-        x = tl.load(QKV + src + j * H * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        swapped = tl.load(QKV + src + j * H * D + (d ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = x * cos + swapped * sin
+        even, odd = _pairs(tl.load(QKV + src + j * H * D, mask=mask, other=0.0).to(tl.float32), BLOCK_ROWS, BLOCK_D)
+        # the PyTorch path's x * cos + swap(x) * sin, in its order
+        y = _interleave(even * cos + odd * sin_even, odd * cos + even * sin_odd, BLOCK_ROWS, BLOCK_D)
         if j == 0:
             tl.store(Q + dst, y.to(Q.dtype.element_ty), mask=mask)
         else:
             tl.store(K + dst, y.to(K.dtype.element_ty), mask=mask)
-    v = tl.load(QKV + src + 2 * H * D + d[None, :], mask=mask, other=0.0)
-    tl.store(V + dst, v, mask=mask)
+    tl.store(V + dst, tl.load(QKV + src + 2 * H * D, mask=mask, other=0.0), mask=mask)
 
 
 @triton.jit
@@ -75,22 +87,21 @@ def _rope_qkv_bwd_kernel(dQ, dK, dV, Cos, Sin, dQKV, n_rows, seq,
     head = rows % H
     batch = token // seq
     pos = token % seq
-    angle = pos[:, None] * D
-    cos = tl.load(Cos + angle + d[None, :], mask=mask, other=0.0)
-    # dy * sin, swapped: the sine at each element's partner
-    sin_partner = tl.load(Sin + angle + (d ^ 1)[None, :], mask=mask, other=0.0)
+    angle = pos[:, None] * D + d[None, :]
+    cos, _ = _pairs(tl.load(Cos + angle, mask=mask, other=0.0), BLOCK_ROWS, BLOCK_D)
+    sin_even, sin_odd = _pairs(tl.load(Sin + angle, mask=mask, other=0.0), BLOCK_ROWS, BLOCK_D)
     dst = (token * 3 * H + head)[:, None] * D + d[None, :]
-    q_row = (batch * sq_b + head * sq_h + pos * sq_s)[:, None]
-    dy = tl.load(dQ + q_row + d[None, :] * sq_d, mask=mask, other=0.0).to(tl.float32)
-    dy_partner = tl.load(dQ + q_row + (d ^ 1)[None, :] * sq_d, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dQKV + dst, (dy * cos + dy_partner * sin_partner).to(dQKV.dtype.element_ty), mask=mask)
-    k_row = (batch * sk_b + head * sk_h + pos * sk_s)[:, None]
-    dy = tl.load(dK + k_row + d[None, :] * sk_d, mask=mask, other=0.0).to(tl.float32)
-    dy_partner = tl.load(dK + k_row + (d ^ 1)[None, :] * sk_d, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dQKV + dst + H * D, (dy * cos + dy_partner * sin_partner).to(dQKV.dtype.element_ty), mask=mask)
-    v_row = (batch * sv_b + head * sv_h + pos * sv_s)[:, None]
-    dv = tl.load(dV + v_row + d[None, :] * sv_d, mask=mask, other=0.0)
-    tl.store(dQKV + dst + 2 * H * D, dv.to(dQKV.dtype.element_ty), mask=mask)
+    # dq then dk: the gradient of x * cos + swap(x) * sin is dy * cos + swap(dy * sin)
+    q_at = dQ + (batch * sq_b + head * sq_h + pos * sq_s)[:, None] + d[None, :] * sq_d
+    even, odd = _pairs(tl.load(q_at, mask=mask, other=0.0).to(tl.float32), BLOCK_ROWS, BLOCK_D)
+    dx = _interleave(even * cos + odd * sin_odd, odd * cos + even * sin_even, BLOCK_ROWS, BLOCK_D)
+    tl.store(dQKV + dst, dx.to(dQKV.dtype.element_ty), mask=mask)
+    k_at = dK + (batch * sk_b + head * sk_h + pos * sk_s)[:, None] + d[None, :] * sk_d
+    even, odd = _pairs(tl.load(k_at, mask=mask, other=0.0).to(tl.float32), BLOCK_ROWS, BLOCK_D)
+    dx = _interleave(even * cos + odd * sin_odd, odd * cos + even * sin_even, BLOCK_ROWS, BLOCK_D)
+    tl.store(dQKV + dst + H * D, dx.to(dQKV.dtype.element_ty), mask=mask)
+    v_at = dV + (batch * sv_b + head * sv_h + pos * sv_s)[:, None] + d[None, :] * sv_d
+    tl.store(dQKV + dst + 2 * H * D, tl.load(v_at, mask=mask, other=0.0).to(dQKV.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- launch
