@@ -166,7 +166,7 @@ VARIANTS: dict[str, Variant] = {
 # Each of these is the variant it is named after with one lever changed: the fastest variants of
 # each size with the fused projections on top; and the fused-projection variants with the QKV
 # split and RoPE as one Triton pass each way instead of Inductor's concatenation kernel
-# (docs/training_step_notes.md, entry 17; not yet measured on a GPU, so not in FULL_PLAN)
+# (docs/training_step_notes.md, entries 17 and 19)
 FUSEDPROJ_OF = ("ours_graphs_overlap_split", "ours_master_overlap_sm16_split")
 VARIANTS.update({f"{n}_fusedproj": dataclasses.replace(VARIANTS[n], fused_projections=True) for n in FUSEDPROJ_OF})
 QKVROPE_OF = ("ours_graphs_fusedproj", *(f"{n}_fusedproj" for n in FUSEDPROJ_OF))
@@ -219,10 +219,12 @@ FULL_PLAN = Plan(
     variants={"2.7B": ("hf_llama", "ours_eager", "ours_compiled", "ours_fused", "ours_fast", "ours_master",
                        "ours_master_fusedproj", "ours_master_split", "ours_master_overlap", "ours_master_overlap_sm16",
                        "ours_master_overlap_sm32", "ours_master_overlap_sm16_split",
-                       "ours_master_overlap_sm16_split_fusedproj", "ours_graphs", "ours_graphs_split"),
+                       "ours_master_overlap_sm16_split_fusedproj", "ours_master_overlap_sm16_split_fusedproj_qkvrope",
+                       "ours_graphs", "ours_graphs_split"),
               "xl-2025": ("hf_llama", "ours_eager", "ours_fast", "ours_master", "ours_graphs", "ours_graphs_fusedproj",
-                          "ours_graphs_split", "ours_graphs_overlap", "ours_graphs_overlap_split",
-                          "ours_graphs_overlap_split_fusedproj")},
+                          "ours_graphs_fusedproj_qkvrope", "ours_graphs_split", "ours_graphs_overlap",
+                          "ours_graphs_overlap_split", "ours_graphs_overlap_split_fusedproj",
+                          "ours_graphs_overlap_split_fusedproj_qkvrope")},
     step=dict(batch_size=4, context_length=512, warmup=5, steps=20), trace=("2.7B", "ours_master_overlap"))
 # CPU: the debug model; compiled variants are left out (inductor's CPU compile dominates a smoke run
 # and needs a C++ toolchain)

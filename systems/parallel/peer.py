@@ -85,7 +85,8 @@ class CopyGraphs:
     sequence of allocations the same blocks), recaptured when they moved, and after
     ``max_captures`` captures of one group that group's copies are issued one by one again.
     ``capture(copy)`` records what ``copy()`` issues on the current stream and returns an object
-    with ``replay()``; the default captures a ``torch.cuda.CUDAGraph``."""
+    with ``replay()``; the default captures a ``torch.cuda.CUDAGraph``. Measured on 2x H200 in the
+    default compile mode: no gain the paired rounds resolve (entry 19), so it stays off by default."""
 
     def __init__(self, *, max_captures: int = 3, capture: Callable | None = None):
         self.max_captures = max_captures
