@@ -77,7 +77,8 @@ fig = report.plot_phases(table, title=f"Where a step's time goes, per variant ({
 nb.save_figure(fig, ctx, "phases")
 
 # %%
-nb.md(report.step_answer(table, targets=ts.OUR_TARGETS_MS, handout=ctx.handout))
+nb.md(report.step_answer(table, targets=ts.OUR_TARGETS_MS, target_gpu=ts.OUR_TARGETS_GPU, gpu=ctx.gpu,
+                          handout=ctx.handout))
 
 # %% [markdown]
 # ## What each lever buys

@@ -202,6 +202,7 @@ LEVERS: tuple[tuple[str, str, str], ...] = (
 # sizes): batch 4 x context 512, bf16 autocast over fp32 master weights, forward to AdamW. They are
 # issue #26's (62% MFU at 2.7B); docs/training_step_notes.md says what has been tried against them.
 OUR_TARGETS_MS = {"2.7B": 100.0, "xl-2025": 65.0}
+OUR_TARGETS_GPU = "H100"  # a run on another GPU is reported against them, not judged
 
 
 @dataclass(frozen=True)

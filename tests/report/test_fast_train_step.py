@@ -25,6 +25,12 @@ def test_step_answer_reads_the_rows_and_labels_our_target():
     assert "**xl (2.7B)**: the fastest variant is `ours_master` at 100.0 ms" in text
     assert "2.00x Hugging Face Llama's 200.0 ms" in text and "MFU 50.0%" in text
     assert "Our target (the project's, not the handout's) <= 105 ms: **met** (0.95x the target)" in text
+    same = report.step_answer(table, targets={"2.7B": 105.0}, target_gpu="H100", gpu="NVIDIA H100 80GB HBM3",
+                              handout="2026")
+    assert "<= 105 ms: **met** (0.95x the target)" in same
+    other = report.step_answer(table, targets={"2.7B": 105.0}, target_gpu="H100", gpu="NVIDIA H200", handout="2026")
+    assert "is set for one H100; this run's NVIDIA H200 is another GPU, so it is not judged here (0.95x the target)" in other
+    assert "**met**" not in other
     assert "forward 45.0 -> 30.0 ms" in text and "**xl-2025**: no variant ran" in text
     named = report.step_table([_row("2.7B", "ours_eager", 150.0)], handout="2026")
     assert list(named.columns[:2]) == ["size", "model"] and named.loc[0, "size"] == "xl (2.7B)"
