@@ -8,9 +8,9 @@ loads over the three regions: 46-71 us a layer on an H100 at the 2025 xl's sizes
 40 MB of traffic take about 13 us (docs/training_step_notes.md, entry 17). Here the backward
 reads dq, dk, dv once, in whatever strides attention's backward left them, and writes the row's
 gradient once (16.9 us a layer on an H200, and 1.7 ms off that model's step: entry 19); the
-forward reads the row once and writes q, k (rotated) and v, each laid out
+forward reads q's and k's features once and writes them rotated, each laid out
 (batch, seq, heads, d_head) and returned as (batch, heads, seq, d_head) views, the layout the
-PyTorch path hands to attention.
+PyTorch path hands to attention, and v as a view of the row, as that path does.
 
 The rotation is ``systems.model.rotate_pairs``: each adjacent pair (x[2i], x[2i+1]) turned by
 its angle, computed as ``x * cos + swap(x) * sin`` with the tables ``RotaryEmbedding`` keeps
@@ -53,9 +53,9 @@ def _interleave(even, odd, ROWS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _rope_qkv_fwd_kernel(QKV, Cos, Sin, Q, K, V, n_rows, seq, H: tl.constexpr, D: tl.constexpr,
+def _rope_qkv_fwd_kernel(QKV, Cos, Sin, Q, K, n_rows, seq, H: tl.constexpr, D: tl.constexpr,
                          BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    # rows: (batch, seq, head) flattened; q, k, v out: (batch, seq, head, d_head) contiguous
+    # rows: (batch, seq, head) flattened; q, k out: (batch, seq, head, d_head) contiguous
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     d = tl.arange(0, BLOCK_D)
     mask = (rows < n_rows)[:, None] & (d < D)[None, :]
@@ -74,7 +74,6 @@ def _rope_qkv_fwd_kernel(QKV, Cos, Sin, Q, K, V, n_rows, seq, H: tl.constexpr, D
             tl.store(Q + dst, y.to(Q.dtype.element_ty), mask=mask)
         else:
             tl.store(K + dst, y.to(K.dtype.element_ty), mask=mask)
-    tl.store(V + dst, tl.load(QKV + src + 2 * H * D, mask=mask, other=0.0), mask=mask)
 
 
 @triton.jit
@@ -121,11 +120,13 @@ def _forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: i
     b, seq, three_d = qkv.shape
     d_head = three_d // (3 * n_heads)
     qkv = qkv.contiguous()
-    q, k, v = [torch.empty(b, seq, n_heads, d_head, device=qkv.device, dtype=qkv.dtype) for _ in range(3)]
+    q, k = [torch.empty(b, seq, n_heads, d_head, device=qkv.device, dtype=qkv.dtype) for _ in range(2)]
     n_rows = b * seq * n_heads
     block_rows, block_d, programs = _blocks(n_rows, d_head)
-    _rope_qkv_fwd_kernel[(programs,)](qkv, cos, sin, q, k, v, n_rows, seq, H=n_heads, D=d_head,
+    _rope_qkv_fwd_kernel[(programs,)](qkv, cos, sin, q, k, n_rows, seq, H=n_heads, D=d_head,
                                       BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=NUM_WARPS)
+    # v is not rotated: handed on as a view of the row, as the PyTorch path does, not copied
+    v = qkv.unflatten(-1, (3, n_heads, d_head))[:, :, 2]  # (b, seq, 3 d) -> (b, seq, h, d_head)
     # (b, seq, h, d_head) -> (b, h, seq, d_head) views
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
