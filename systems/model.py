@@ -127,6 +127,19 @@ class RotaryEmbedding(nn.Module):
         return rotate_pairs(x, *self.tables(positions))  # (..., seq, d_head)
 
 
+def split_heads(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    return t.unflatten(-1, (n_heads, -1)).transpose(-3, -2)  # (b, seq, d) -> (b, h, seq, d_head)
+
+
+def qkv_heads(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, n_heads: int):
+    """q and k rotated, and v, each (b, h, seq, d_head), from the fused projection's output
+    (b, seq, 3d) by PyTorch ops; ``systems.kernels.rope_qkv`` computes the same in one Triton pass
+    each way."""
+    q, k, v = qkv.chunk(3, dim=-1)  # (b, seq, 3d) -> 3 x (b, seq, d) views
+    return (rotate_pairs(split_heads(q, n_heads), cos, sin), rotate_pairs(split_heads(k, n_heads), cos, sin),
+            split_heads(v, n_heads))
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE on q and k. ``cfg.fused_projections``: q, k, v
     come from one ``qkv_proj`` (its rows: q's, then k's, then v's) instead of three Linears;
@@ -147,21 +160,18 @@ class CausalSelfAttention(nn.Module):
         self.rope = RotaryEmbedding(cfg.d_head, cfg.context_length, cfg.rope_theta, device=device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.unflatten(-1, (self.n_heads, -1)).transpose(-3, -2)  # (b, seq, d) -> (b, h, seq, d_head)
-
+        cos, sin = self.rope.tables(positions)
+        h = self.n_heads
         if self.qkv_rope_kernel and x.is_cuda:  # (b, seq, 3d) -> 3 x (b, h, seq, d_head), q and k rotated
             from systems.kernels.rope_qkv import rope_qkv  # here: it imports Triton, which the model needs nowhere else
 
-            q, k, v = rope_qkv(self.qkv_proj(x), *self.rope.tables(positions), n_heads=self.n_heads)
+            q, k, v = rope_qkv(self.qkv_proj(x), cos, sin, n_heads=h)
+        elif self.fused:
+            q, k, v = qkv_heads(self.qkv_proj(x), cos, sin, n_heads=h)
         else:
-            if self.fused:
-                q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # (b, seq, 3d) -> 3 x (b, seq, d) views
-            else:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q = self.rope(heads(q), positions)
-            k = self.rope(heads(k), positions)
-            v = heads(v)
+            q = rotate_pairs(split_heads(self.q_proj(x), h), cos, sin)
+            k = rotate_pairs(split_heads(self.k_proj(x), h), cos, sin)
+            v = split_heads(self.v_proj(x), h)
         out = get_backend(self.attn_impl)(q, k, v, is_causal=True)  # (b, h, seq, d_head)
         return self.output_proj(out.transpose(-3, -2).flatten(-2))  # (b, h, seq, d_head) -> (b, seq, d)
 

@@ -8,10 +8,16 @@
   (``cross_entropy(h @ W.T)``) against ``linear_cross_entropy``: median ms, the TFLOP/s of the
   head's model FLOPs (``systems.measure.flops``' convention: the head's matmul, backward 2x) and
   peak memory above the inputs.
+- rope: the fused QKV projection's output split into heads, q and k rotated, forward and forward +
+  backward at the preset's batch 4 x 512 tokens, by the model's PyTorch ops (``qkv_heads``; eager,
+  and compiled on CUDA as a compiled block runs them) against ``rope_qkv``'s Triton passes (CUDA):
+  median ms and the bandwidth of the bytes each pass must move at least (forward: q's and k's
+  features read and written; backward: dq, dk, dv read, the row's gradient written).
 
 Times are ``systems.measure.timer.time_fn`` medians with their 10th / 90th percentiles.
 
     python -m systems.bench.fused --model 2.7B            # rows under build/fused/
+    python -m systems.bench.fused --model xl-2025         # its head dim 64 fills rope's block
 """
 
 from __future__ import annotations
@@ -121,6 +127,39 @@ def loss_rows(*, tokens: int, d_model: int, vocab: int, rep_ms: float = 300, dev
     return rows
 
 
+def rope_rows(*, batch: int, seq: int, n_heads: int, d_head: int, rep_ms: float = 300, device: str = "cuda",
+              dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    from systems.model import RotaryEmbedding, qkv_heads
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    width = 3 * n_heads * d_head
+    qkv = torch.randn(batch, seq, width, device=device, generator=gen).to(dtype).requires_grad_()
+    grads = [torch.randn(batch, n_heads, seq, d_head, device=device, generator=gen).to(dtype) for _ in range(3)]
+    cos, sin = RotaryEmbedding(d_head, seq, device=device).tables(torch.arange(seq, device=device))
+    impls = {"pytorch": lambda t: qkv_heads(t, cos, sin, n_heads=n_heads)}
+    if torch.device(device).type == "cuda":
+        from systems.kernels.rope_qkv import rope_qkv
+
+        impls["pytorch_compiled"] = torch.compile(impls["pytorch"])
+        impls["triton"] = lambda t: rope_qkv(t, cos, sin, n_heads=n_heads)
+    row_bytes = batch * seq * width * qkv.element_size()
+    # forward: 2/3 of the row read, as much written (v stays a view); backward: 3/3 read, 3/3 written
+    passes = {"forward": (lambda fn: fn(qkv), 4 / 3),
+              "forward+backward": (lambda fn: torch.autograd.grad(fn(qkv), qkv, grads), 4 / 3 + 2)}
+    rows = []
+    for name, fn in impls.items():
+        for pass_name, (run, rows_moved) in passes.items():
+            row = dict(bench="rope", variant=name, phase=pass_name, batch=batch, seq=seq, n_heads=n_heads,
+                       d_head=d_head, dtype=str(dtype).removeprefix("torch."), status="ok")
+            with catch_oom() as oom:
+                row.update(_timed(lambda: run(fn), rep_ms=rep_ms, device=device))
+                row.update(min_bytes=rows_moved * row_bytes, gbps=rows_moved * row_bytes / (row["ms"] * 1e-3) / 1e9)
+            if oom:
+                row.update(status="oom", error=oom.message)
+            rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="2.7B", help="preset whose parameter shapes the optimizer updates")
@@ -135,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = optimizer_rows(model=args.model)
     for case in cases:
         rows += loss_rows(**case)
+    cfg = get_config(args.model)
+    rows += rope_rows(batch=4, seq=512, n_heads=cfg.n_heads, d_head=cfg.d_head)
     for row in rows:
         writer.write(row)
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)

@@ -44,3 +44,15 @@ def test_cli_needs_a_gpu():
     with pytest.raises(SystemExit) as exc:
         fused.main([])
     assert exc.value.code == 2
+
+
+def test_rope_rows_time_both_passes_against_the_bytes_they_must_move():
+    # on the CPU only the PyTorch path runs (the compiled path and the Triton passes need CUDA)
+    rows = fused.rope_rows(batch=2, seq=8, n_heads=2, d_head=16, rep_ms=5, device="cpu", dtype=torch.float32)
+    assert [(r["variant"], r["phase"]) for r in rows] == [("pytorch", "forward"), ("pytorch", "forward+backward")]
+    row_bytes = 2 * 8 * 3 * 2 * 16 * 4  # the fused projection's output, fp32
+    # forward: q's and k's features read and written (v is a view); backward: dq, dk, dv read, the row written
+    assert [r["min_bytes"] for r in rows] == [pytest.approx(row_bytes * 4 / 3), pytest.approx(row_bytes * 10 / 3)]
+    for r in rows:
+        assert r["status"] == "ok" and 0 < r["p10_ms"] <= r["ms"] <= r["p90_ms"], r
+        assert r["gbps"] == pytest.approx(r["min_bytes"] / (r["ms"] * 1e-3) / 1e9)

@@ -31,13 +31,9 @@ TOL = {torch.float32: dict(atol=1e-6, rtol=1e-6), torch.float16: dict(atol=1e-3,
 
 
 def _reference(qkv, cos, sin, n_heads):
-    from systems.model import rotate_pairs
+    from systems.model import qkv_heads
 
-    def heads(t):
-        return t.unflatten(-1, (n_heads, -1)).transpose(-3, -2)  # (b, seq, d) -> (b, h, seq, d_head)
-
-    q, k, v = qkv.chunk(3, dim=-1)  # (b, seq, 3d) -> 3 x (b, seq, d)
-    return rotate_pairs(heads(q), cos, sin), rotate_pairs(heads(k), cos, sin), heads(v)
+    return qkv_heads(qkv, cos, sin, n_heads=n_heads)  # the model's PyTorch path
 
 
 def _tables(seq, d_head, device="cpu"):
