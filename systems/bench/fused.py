@@ -148,8 +148,8 @@ def rope_rows(*, batch: int, seq: int, n_heads: int, d_head: int, rep_ms: float 
               "forward+backward": (lambda fn: torch.autograd.grad(fn(qkv), qkv, grads), 4 / 3 + 2)}
     rows = []
     for name, fn in impls.items():
-        for pass_name, (run, rows_moved) in passes.items():
-            row = dict(bench="rope", variant=name, phase=pass_name, batch=batch, seq=seq, n_heads=n_heads,
+        for phase, (run, rows_moved) in passes.items():
+            row = dict(bench="rope", variant=name, phase=phase, batch=batch, seq=seq, n_heads=n_heads,
                        d_head=d_head, dtype=str(dtype).removeprefix("torch."), status="ok")
             with catch_oom() as oom:
                 row.update(_timed(lambda: run(fn), rep_ms=rep_ms, device=device))
