@@ -47,9 +47,10 @@ def _pairs(x, ROWS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _interleave(even, odd, ROWS: tl.constexpr, D: tl.constexpr):
-    # two (rows, d/2) -> (rows, d), even[i] at 2i and odd[i] at 2i + 1
-    return tl.reshape(tl.join(even, odd), (ROWS, D))
+def _rotate(x, cos, sin_at_even, sin_at_odd, ROWS: tl.constexpr, D: tl.constexpr):
+    # x * cos + swap(x) * sin in fp32, in the PyTorch path's order: (rows, d) -> (rows, d)
+    even, odd = _pairs(x.to(tl.float32), ROWS, D)
+    return tl.reshape(tl.join(even * cos + odd * sin_at_even, odd * cos + even * sin_at_odd), (ROWS, D))
 
 
 @triton.jit
@@ -67,9 +68,7 @@ def _rope_qkv_fwd_kernel(QKV, Cos, Sin, Q, K, n_rows, seq, H: tl.constexpr, D: t
     src = (token * 3 * H + head)[:, None] * D + d[None, :]  # q's features in qkv's (batch, seq, 3, H, D)
     dst = rows[:, None] * D + d[None, :]
     for j in tl.static_range(2):  # q, then k: rotated
-        even, odd = _pairs(tl.load(QKV + src + j * H * D, mask=mask, other=0.0).to(tl.float32), BLOCK_ROWS, BLOCK_D)
-        # the PyTorch path's x * cos + swap(x) * sin, in its order
-        y = _interleave(even * cos + odd * sin_even, odd * cos + even * sin_odd, BLOCK_ROWS, BLOCK_D)
+        y = _rotate(tl.load(QKV + src + j * H * D, mask=mask, other=0.0), cos, sin_even, sin_odd, BLOCK_ROWS, BLOCK_D)
         if j == 0:
             tl.store(Q + dst, y.to(Q.dtype.element_ty), mask=mask)
         else:
@@ -93,14 +92,13 @@ def _rope_qkv_bwd_kernel(dQ, dK, dV, Cos, Sin, dQKV, n_rows, seq,
     cos, _ = _pairs(tl.load(Cos + angle, mask=mask, other=0.0), BLOCK_ROWS, BLOCK_D)
     sin_even, sin_odd = _pairs(tl.load(Sin + angle, mask=mask, other=0.0), BLOCK_ROWS, BLOCK_D)
     dst = (token * 3 * H + head)[:, None] * D + d[None, :]
-    # dq then dk: the gradient of x * cos + swap(x) * sin is dy * cos + swap(dy * sin)
+    # dq then dk: the gradient of x * cos + swap(x) * sin is dy * cos + swap(dy * sin), the same
+    # rotation with each sine taken from the pair's other place
     q_at = dQ + (batch * sq_b + head * sq_h + pos * sq_s)[:, None] + d[None, :] * sq_d
-    even, odd = _pairs(tl.load(q_at, mask=mask, other=0.0).to(tl.float32), BLOCK_ROWS, BLOCK_D)
-    dx = _interleave(even * cos + odd * sin_odd, odd * cos + even * sin_even, BLOCK_ROWS, BLOCK_D)
+    dx = _rotate(tl.load(q_at, mask=mask, other=0.0), cos, sin_odd, sin_even, BLOCK_ROWS, BLOCK_D)
     tl.store(dQKV + dst, dx.to(dQKV.dtype.element_ty), mask=mask)
     k_at = dK + (batch * sk_b + head * sk_h + pos * sk_s)[:, None] + d[None, :] * sk_d
-    even, odd = _pairs(tl.load(k_at, mask=mask, other=0.0).to(tl.float32), BLOCK_ROWS, BLOCK_D)
-    dx = _interleave(even * cos + odd * sin_odd, odd * cos + even * sin_even, BLOCK_ROWS, BLOCK_D)
+    dx = _rotate(tl.load(k_at, mask=mask, other=0.0), cos, sin_odd, sin_even, BLOCK_ROWS, BLOCK_D)
     tl.store(dQKV + dst + H * D, dx.to(dQKV.dtype.element_ty), mask=mask)
     v_at = dV + (batch * sv_b + head * sv_h + pos * sv_s)[:, None] + d[None, :] * sv_d
     tl.store(dQKV + dst + 2 * H * D, tl.load(v_at, mask=mask, other=0.0).to(dQKV.dtype.element_ty), mask=mask)
