@@ -200,12 +200,17 @@ def variant_plan(name: str) -> ParallelPlan:
     if kind == "bucketed_update":
         variant_sm_carveout(name)  # a malformed <N> fails with the plan
         return ParallelPlan(data_parallel="bucketed", update_per_bucket=True)
-    if kind == "peer_update":
-        if arg == "graphs":
-            return ParallelPlan(data_parallel="peer", copy_graphs=True)
-        if arg and not (arg.isdigit() and int(arg) > 0):
-            raise ValueError(f"peer_update:<N> takes a positive count of copy streams (or 'graphs'), got {arg!r}")
-        return ParallelPlan(data_parallel="peer", copy_streams=int(arg) if arg else 1)
+    if kind == "peer_update":  # options joined by "+": <N> copy streams, "graphs", "thread"
+        options = {"copy_streams": 1}
+        for option in arg.split("+") if arg else []:
+            if option in ("graphs", "thread"):
+                options["copy_graphs" if option == "graphs" else "issue_thread"] = True
+            elif option.isdigit() and int(option) > 0:
+                options["copy_streams"] = int(option)
+            else:
+                raise ValueError(f"peer_update:<options> takes options joined by '+': a positive count of copy "
+                                 f"streams, 'graphs' or 'thread'; got {option!r} in {name!r}")
+        return ParallelPlan(data_parallel="peer", **options)
     return ParallelPlan(data_parallel=kind)
 
 
@@ -302,6 +307,9 @@ def _time_variant(name: str, model, opt, precision: str, tokens, targets, ctx: D
             first_step_s = time.perf_counter() - t0
     ctx.barrier()
     check_s0 = getattr(par.wrapper, "check_seconds", None)
+    hook_s0 = getattr(par.wrapper, "hook_seconds", None)
+    issue = getattr(par.wrapper, "issue", None)
+    issue_s0 = getattr(issue, "busy_seconds", None)
     samples = []
     for _ in range(cfg.steps):
         marks = Marks(ctx.device)
@@ -317,6 +325,10 @@ def _time_variant(name: str, model, opt, precision: str, tokens, targets, ctx: D
     row = summarise_steps(all_gather_objects(samples))
     if check_s0 is not None:  # the ranks' agreement on which gradients to reduce, per step
         row["grad_check_ms"] = (par.wrapper.check_seconds - check_s0) / cfg.steps * 1e3
+    if hook_s0 is not None:  # host time inside the wrapper's gradient hooks, per step (rank 0's)
+        row["hook_ms"] = (par.wrapper.hook_seconds - hook_s0) / cfg.steps * 1e3
+    if issue_s0 is not None:  # the issue thread's time in the transport's calls, per step
+        row["issue_thread_ms"] = (issue.busy_seconds - issue_s0) / cfg.steps * 1e3
     row.update(first_step_s=first_step_s, n_buckets=getattr(par.wrapper, "n_buckets", None),
                last_bucket_bytes=_last_bucket_bytes(par.wrapper))
     _close(par, opt)
@@ -433,8 +445,9 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
                            status="ok")
             if ctx.is_main:
                 rows.append(writer.write(row))
-                print(f"[{setting}] {name:>16}: " + (f"{row['step_ms']:8.2f} ms/step (sync wait {row['sync_wait_ms']:.2f} ms)"
-                                                    if row["status"] == "ok" else row["status"]), flush=True)
+                hooks = f", hooks {row['hook_ms']:.2f} ms" if row.get("hook_ms") is not None else ""
+                print(f"[{setting}] {name:>16}: " + (f"{row['step_ms']:8.2f} ms/step (sync wait {row['sync_wait_ms']:.2f} ms"
+                                                    f"{hooks})" if row["status"] == "ok" else row["status"]), flush=True)
 
         if cfg.profile:
             best = _fastest_of_ours(timed)

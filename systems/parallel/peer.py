@@ -41,6 +41,9 @@ barrier for a group its peers never close then waits until its timeout.
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -158,14 +161,23 @@ class _CopyEngineTransport:
     def _barrier(self) -> None:
         self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
 
-    def begin_step(self) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream())
+    @staticmethod
+    def _follow(stream: torch.cuda.Stream, after: torch.cuda.Event | None) -> None:
+        """``stream`` waits for the compute stream: as it stands now, or at ``after`` (an event
+        recorded on it by a caller on another thread)."""
+        if after is None:
+            stream.wait_stream(torch.cuda.current_stream())
+        else:
+            stream.wait_event(after)
+
+    def begin_step(self, after: torch.cuda.Event | None = None) -> None:
+        self._follow(self.stream, after)
         with torch.cuda.stream(self.stream):
             self._barrier()
         for other in self.streams[1:]:  # no copy of this step before the barrier
             other.wait_stream(self.stream)
 
-    def push(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
+    def push(self, grads: Sequence[tuple[int, torch.Tensor]], after: torch.cuda.Event | None = None) -> None:
         # One stream switch and one wait per group, not per gradient: where the backward is
         # host-bound (eager, or compiled without CUDA graphs) every host microsecond in the hooks
         # is a gap on the GPU. The gradients are read here on a side stream and may be freed by
@@ -174,7 +186,7 @@ class _CopyEngineTransport:
         # in finish: no record_stream.
         stream = self.streams[self._turn]
         self._turn = (self._turn + 1) % len(self.streams)
-        stream.wait_stream(torch.cuda.current_stream())
+        self._follow(stream, after)
 
         def copy() -> None:
             for index, grad in grads:
@@ -212,10 +224,10 @@ class _GatherTransport:
         self.grads: dict[int, torch.Tensor] = {}
         self.closed: dict[int, Sequence[int]] = {}
 
-    def begin_step(self) -> None:
+    def begin_step(self, after: None = None) -> None:
         self.grads.clear()
 
-    def push(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
+    def push(self, grads: Sequence[tuple[int, torch.Tensor]], after: None = None) -> None:
         self.grads.update(grads)
 
     def close_group(self, group: int, indices: Sequence[int]) -> None:
@@ -239,6 +251,66 @@ class _GatherTransport:
                 start += n
 
 
+class IssueThread:
+    """A transport's calls from the backward's hooks (``begin_step``, ``push``, ``close_group``)
+    made by a worker thread, in the order the hooks made them; ``wait_group``, from finish, first
+    waits until the worker has closed the group.
+
+    Why: where the backward waits on the host (the default compile mode) the host time the hooks
+    spend on copies, barriers and stream switches delays the backward's own launches one for one
+    (about 9 ms a step at 2.7B on 2x H200: docs/training_step_notes.md, entry 18). Here a hook
+    only marks where the compute stream stands (``mark()``: an event the copies then wait for) and
+    enqueues; PyTorch's CUDA calls release the GIL while they run, so the worker's calls can run
+    beside the backward's. ``busy_seconds`` sums the worker's time in the calls."""
+
+    def __init__(self, transport, *, mark: Callable[[], object], device: torch.device, timeout_s: float):
+        self.transport = transport
+        self._mark = mark
+        self._timeout_s = timeout_s
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed: dict[int, threading.Event] = {}
+        self._failure: BaseException | None = None
+        self.busy_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, args=(device,), name="ddp-peer-issue", daemon=True)
+        self._thread.start()
+
+    def _run(self, device: torch.device) -> None:
+        if device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(device)
+        while (task := self._tasks.get()) is not None:
+            call, args, done = task
+            if self._failure is None:  # after a failure only the waiters are released
+                start = time.perf_counter()
+                try:
+                    call(*args)
+                except BaseException as exc:  # re-raised on the caller's thread, in wait_group
+                    self._failure = exc
+                self.busy_seconds += time.perf_counter() - start
+            if done is not None:
+                done.set()
+
+    def begin_step(self) -> None:
+        self._tasks.put((self.transport.begin_step, (self._mark(),), None))
+
+    def push(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
+        self._tasks.put((self.transport.push, (grads, self._mark()), None))
+
+    def close_group(self, group: int, indices: Sequence[int]) -> None:
+        done = self._closed[group] = threading.Event()
+        self._tasks.put((self.transport.close_group, (group, indices), done))
+
+    def wait_group(self, group: int) -> None:
+        if not self._closed.pop(group).wait(self._timeout_s):
+            raise RuntimeError(f"DDPPeer's issue thread did not close group {group} within {self._timeout_s:.0f} s")
+        if self._failure is not None:
+            raise RuntimeError(f"DDPPeer's issue thread failed: {self._failure!r}") from self._failure
+        self.transport.wait_group(group)
+
+    def stop(self) -> None:
+        self._tasks.put(None)
+        self._thread.join(timeout=self._timeout_s)
+
+
 class DDPPeer(_DDPBase):
     """Gradients copied into every other rank's memory by copy engines and averaged inside the
     update (the module docstring). ``optimizer``: a ``GroupedOptimizer`` over the wrapped module
@@ -248,11 +320,13 @@ class DDPPeer(_DDPBase):
     rank's own gradient, not the average. The ranks agree on the order of the groups' barriers and
     updates through the gradient check: with ``check_gradients=False`` they keep the first one, the
     groups reversed. ``copy_graphs`` (GPUs): each group's copies replayed as one CUDA graph
-    (``CopyGraphs``) instead of one call per gradient."""
+    (``CopyGraphs``) instead of one call per gradient. ``issue_thread``: the hooks' transport
+    calls made by a worker thread (``IssueThread``). ``hook_seconds`` sums the host time spent
+    inside the hooks, over steps."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *, optimizer,
-                 copy_streams: int = 1, copy_graphs: bool = False, check_gradients: bool = True,
-                 timeout_s: float = 300.0):
+                 copy_streams: int = 1, copy_graphs: bool = False, issue_thread: bool = False,
+                 check_gradients: bool = True, timeout_s: float = 300.0):
         if not (hasattr(optimizer, "groups") and hasattr(optimizer, "step_group")
                 and hasattr(optimizer, "fold_gradients")):
             raise ValueError("DDPPeer updates each group as its gradients land and folds the other ranks' gradients "
@@ -296,6 +370,11 @@ class DDPPeer(_DDPBase):
                              "leave copy_graphs=False there")
         else:
             self.transport = _GatherTransport(params, self.layout, process_group, self.rank, self.world_size, device)
+        self.issue = self.transport  # what the hooks call: the transport, or a thread that calls it
+        if issue_thread:
+            mark = (lambda: torch.cuda.current_stream().record_event()) if device.type == "cuda" else (lambda: None)
+            self.issue = IssueThread(self.transport, mark=mark, device=device, timeout_s=timeout_s)
+        self.hook_seconds = 0.0
         self._slots = [[self.layout.view(self.transport.buffer, s, i, p) for s in range(self.world_size - 1)]
                        for i, p in enumerate(params)]
         # the optimizer was built first, maybe from this rank's own initial weights
@@ -322,6 +401,9 @@ class DDPPeer(_DDPBase):
     def remove_hooks(self) -> None:
         super().remove_hooks()
         self.optimizer.fold_gradients(None)  # the next wrapper's (or none's) plain gradients
+        if isinstance(self.issue, IssueThread):
+            self.issue.stop()
+            self.issue = self.transport
 
     @property
     def group_order(self) -> list[int]:
@@ -347,8 +429,9 @@ class DDPPeer(_DDPBase):
 
     @torch.no_grad()
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        start = time.perf_counter()
         if not self._started:
-            self.transport.begin_step()
+            self.issue.begin_step()
             self._started = True
         i = self._position[id(param)]
         self._ready.add(i)
@@ -357,8 +440,9 @@ class DDPPeer(_DDPBase):
         self._arrived[g] += 1
         if self._arrived[g] == len(self._groups[g]):
             self._completed.append(g)
-            self.transport.push(self._pending.pop(g))
+            self.issue.push(self._pending.pop(g))
             self._close_groups(complete_only=True)
+        self.hook_seconds += time.perf_counter() - start
 
     def _close_groups(self, *, complete_only: bool) -> None:
         """Close groups in the fixed order (the ranks' barriers pair by count), while complete."""
@@ -366,7 +450,7 @@ class DDPPeer(_DDPBase):
             g = self._order[self._closed]
             if complete_only and self._arrived[g] < len(self._groups[g]):
                 return
-            self.transport.close_group(g, self._groups[g])
+            self.issue.close_group(g, self._groups[g])
             self._closed += 1
 
     @torch.no_grad()
@@ -378,10 +462,10 @@ class DDPPeer(_DDPBase):
                 pending = None
             if self._ready:  # then the first gradient's hook began the step
                 for g in list(self._pending):  # groups some of whose parameters got no gradient on any rank
-                    self.transport.push(self._pending.pop(g))
+                    self.issue.push(self._pending.pop(g))
                 self._close_groups(complete_only=False)
                 for g in self._order:
-                    self.transport.wait_group(g)
+                    self.issue.wait_group(g)
                     indices = [i for i in self._groups[g] if i in self._ready]
                     if not indices:
                         continue

@@ -60,6 +60,9 @@ class ParallelPlan:
     # peer: each group's copies replayed as one CUDA graph while its gradients keep their addresses
     # (fewer host calls where the backward waits on the host: the default compile mode)
     copy_graphs: bool = False
+    # peer: the hooks' copies, barriers and stream switches made by a worker thread, off the
+    # thread that runs the backward (which waits on the host in the default compile mode)
+    issue_thread: bool = False
     param_dtype: str | None = None  # fsdp / fsdp2: compute (and communicate) in this dtype ("bf16")
     prefetch: int = 1  # fsdp: units whose all-gather runs ahead of the forward
 
@@ -90,8 +93,9 @@ class ParallelPlan:
             raise ValueError(f"copy_streams must be a positive integer, got {self.copy_streams!r}")
         if self.copy_streams != 1 and self.data_parallel != "peer":
             raise ValueError("copy_streams applies to data_parallel='peer' only")
-        if self.copy_graphs and self.data_parallel != "peer":
-            raise ValueError("copy_graphs applies to data_parallel='peer' only")
+        for name in ("copy_graphs", "issue_thread"):
+            if getattr(self, name) and self.data_parallel != "peer":
+                raise ValueError(f"{name} applies to data_parallel='peer' only")
         if self.last_bucket_mb is not None and not self.last_bucket_mb > 0:
             raise ValueError(f"last_bucket_mb must be positive, got {self.last_bucket_mb!r}")
         for name in ("reduce_dtype", "param_dtype"):
@@ -149,7 +153,8 @@ def _data_parallel(model: nn.Module, plan: ParallelPlan, device: torch.device,
     if kind == "peer":
         from systems.parallel.peer import DDPPeer
 
-        ddp = DDPPeer(model, optimizer=optimizer, copy_streams=plan.copy_streams, copy_graphs=plan.copy_graphs)
+        ddp = DDPPeer(model, optimizer=optimizer, copy_streams=plan.copy_streams, copy_graphs=plan.copy_graphs,
+                      issue_thread=plan.issue_thread)
         return ddp, ddp
     if kind in OURS_DDP:
         from systems.parallel.ddp import make_ddp

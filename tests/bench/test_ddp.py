@@ -112,6 +112,11 @@ def test_ddp_bench_config_rejects_unknown_compiled_precision():
     graphed = variant_plan("peer_update:graphs")
     assert graphed.data_parallel == "peer" and graphed.copy_graphs and graphed.copy_streams == 1
     assert not variant_plan("peer_update:2").copy_graphs
+    both = variant_plan("peer_update:graphs+thread+2")
+    assert both.copy_graphs and both.issue_thread and both.copy_streams == 2
+    assert not variant_plan("peer_update").issue_thread
+    with pytest.raises(ValueError, match="options joined by '\\+'.*got 'threads'"):
+        variant_plan("peer_update:graphs+threads")
     with pytest.raises(ValueError, match="positive count of SMs"):
         DDPBenchConfig(master_weights=True, master_variants=("nosync", "bucketed_update:x"))
     with pytest.raises(ValueError, match="gradients are bf16 already"):

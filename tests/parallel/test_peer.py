@@ -44,13 +44,14 @@ def _batch(kind: str, step: int, rank: int, world_size: int):
 
 
 def _train(kind: str, *, rank: int = 0, world_size: int = 1, seed: int = 17, late_check: bool = False,
-           proposal: list[int] | None = None, check: bool = True):
+           proposal: list[int] | None = None, check: bool = True, issue_thread: bool = False):
     """STEPS steps of a GroupedOptimizer of FusedAdamW; with world_size > 1, through DDPPeer.
     ``late_check``: the agreement completed after the updates are queued, as with copy engines.
     ``proposal``: the group order this rank claims to have seen, whatever it saw."""
     model = _make(kind, seed)
     opt = GroupedOptimizer(_groups(kind, model), make_optimizer=lambda ps: FusedAdamW(ps, **HYPER))
-    ddp = DDPPeer(model, optimizer=opt, check_gradients=check) if world_size > 1 else None
+    ddp = (DDPPeer(model, optimizer=opt, check_gradients=check, issue_thread=issue_thread)
+           if world_size > 1 else None)
     if late_check:
         ddp.transport.host_collectives = False
     if proposal is not None:
@@ -68,12 +69,16 @@ def _train(kind: str, *, rank: int = 0, world_size: int = 1, seed: int = 17, lat
         opt.step()  # with DDPPeer every group was updated in finish: nothing left
     folded = [dict(o._addends) for o in opt.optimizers]
     checks = ddp.check_calls if ddp is not None else None
+    thread = getattr(ddp, "issue", None)
+    thread = getattr(thread, "_thread", None)
+    timed = ddp is not None and ddp.hook_seconds > 0 and (thread is None or ddp.issue.busy_seconds > 0)
     if ddp is not None:
         ddp.remove_hooks()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return state, {"checks": checks, "orders": orders, "folded_while_wrapped": [len(f) for f in folded],
                    "folded_after_removal": [len(o._addends) for o in opt.optimizers],
-                   "tied": kind != "tied" or model.head.weight is model.embed.weight}
+                   "tied": kind != "tied" or model.head.weight is model.embed.weight,
+                   "timed": timed, "thread_left_running": thread is not None and thread.is_alive()}
 
 
 def _peer_worker(ctx, kinds):
@@ -102,6 +107,61 @@ def test_peer_matches_single_process(world_size):
             if kind == "frozen":
                 torch.testing.assert_close(state["frozen.weight"], initial["frozen.weight"], atol=0, rtol=0)
                 torch.testing.assert_close(state["unused"], initial["unused"], atol=0, rtol=0)
+
+
+def _issue_thread_worker(ctx, late_check):
+    return {kind: _train(kind, rank=ctx.rank, world_size=ctx.world_size, seed=17 + ctx.rank, late_check=late_check,
+                         issue_thread=True) for kind in ("frozen", "tied_swapped")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("late_check", [False, True])
+def test_an_issue_thread_trains_like_one_process(late_check):
+    # the hooks' pushes and closes made on a worker thread, waited for in finish; with the late
+    # check the all-gathers of finish pair while the worker may still be closing later groups
+    results = spawn(_issue_thread_worker, 2, "gloo", args=(late_check,), timeout_s=60, deadline_s=120)
+    for kind in ("frozen", "tied_swapped"):
+        reference, _ = _train(kind)
+        for rank, states in enumerate(results):
+            state, info = states[kind]
+            assert info["timed"] and not info["thread_left_running"], f"rank {rank}, {kind}"
+            if kind == "tied_swapped":  # the completion order adopted as without the thread
+                assert info["orders"] == [[1, 0]] + [[0, 1]] * (STEPS - 1)
+            for key in reference:  # tolerance as in test_peer_matches_single_process
+                torch.testing.assert_close(state[key], reference[key], rtol=1e-5, atol=1e-6,
+                                           msg=f"rank {rank}, {kind}: {key}")
+
+
+class _FailingTransport:
+    def __init__(self):
+        self.calls = []
+
+    def begin_step(self, after=None):
+        self.calls.append("begin")
+
+    def push(self, grads, after=None):
+        raise RuntimeError("copy refused")
+
+    def close_group(self, group, indices):
+        self.calls.append(("close", group))
+
+    def wait_group(self, group):
+        self.calls.append(("wait", group))
+
+
+def test_an_issue_threads_failure_is_raised_where_finish_waits_and_stops_its_work():
+    from systems.parallel.peer import IssueThread
+
+    transport = _FailingTransport()
+    issue = IssueThread(transport, mark=lambda: "mark", device=torch.device("cpu"), timeout_s=5.0)
+    issue.begin_step()
+    issue.push([(0, torch.zeros(1))])
+    issue.close_group(0, [0])
+    with pytest.raises(RuntimeError, match="issue thread failed: RuntimeError\\('copy refused'\\)"):
+        issue.wait_group(0)
+    assert transport.calls == ["begin"]  # nothing after the failure ran, not even the group's close
+    issue.stop()
+    assert not issue._thread.is_alive()
 
 
 def _late_check_worker(ctx):
@@ -267,18 +327,19 @@ def test_copy_graphs_replay_while_the_gradients_stay_put_and_give_up_on_a_group_
     assert log == [] and len(copies) == 6
 
 
-def test_copy_graphs_apply_to_the_peer_wrapper_only():
+def test_copy_graphs_and_the_issue_thread_apply_to_the_peer_wrapper_only():
     from systems.parallel.plan import ParallelPlan
 
-    with pytest.raises(ValueError, match="copy_graphs applies to data_parallel='peer' only"):
-        ParallelPlan(data_parallel="bucketed", bucket_size_mb=10.0, copy_graphs=True)
-    assert ParallelPlan(data_parallel="peer", copy_graphs=True).copy_graphs
+    for option in ("copy_graphs", "issue_thread"):
+        with pytest.raises(ValueError, match=f"{option} applies to data_parallel='peer' only"):
+            ParallelPlan(data_parallel="bucketed", bucket_size_mb=10.0, **{option: True})
+        assert getattr(ParallelPlan(data_parallel="peer", **{option: True}), option)
 
 
 # ----------------------------------------------------------------------------- GPU (copy engines)
 
 
-def _gpu_worker(ctx, copy_streams, copy_graphs=False):
+def _gpu_worker(ctx, copy_streams, copy_graphs=False, issue_thread=False):
     """The copy-engine path on the debug model: bf16 weights, split fp32 masters, one group a block."""
     from systems.config import get_config
     from systems.model import TransformerLM
@@ -288,7 +349,7 @@ def _gpu_worker(ctx, copy_streams, copy_graphs=False):
     model = TransformerLM(get_config("debug"), device=ctx.device)
     opt = build_optimizer(model, OptimizerSpec(kind="fused", lr=1e-3, master_weights=True, split_masters=True,
                                                grouped=True))
-    ddp = DDPPeer(model, optimizer=opt, copy_streams=copy_streams, copy_graphs=copy_graphs)
+    ddp = DDPPeer(model, optimizer=opt, copy_streams=copy_streams, copy_graphs=copy_graphs, issue_thread=issue_thread)
     g = torch.Generator().manual_seed(ctx.rank)
     vocab = model.cfg.vocab_size
     for _ in range(4):
@@ -309,12 +370,15 @@ def _gpu_worker(ctx, copy_streams, copy_graphs=False):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("copy_streams,copy_graphs", [(1, False), (3, False), (1, True)])
-def test_gpu_copy_engines_keep_the_replicas_equal(copy_streams, copy_graphs):
+@pytest.mark.parametrize("copy_streams,copy_graphs,issue_thread", [(1, False, False), (3, False, False),
+                                                                    (1, True, False), (1, False, True),
+                                                                    (1, True, True)])
+def test_gpu_copy_engines_keep_the_replicas_equal(copy_streams, copy_graphs, issue_thread):
     # the ranks' own gradients differ (their halves of the batch): the replicas stay equal only if
     # each update read the other rank's gradient, and bit for bit because fp32 addition commutes
     # (rank 0 sums a + b, rank 1 b + a) and everything else is the same arithmetic
-    (states0, captures, groups), (states1, _, _) = spawn(_gpu_worker, 2, "nccl", args=(copy_streams, copy_graphs),
+    (states0, captures, groups), (states1, _, _) = spawn(_gpu_worker, 2, "nccl",
+                                                         args=(copy_streams, copy_graphs, issue_thread),
                                                          timeout_s=120, deadline_s=300)
     for name in states0:
         torch.testing.assert_close(states1[name], states0[name], atol=0, rtol=0, msg=name)
