@@ -200,16 +200,17 @@ def variant_plan(name: str) -> ParallelPlan:
     if kind == "bucketed_update":
         variant_sm_carveout(name)  # a malformed <N> fails with the plan
         return ParallelPlan(data_parallel="bucketed", update_per_bucket=True)
-    if kind == "peer_update":  # options joined by "+": <N> copy streams, "graphs", "thread"
+    if kind == "peer_update":  # options joined by "+": <N> copy streams, "graphs", "thread", "deferred"
+        switches = {"graphs": "copy_graphs", "thread": "issue_thread", "deferred": "defer_copies"}
         options = {"copy_streams": 1}
         for option in arg.split("+") if arg else []:
-            if option in ("graphs", "thread"):
-                options["copy_graphs" if option == "graphs" else "issue_thread"] = True
+            if option in switches:
+                options[switches[option]] = True
             elif option.isdigit() and int(option) > 0:
                 options["copy_streams"] = int(option)
             else:
                 raise ValueError(f"peer_update:<options> takes options joined by '+': a positive count of copy "
-                                 f"streams, 'graphs' or 'thread'; got {option!r} in {name!r}")
+                                 f"streams, 'graphs', 'thread' or 'deferred'; got {option!r} in {name!r}")
         return ParallelPlan(data_parallel="peer", **options)
     return ParallelPlan(data_parallel=kind)
 

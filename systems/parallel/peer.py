@@ -321,12 +321,15 @@ class DDPPeer(_DDPBase):
     updates through the gradient check: with ``check_gradients=False`` they keep the first one, the
     groups reversed. ``copy_graphs`` (GPUs): each group's copies replayed as one CUDA graph
     (``CopyGraphs``) instead of one call per gradient. ``issue_thread``: the hooks' transport
-    calls made by a worker thread (``IssueThread``). ``hook_seconds`` sums the host time spent
-    inside the hooks, over steps."""
+    calls made by a worker thread (``IssueThread``). ``defer_copies``: no hooks; every group's
+    copies issued in finish, after the backward, each group's update waiting for its own copies
+    (where the backward waits on the host and the update does not, the copies' host calls then
+    cost the step nothing, and their transfers run beside the update instead of the backward).
+    ``hook_seconds`` sums the host time spent inside the hooks, over steps."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *, optimizer,
                  copy_streams: int = 1, copy_graphs: bool = False, issue_thread: bool = False,
-                 check_gradients: bool = True, timeout_s: float = 300.0):
+                 defer_copies: bool = False, check_gradients: bool = True, timeout_s: float = 300.0):
         if not (hasattr(optimizer, "groups") and hasattr(optimizer, "step_group")
                 and hasattr(optimizer, "fold_gradients")):
             raise ValueError("DDPPeer updates each group as its gradients land and folds the other ranks' gradients "
@@ -375,6 +378,7 @@ class DDPPeer(_DDPBase):
             mark = (lambda: torch.cuda.current_stream().record_event()) if device.type == "cuda" else (lambda: None)
             self.issue = IssueThread(self.transport, mark=mark, device=device, timeout_s=timeout_s)
         self.hook_seconds = 0.0
+        self.defer_copies = defer_copies
         self._slots = [[self.layout.view(self.transport.buffer, s, i, p) for s in range(self.world_size - 1)]
                        for i, p in enumerate(params)]
         # the optimizer was built first, maybe from this rank's own initial weights
@@ -382,7 +386,7 @@ class DDPPeer(_DDPBase):
         # each parameter's addend is the first peer's slot, into which finish adds the others'
         optimizer.fold_gradients({p: slots[0] for p, slots in zip(params, self._slots)}, scale=1.0 / self.world_size)
         self._reset_step()
-        for p in params:
+        for p in params if not defer_copies else []:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def _reset_step(self) -> None:
@@ -455,12 +459,22 @@ class DDPPeer(_DDPBase):
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
+        if self.defer_copies:  # no hooks: the gradients as the backward left them
+            self._ready = {i for i, p in enumerate(self._params) if p.grad is not None}
         pending = self._start_check()
         try:
             if self.transport.host_collectives:  # its waits pair on the host: agree before any
                 self._complete_check(pending)
                 pending = None
-            if self._ready:  # then the first gradient's hook began the step
+            if self._ready and self.defer_copies:  # each group's barrier right after its own copies
+                self.issue.begin_step()
+                for g in self._order:
+                    grads = [(i, self._params[i].grad) for i in self._groups[g] if i in self._ready]
+                    if grads:
+                        self.issue.push(grads)
+                    self.issue.close_group(g, self._groups[g])
+                self._closed = len(self._order)
+            if self._ready:  # then the first gradient's hook (or the lines above) began the step
                 for g in list(self._pending):  # groups some of whose parameters got no gradient on any rank
                     self.issue.push(self._pending.pop(g))
                 self._close_groups(complete_only=False)

@@ -63,6 +63,8 @@ class ParallelPlan:
     # peer: the hooks' copies, barriers and stream switches made by a worker thread, off the
     # thread that runs the backward (which waits on the host in the default compile mode)
     issue_thread: bool = False
+    # peer: no hooks; every copy issued after the backward, each group's update waiting for its own
+    defer_copies: bool = False
     param_dtype: str | None = None  # fsdp / fsdp2: compute (and communicate) in this dtype ("bf16")
     prefetch: int = 1  # fsdp: units whose all-gather runs ahead of the forward
 
@@ -93,7 +95,7 @@ class ParallelPlan:
             raise ValueError(f"copy_streams must be a positive integer, got {self.copy_streams!r}")
         if self.copy_streams != 1 and self.data_parallel != "peer":
             raise ValueError("copy_streams applies to data_parallel='peer' only")
-        for name in ("copy_graphs", "issue_thread"):
+        for name in ("copy_graphs", "issue_thread", "defer_copies"):
             if getattr(self, name) and self.data_parallel != "peer":
                 raise ValueError(f"{name} applies to data_parallel='peer' only")
         if self.last_bucket_mb is not None and not self.last_bucket_mb > 0:
@@ -154,7 +156,7 @@ def _data_parallel(model: nn.Module, plan: ParallelPlan, device: torch.device,
         from systems.parallel.peer import DDPPeer
 
         ddp = DDPPeer(model, optimizer=optimizer, copy_streams=plan.copy_streams, copy_graphs=plan.copy_graphs,
-                      issue_thread=plan.issue_thread)
+                      issue_thread=plan.issue_thread, defer_copies=plan.defer_copies)
         return ddp, ddp
     if kind in OURS_DDP:
         from systems.parallel.ddp import make_ddp

@@ -44,13 +44,14 @@ def _batch(kind: str, step: int, rank: int, world_size: int):
 
 
 def _train(kind: str, *, rank: int = 0, world_size: int = 1, seed: int = 17, late_check: bool = False,
-           proposal: list[int] | None = None, check: bool = True, issue_thread: bool = False):
+           proposal: list[int] | None = None, check: bool = True, issue_thread: bool = False,
+           defer_copies: bool = False):
     """STEPS steps of a GroupedOptimizer of FusedAdamW; with world_size > 1, through DDPPeer.
     ``late_check``: the agreement completed after the updates are queued, as with copy engines.
     ``proposal``: the group order this rank claims to have seen, whatever it saw."""
     model = _make(kind, seed)
     opt = GroupedOptimizer(_groups(kind, model), make_optimizer=lambda ps: FusedAdamW(ps, **HYPER))
-    ddp = (DDPPeer(model, optimizer=opt, check_gradients=check, issue_thread=issue_thread)
+    ddp = (DDPPeer(model, optimizer=opt, check_gradients=check, issue_thread=issue_thread, defer_copies=defer_copies)
            if world_size > 1 else None)
     if late_check:
         ddp.transport.host_collectives = False
@@ -71,7 +72,7 @@ def _train(kind: str, *, rank: int = 0, world_size: int = 1, seed: int = 17, lat
     checks = ddp.check_calls if ddp is not None else None
     thread = getattr(ddp, "issue", None)
     thread = getattr(thread, "_thread", None)
-    timed = ddp is not None and ddp.hook_seconds > 0 and (thread is None or ddp.issue.busy_seconds > 0)
+    timed = ddp is not None and (ddp.hook_seconds > 0) != defer_copies and (thread is None or ddp.issue.busy_seconds > 0)
     if ddp is not None:
         ddp.remove_hooks()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -162,6 +163,30 @@ def test_an_issue_threads_failure_is_raised_where_finish_waits_and_stops_its_wor
     assert transport.calls == ["begin"]  # nothing after the failure ran, not even the group's close
     issue.stop()
     assert not issue._thread.is_alive()
+
+
+def _deferred_worker(ctx, check):
+    return {kind: _train(kind, rank=ctx.rank, world_size=ctx.world_size, seed=17 + ctx.rank, check=check,
+                         defer_copies=True) for kind in ("frozen", "tied_swapped")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", [True, False])
+def test_deferred_copies_train_like_one_process_without_hooks(check):
+    # every group's gradients sent from finish (the frozen toy's `unused` never gets one, so the
+    # gradients present must be found without hooks, with or without the ranks' agreement); no
+    # hook time, and the groups keep their first order (no completion order is seen)
+    results = spawn(_deferred_worker, 2, "gloo", args=(check,), timeout_s=60, deadline_s=120)
+    for kind in ("frozen", "tied_swapped"):
+        reference, _ = _train(kind)
+        for rank, states in enumerate(results):
+            state, info = states[kind]
+            assert info["timed"], f"rank {rank}, {kind}: hook time with deferred copies"
+            if kind == "tied_swapped":
+                assert info["orders"] == [[1, 0]] * STEPS
+            for key in reference:  # tolerance as in test_peer_matches_single_process
+                torch.testing.assert_close(state[key], reference[key], rtol=1e-5, atol=1e-6,
+                                           msg=f"rank {rank}, {kind}: {key}")
 
 
 def _late_check_worker(ctx):
@@ -327,10 +352,10 @@ def test_copy_graphs_replay_while_the_gradients_stay_put_and_give_up_on_a_group_
     assert log == [] and len(copies) == 6
 
 
-def test_copy_graphs_and_the_issue_thread_apply_to_the_peer_wrapper_only():
+def test_the_peer_wrappers_options_apply_to_it_only():
     from systems.parallel.plan import ParallelPlan
 
-    for option in ("copy_graphs", "issue_thread"):
+    for option in ("copy_graphs", "issue_thread", "defer_copies"):
         with pytest.raises(ValueError, match=f"{option} applies to data_parallel='peer' only"):
             ParallelPlan(data_parallel="bucketed", bucket_size_mb=10.0, **{option: True})
         assert getattr(ParallelPlan(data_parallel="peer", **{option: True}), option)
@@ -339,7 +364,7 @@ def test_copy_graphs_and_the_issue_thread_apply_to_the_peer_wrapper_only():
 # ----------------------------------------------------------------------------- GPU (copy engines)
 
 
-def _gpu_worker(ctx, copy_streams, copy_graphs=False, issue_thread=False):
+def _gpu_worker(ctx, copy_streams, copy_graphs=False, issue_thread=False, defer_copies=False):
     """The copy-engine path on the debug model: bf16 weights, split fp32 masters, one group a block."""
     from systems.config import get_config
     from systems.model import TransformerLM
@@ -349,7 +374,8 @@ def _gpu_worker(ctx, copy_streams, copy_graphs=False, issue_thread=False):
     model = TransformerLM(get_config("debug"), device=ctx.device)
     opt = build_optimizer(model, OptimizerSpec(kind="fused", lr=1e-3, master_weights=True, split_masters=True,
                                                grouped=True))
-    ddp = DDPPeer(model, optimizer=opt, copy_streams=copy_streams, copy_graphs=copy_graphs, issue_thread=issue_thread)
+    ddp = DDPPeer(model, optimizer=opt, copy_streams=copy_streams, copy_graphs=copy_graphs, issue_thread=issue_thread,
+                  defer_copies=defer_copies)
     g = torch.Generator().manual_seed(ctx.rank)
     vocab = model.cfg.vocab_size
     for _ in range(4):
@@ -370,15 +396,16 @@ def _gpu_worker(ctx, copy_streams, copy_graphs=False, issue_thread=False):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("copy_streams,copy_graphs,issue_thread", [(1, False, False), (3, False, False),
-                                                                    (1, True, False), (1, False, True),
-                                                                    (1, True, True)])
-def test_gpu_copy_engines_keep_the_replicas_equal(copy_streams, copy_graphs, issue_thread):
+@pytest.mark.parametrize("copy_streams,copy_graphs,issue_thread,defer_copies", [
+    (1, False, False, False), (3, False, False, False), (1, True, False, False), (1, False, True, False),
+    (1, True, True, False), (1, True, False, True), (2, False, False, True)])
+def test_gpu_copy_engines_keep_the_replicas_equal(copy_streams, copy_graphs, issue_thread, defer_copies):
     # the ranks' own gradients differ (their halves of the batch): the replicas stay equal only if
     # each update read the other rank's gradient, and bit for bit because fp32 addition commutes
     # (rank 0 sums a + b, rank 1 b + a) and everything else is the same arithmetic
     (states0, captures, groups), (states1, _, _) = spawn(_gpu_worker, 2, "nccl",
-                                                         args=(copy_streams, copy_graphs, issue_thread),
+                                                         args=(copy_streams, copy_graphs, issue_thread,
+                                                               defer_copies),
                                                          timeout_s=120, deadline_s=300)
     for name in states0:
         torch.testing.assert_close(states1[name], states0[name], atol=0, rtol=0, msg=name)
