@@ -466,19 +466,20 @@ class DDPPeer(_DDPBase):
             if self.transport.host_collectives:  # its waits pair on the host: agree before any
                 self._complete_check(pending)
                 pending = None
-            if self._ready and self.defer_copies:  # each group's barrier right after its own copies
-                self.issue.begin_step()
-                for g in self._order:
-                    grads = [(i, self._params[i].grad) for i in self._groups[g] if i in self._ready]
-                    if grads:
-                        self.issue.push(grads)
-                    self.issue.close_group(g, self._groups[g])
-                self._closed = len(self._order)
-            if self._ready:  # then the first gradient's hook (or the lines above) began the step
+            if self._ready:  # then the first gradient's hook began the step (deferred: no hook did)
+                if self.defer_copies:
+                    self.issue.begin_step()
                 for g in list(self._pending):  # groups some of whose parameters got no gradient on any rank
                     self.issue.push(self._pending.pop(g))
-                self._close_groups(complete_only=False)
+                if not self.defer_copies:
+                    self._close_groups(complete_only=False)
                 for g in self._order:
+                    if self.defer_copies:  # the group's copies, its barrier, then its update at once:
+                        # the first update is queued after one group's copies, not after all of them
+                        grads = [(i, self._params[i].grad) for i in self._groups[g] if i in self._ready]
+                        if grads:
+                            self.issue.push(grads)
+                        self.issue.close_group(g, self._groups[g])
                     self.issue.wait_group(g)
                     indices = [i for i in self._groups[g] if i in self._ready]
                     if not indices:
