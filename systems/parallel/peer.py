@@ -292,8 +292,8 @@ class IssueThread:
     def begin_step(self) -> None:
         self._tasks.put((self.transport.begin_step, (self._mark(),), None))
 
-    def push(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
-        self._tasks.put((self.transport.push, (grads, self._mark()), None))
+    def push(self, grads: Sequence[tuple[int, torch.Tensor]], after: object = None) -> None:
+        self._tasks.put((self.transport.push, (grads, self._mark() if after is None else after), None))
 
     def close_group(self, group: int, indices: Sequence[int]) -> None:
         done = self._closed[group] = threading.Event()
@@ -373,10 +373,11 @@ class DDPPeer(_DDPBase):
                              "leave copy_graphs=False there")
         else:
             self.transport = _GatherTransport(params, self.layout, process_group, self.rank, self.world_size, device)
+        # where the compute stream stands, for copies issued later or from another thread
+        self._mark = (lambda: torch.cuda.current_stream().record_event()) if device.type == "cuda" else (lambda: None)
         self.issue = self.transport  # what the hooks call: the transport, or a thread that calls it
         if issue_thread:
-            mark = (lambda: torch.cuda.current_stream().record_event()) if device.type == "cuda" else (lambda: None)
-            self.issue = IssueThread(self.transport, mark=mark, device=device, timeout_s=timeout_s)
+            self.issue = IssueThread(self.transport, mark=self._mark, device=device, timeout_s=timeout_s)
         self.hook_seconds = 0.0
         self.defer_copies = defer_copies
         self._slots = [[self.layout.view(self.transport.buffer, s, i, p) for s in range(self.world_size - 1)]
@@ -468,6 +469,7 @@ class DDPPeer(_DDPBase):
                 pending = None
             if self._ready:  # then the first gradient's hook began the step (deferred: no hook did)
                 if self.defer_copies:
+                    backward_done = self._mark()
                     self.issue.begin_step()
                 for g in list(self._pending):  # groups some of whose parameters got no gradient on any rank
                     self.issue.push(self._pending.pop(g))
@@ -475,10 +477,12 @@ class DDPPeer(_DDPBase):
                     self._close_groups(complete_only=False)
                 for g in self._order:
                     if self.defer_copies:  # the group's copies, its barrier, then its update at once:
-                        # the first update is queued after one group's copies, not after all of them
+                        # the first update is queued after one group's copies, not after all of them.
+                        # The copies wait for the backward only: following the compute stream as it
+                        # stands would queue each group's copies behind the previous group's update.
                         grads = [(i, self._params[i].grad) for i in self._groups[g] if i in self._ready]
                         if grads:
-                            self.issue.push(grads)
+                            self.issue.push(grads, after=backward_done)
                         self.issue.close_group(g, self._groups[g])
                     self.issue.wait_group(g)
                     indices = [i for i in self._groups[g] if i in self._ready]
