@@ -110,24 +110,33 @@ def test_peer_matches_single_process(world_size):
                 torch.testing.assert_close(state["unused"], initial["unused"], atol=0, rtol=0)
 
 
-def _issue_thread_worker(ctx, late_check):
-    return {kind: _train(kind, rank=ctx.rank, world_size=ctx.world_size, seed=17 + ctx.rank, late_check=late_check,
-                         issue_thread=True) for kind in ("frozen", "tied_swapped")}
+def _options_worker(ctx, options):
+    return {kind: _train(kind, rank=ctx.rank, world_size=ctx.world_size, seed=17 + ctx.rank, **options)
+            for kind in ("frozen", "tied_swapped")}
+
+
+ADOPTED = [[1, 0]] + [[0, 1]] * (STEPS - 1)  # the completion order, from the second step
+KEPT = [[1, 0]] * STEPS  # the first order: deferred copies see no completion order
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("late_check", [False, True])
-def test_an_issue_thread_trains_like_one_process(late_check):
+@pytest.mark.parametrize("options, orders", [
     # the hooks' pushes and closes made on a worker thread, waited for in finish; with the late
     # check the all-gathers of finish pair while the worker may still be closing later groups
-    results = spawn(_issue_thread_worker, 2, "gloo", args=(late_check,), timeout_s=60, deadline_s=120)
+    (dict(issue_thread=True), ADOPTED), (dict(issue_thread=True, late_check=True), ADOPTED),
+    # every group's gradients sent from finish (the frozen toy's `unused` never gets one, so the
+    # gradients present must be found without hooks, with or without the ranks' agreement)
+    (dict(defer_copies=True), KEPT), (dict(defer_copies=True, check=False), KEPT)])
+def test_the_issue_thread_and_deferred_copies_train_like_one_process(options, orders):
+    results = spawn(_options_worker, 2, "gloo", args=(options,), timeout_s=60, deadline_s=120)
     for kind in ("frozen", "tied_swapped"):
         reference, _ = _train(kind)
         for rank, states in enumerate(results):
             state, info = states[kind]
+            # hook time with hooks only (none where deferred), the worker's time with a worker
             assert info["timed"] and not info["thread_left_running"], f"rank {rank}, {kind}"
-            if kind == "tied_swapped":  # the completion order adopted as without the thread
-                assert info["orders"] == [[1, 0]] + [[0, 1]] * (STEPS - 1)
+            if kind == "tied_swapped":
+                assert info["orders"] == orders
             for key in reference:  # tolerance as in test_peer_matches_single_process
                 torch.testing.assert_close(state[key], reference[key], rtol=1e-5, atol=1e-6,
                                            msg=f"rank {rank}, {kind}: {key}")
@@ -163,30 +172,6 @@ def test_an_issue_threads_failure_is_raised_where_finish_waits_and_stops_its_wor
     assert transport.calls == ["begin"]  # nothing after the failure ran, not even the group's close
     issue.stop()
     assert not issue._thread.is_alive()
-
-
-def _deferred_worker(ctx, check):
-    return {kind: _train(kind, rank=ctx.rank, world_size=ctx.world_size, seed=17 + ctx.rank, check=check,
-                         defer_copies=True) for kind in ("frozen", "tied_swapped")}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("check", [True, False])
-def test_deferred_copies_train_like_one_process_without_hooks(check):
-    # every group's gradients sent from finish (the frozen toy's `unused` never gets one, so the
-    # gradients present must be found without hooks, with or without the ranks' agreement); no
-    # hook time, and the groups keep their first order (no completion order is seen)
-    results = spawn(_deferred_worker, 2, "gloo", args=(check,), timeout_s=60, deadline_s=120)
-    for kind in ("frozen", "tied_swapped"):
-        reference, _ = _train(kind)
-        for rank, states in enumerate(results):
-            state, info = states[kind]
-            assert info["timed"], f"rank {rank}, {kind}: hook time with deferred copies"
-            if kind == "tied_swapped":
-                assert info["orders"] == [[1, 0]] * STEPS
-            for key in reference:  # tolerance as in test_peer_matches_single_process
-                torch.testing.assert_close(state[key], reference[key], rtol=1e-5, atol=1e-6,
-                                           msg=f"rank {rank}, {kind}: {key}")
 
 
 def _late_check_worker(ctx):
