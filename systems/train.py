@@ -96,8 +96,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 LOSSES = ("logits", "fused", "hf_logits")
 REDUCTIONS = ("mean", "sum")
 OPTIMIZERS = ("ours", "fused", "torch", "torch_fused")
-# the marks a step sets, in order (grad_sync only with a data-parallel wrapper)
-MARKS = ("start", "forward", "backward", "grad_sync", "optimizer")
+# the marks a step sets, in order (grad_sync only with a data-parallel wrapper; replay only, and
+# alone after start, for a step replayed as one CUDA graph, whose phases have no marks)
+MARKS = ("start", "forward", "backward", "grad_sync", "optimizer", "replay")
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,94 @@ class TrainStep:
         return loss.detach()
 
 
+class GraphedStep:
+    """``step`` (a ``TrainStep``) captured whole, forward to update, as one CUDA graph and replayed.
+
+    Why: a step of many small kernels waits on the host that launches them; torch.compile's
+    CUDA graphs (``compile_mode="reduce-overhead"``) replay one block at a time, with the
+    embedding, the loss, the optimizer and the launches between blocks left to the host, and
+    cannot hold the optimizer inside the backward's side-stream updates. One graph of the whole
+    step leaves the host one launch a step. (Measured, not promised: notebook 10's
+    ``ours_stepgraph_*`` variants.)
+
+    Calls: the first ``eager_steps`` run ``step`` as it is (they compile and create the
+    optimizer's state); the next captures a call into a graph, then replays it; every later one
+    copies its batch into the graph's inputs and replays. Each call is one training step. The
+    returned loss is a copy of the graph's.
+
+    The captured step runs on the current stream (a priority stream's priority is kept in the
+    graph's kernels), or on a new stream where the current one is the default stream, which
+    cannot be captured. What a replay cannot redo is refused when built: a data-parallel wrapper
+    (its Python-side bookkeeping), fp16 loss scaling (host decisions), synchronised phases, and
+    optimizers whose step scalars live on the host: the optimizer (or each group optimizer of an
+    ``OptimizerInBackward``) must be ``FusedAdamW(capturable=True)``, whose ``prepare_replay``
+    writes each step's learning rate and bias corrections before the replay. The batch's shape
+    and dtype are those of the captured call; ``marks`` get "start" and "replay" only.
+    """
+
+    def __init__(self, step: TrainStep, *, eager_steps: int = 2):
+        if step.spec.mode != "train_step" or step.spec.sync_phases or step.spec.precision == "fp16":
+            raise ValueError("GraphedStep captures a train_step without sync_phases or fp16 loss scaling; got "
+                             f"mode={step.spec.mode!r}, sync_phases={step.spec.sync_phases}, "
+                             f"precision={step.spec.precision!r}")
+        if step.grad_sync is not None:
+            raise ValueError("GraphedStep does not capture a data-parallel wrapper's step: use the step as it is")
+        if eager_steps < 1:
+            raise ValueError(f"eager_steps must be >= 1 (the first step compiles and creates the optimizer's state), "
+                             f"got {eager_steps}")
+        optimizers = list(getattr(step.optimizer, "optimizers", [step.optimizer]))
+        if not all(getattr(o, "capturable", False) for o in optimizers):
+            raise ValueError("GraphedStep needs optimizers whose step scalars live on the device: "
+                             "FusedAdamW or MasterWeightAdamW with capturable=True (OptimizerSpec(capturable=True))")
+        self.step, self.eager_steps, self._optimizers = step, eager_steps, optimizers
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._calls = 0
+        self._inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._loss: torch.Tensor | None = None
+
+    def __call__(self, tokens: torch.Tensor, targets: torch.Tensor, *, marks: Marks | None = None) -> torch.Tensor:
+        if self.graph is None and self._calls < self.eager_steps:
+            self._calls += 1
+            return self.step(tokens, targets, marks=marks)
+        if tokens.device.type != "cuda":
+            raise ValueError(f"GraphedStep replays a CUDA graph: the batch must be on a CUDA device, got {tokens.device}")
+        if self.graph is None:
+            self._capture(tokens, targets)
+        static_tokens, static_targets = self._inputs
+        if (tokens.shape, tokens.dtype, targets.shape) != (static_tokens.shape, static_tokens.dtype,
+                                                           static_targets.shape):
+            raise ValueError(f"GraphedStep replays the step it captured, on a batch of shape "
+                             f"{tuple(static_tokens.shape)}; got {tuple(tokens.shape)}: build another for this shape")
+        with record_function(STEP_RANGE):
+            if marks is not None:
+                marks.mark("start")
+            if tokens is not static_tokens:
+                static_tokens.copy_(tokens)
+            if targets is not static_targets:
+                static_targets.copy_(targets)
+            for optimizer in self._optimizers:
+                optimizer.prepare_replay()
+            self.graph.replay()
+            if marks is not None:
+                marks.mark("replay")
+        return self._loss.clone()
+
+    def _capture(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        self._inputs = (tokens.clone(), targets.clone())
+        stream = torch.cuda.current_stream(tokens.device)
+        if stream == torch.cuda.default_stream(tokens.device):
+            stream = torch.cuda.Stream(device=tokens.device)
+        # no gradients when the capture starts: the captured backward then allocates them in the
+        # graph's pool and writes them, where existing ones would be accumulated into
+        self.step._zero_grad()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            self._loss = self.step(*self._inputs)
+        for optimizer in self._optimizers:
+            optimizer.finish_capture()
+        self.graph = graph
+
+
 def phase_ms(marks: Marks) -> dict[str, float]:
     """Milliseconds of each phase a step marked ("forward", "backward", "grad_sync",
     "optimizer") and of the whole "step"."""
@@ -261,6 +350,8 @@ class OptimizerSpec:
     # one optimizer per block (GroupedOptimizer), stepped after the backward: a data-parallel
     # wrapper may update each block as soon as its gradients are averaged (update_per_bucket)
     grouped: bool = False
+    # the step's scalars in device memory, so a CUDA graph can capture the update (GraphedStep)
+    capturable: bool = False
 
     def __post_init__(self) -> None:
         check_choice("optimizer", self.kind, OPTIMIZERS)
@@ -268,6 +359,9 @@ class OptimizerSpec:
             raise ValueError("master_weights is MasterWeightAdamW, a fused optimizer: set kind='fused'")
         if self.split_masters and not self.master_weights:
             raise ValueError("split_masters splits MasterWeightAdamW's fp32 masters: set master_weights=True")
+        if self.capturable and (self.kind != "fused" or self.sharded):
+            raise ValueError("capturable is FusedAdamW's (kind='fused'), unsharded: the other optimizers keep their "
+                             "step scalars on the host")
         if self.sharded and self.in_backward:
             raise ValueError("a sharded optimizer cannot also step inside the backward: choose one")
         if self.grouped and (self.sharded or self.in_backward):
@@ -311,8 +405,11 @@ def build_optimizer(model: nn.Module, spec: OptimizerSpec, *, blocks: Iterable[n
 
         def make(ps: list[nn.Parameter]):
             return MasterWeightAdamW(ps, lr=spec.lr, low_precision=[p for p in ps if id(p) in low],
-                                     split_masters=spec.split_masters)
+                                     split_masters=spec.split_masters, capturable=spec.capturable)
     else:
+        if spec.capturable:
+            options = {**options, "capturable": True}
+
         def make(ps: list[nn.Parameter]):
             return cls(ps, lr=spec.lr, **options)
     if spec.in_backward or spec.grouped:
@@ -558,6 +655,8 @@ class OptimizerInBackward(GroupedOptimizer):
         super().__init__(groups, make_optimizer=make_optimizer)
         self.free_grads = free_grads
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # the devices whose side stream got updates since the current stream last waited for it
+        self._pending: set[torch.device] = set()
         # the hooks hold nothing but a weak reference to the wrapper: parameter -> hook -> wrapper
         # -> parameter would be a cycle that keeps a dropped model alive until a full gc pass
         this = weakref.ref(self)
@@ -595,6 +694,7 @@ class OptimizerInBackward(GroupedOptimizer):
             side.wait_stream(torch.cuda.current_stream(group.device))
             with torch.cuda.stream(side):
                 group.optimizer.step()
+            self._pending.add(group.device)
             for g in grads:
                 g.record_stream(side)  # its memory is not reused until the side stream's update has read it
         else:
@@ -619,8 +719,11 @@ class OptimizerInBackward(GroupedOptimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     def _wait(self) -> None:
-        for device, stream in self._streams.items():
-            torch.cuda.current_stream(device).wait_stream(stream)
+        # only streams with new work: inside a CUDA-graph capture, waiting for a side stream that
+        # has not joined the capture would tie the graph to work outside it (an error)
+        for device in self._pending:
+            torch.cuda.current_stream(device).wait_stream(self._streams[device])
+        self._pending = set()
 
     def remove(self) -> None:
         """Remove the hooks: the parameters' gradients then just accumulate, as without the wrapper."""

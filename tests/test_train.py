@@ -18,9 +18,10 @@ from systems.config import get_config
 from systems.kernels.fused_adamw import LOW_BITS, FusedAdamW
 from systems.model import TransformerLM
 from systems.optim import AdamW, cross_entropy
-from systems.train import (GroupedOptimizer, OptimizerInBackward, OptimizerSpec, StepSpec, block_groups, build_optimizer, matmul_sm_carveout,
-                           matmul_weights_of,
+from systems.train import (GraphedStep, GroupedOptimizer, OptimizerInBackward, OptimizerSpec, StepSpec, TrainStep,
+                           block_groups, build_optimizer, matmul_sm_carveout, matmul_weights_of, phase_ms,
                            priority_stream)
+from systems.measure.timer import Marks
 from systems.testing import have_triton, interpreting, run_interpreter_cases
 
 INTERPRETING = interpreting()
@@ -299,6 +300,30 @@ def test_sm_carveout_is_checked_and_a_no_op_on_a_cpu():
         assert torch._C._get_sm_carveout_experimental() == before
 
 
+def test_graphed_step_refuses_what_a_replay_cannot_redo():
+    _, model, _ = twin_models()
+    capturable = build_optimizer(model, OptimizerSpec(kind="fused", capturable=True))
+    spec = StepSpec(precision="bf16", loss="fused")
+    with pytest.raises(ValueError, match="capturable=True"):
+        GraphedStep(TrainStep(model, spec=spec, optimizer=FusedAdamW(model.parameters())))
+    with pytest.raises(ValueError, match="fp16 loss scaling"):
+        GraphedStep(TrainStep(model, spec=replace(spec, precision="fp16"), optimizer=capturable))
+    with pytest.raises(ValueError, match="sync_phases"):
+        GraphedStep(TrainStep(model, spec=replace(spec, sync_phases=True), optimizer=capturable))
+    with pytest.raises(ValueError, match="data-parallel wrapper"):
+        GraphedStep(TrainStep(model, spec=spec, optimizer=capturable, grad_sync=object()))
+    with pytest.raises(ValueError, match="eager_steps must be >= 1"):
+        GraphedStep(TrainStep(model, spec=spec, optimizer=capturable), eager_steps=0)
+    with pytest.raises(ValueError, match="capturable is FusedAdamW's"):
+        OptimizerSpec(kind="ours", capturable=True)
+    # its eager steps are the step itself; past them a CPU batch is refused, not captured
+    graphed = GraphedStep(TrainStep(model, spec=spec, optimizer=capturable), eager_steps=1)
+    x, y = random_batches(get_config("debug"), steps=1)[0]
+    assert torch.isfinite(graphed(x, y))
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
+        graphed(x, y)
+
+
 # ----------------------------------------------------------------------------- Triton kernel, CPU
 
 
@@ -333,6 +358,35 @@ def test_gpu_sm_carveout_is_set_inside_and_restored():
     with pytest.raises(ValueError, match="leaves the matmuls no SM"):
         with matmul_sm_carveout(count, device):
             pass
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("in_backward", [False, True], ids=["after-backward", "in-backward"])
+def test_gpu_graphed_step_trains_as_the_eager_step(in_backward):
+    # the same kernels with the same arguments (the scalars read from memory are the same fp32
+    # values), so the replays follow the eager steps up to the run-to-run differences of the
+    # backward's atomics: KERNEL_TOL. A replay that kept the capture's bias corrections, read a
+    # stale batch or raced the side stream's updates would be far outside it
+    cfg, ref, ours = twin_models(device="cuda", d_model=256, d_ff=768, n_layers=4, n_heads=4)
+    batches = random_batches(cfg, steps=6, device="cuda", batch=4, seq=32)
+    spec = StepSpec(precision="bf16", loss="fused")
+    opt_spec = OptimizerSpec(kind="fused", lr=1e-3, master_weights=True, split_masters=True, in_backward=in_backward,
+                             capturable=True)
+    steps = [TrainStep(m, spec=spec, optimizer=build_optimizer(m, opt_spec)) for m in (ref, ours)]
+    graphed = GraphedStep(steps[1], eager_steps=2)
+    with priority_stream(torch.device("cuda")):  # as train_step.measure runs the in-backward variants
+        losses_ref = [float(steps[0](x, y)) for x, y in batches]
+        losses = []
+        for x, y in batches:
+            marks = Marks(torch.device("cuda"))
+            losses.append(float(graphed(x, y, marks=marks)))
+    assert graphed.graph is not None
+    assert set(phase_ms(marks)) == {"replay", "step"}
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses_ref), rtol=1e-4, atol=0)
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        master_a, master_b = steps[0].optimizer.master_of(a), steps[1].optimizer.master_of(b)
+        torch.testing.assert_close(master_b, master_a, msg=name, **KERNEL_TOL)
 
 
 @pytest.mark.gpu

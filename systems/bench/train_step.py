@@ -64,10 +64,12 @@ from systems.measure.profiler import export_trace, profiler_activities
 from systems.measure.results import ResultWriter
 from systems.measure.timer import Marks, median_p10_p90
 from systems.parallel.plan import ParallelPlan, apply
-from systems.train import OptimizerSpec, StepSpec, TrainStep, build_optimizer, phase_ms, priority_stream
+from systems.train import GraphedStep, OptimizerSpec, StepSpec, TrainStep, build_optimizer, phase_ms, priority_stream
 
 GIB = 2**30
 PHASES = ("forward", "backward", "optimizer")
+# a step replayed as one CUDA graph (Variant.graph_step) has no phases: its "replay" is the whole step
+GRAPH_EAGER_STEPS = 2  # GraphedStep's eager steps before the capture (within the warm-up)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ class Variant:
     # (ModelConfig.qkv_rope_kernel, systems.kernels.rope_qkv)
     qkv_rope_kernel: bool = False
     sm_carveout: int = 0  # SMs the backward's matmuls leave to the updates (with optimizer_in_backward)
+    # the whole step (forward, backward, updates) captured as one CUDA graph (systems.train.GraphedStep)
+    graph_step: bool = False
 
     def __post_init__(self) -> None:
         if self.impl not in ("hf", "ours"):
@@ -99,6 +103,9 @@ class Variant:
             raise ValueError("sm_carveout leaves SMs to the updates inside the backward: set optimizer_in_backward=True")
         if self.compile_mode is not None and not self.compile_blocks:
             raise ValueError("compile_mode applies to compiled blocks: set compile_blocks=True")
+        if self.graph_step and (self.optimizer != "fused" or self.compile_mode is not None):
+            raise ValueError("graph_step captures the whole step: it needs optimizer='fused' (capturable) and blocks "
+                             "compiled without CUDA graphs of their own (compile_mode=None)")
         if self.impl == "hf" and (self.compile_blocks or self.fused_loss or self.optimizer_in_backward
                                   or self.fused_projections):
             raise ValueError("the hf baseline runs as transformers builds it: no compiled blocks, fused loss, "
@@ -110,7 +117,8 @@ class Variant:
     def optimizer_spec(self, *, lr: float) -> OptimizerSpec:
         kind = {"ours": "ours", "fused": "fused", "torch_fused": "torch_fused"}[self.optimizer]
         return OptimizerSpec(kind=kind, lr=lr, master_weights=self.master_weights,
-                             split_masters=self.split_masters, in_backward=self.optimizer_in_backward)
+                             split_masters=self.split_masters, in_backward=self.optimizer_in_backward,
+                             capturable=self.graph_step)
 
     def step_spec(self) -> StepSpec:
         loss = "hf_logits" if self.impl == "hf" else ("fused" if self.fused_loss else "logits")
@@ -171,6 +179,14 @@ FUSEDPROJ_OF = ("ours_graphs_overlap_split", "ours_master_overlap_sm16_split")
 VARIANTS.update({f"{n}_fusedproj": dataclasses.replace(VARIANTS[n], fused_projections=True) for n in FUSEDPROJ_OF})
 QKVROPE_OF = ("ours_graphs_fusedproj", *(f"{n}_fusedproj" for n in FUSEDPROJ_OF))
 VARIANTS.update({f"{n}_qkvrope": dataclasses.replace(VARIANTS[n], qkv_rope_kernel=True) for n in QKVROPE_OF})
+# The whole step as one CUDA graph (GraphedStep), in place of no graphs or of one graph per block:
+# ours_stepgraph_X is ours_master_X (blocks compiled without graphs of their own) captured whole
+STEPGRAPH_OF = ("split", "overlap_split", "overlap_sm16_split", "overlap_split_fusedproj_qkvrope",
+                "overlap_sm16_split_fusedproj_qkvrope")
+VARIANTS.update({f"ours_stepgraph_{n}": dataclasses.replace(
+    VARIANTS["ours_master_overlap_sm16_split"], optimizer_in_backward="overlap" in n,
+    sm_carveout=16 if "sm16" in n else 0, fused_projections="fusedproj" in n, qkv_rope_kernel="qkvrope" in n,
+    graph_step=True) for n in STEPGRAPH_OF})
 
 # (lever, variant without it, variant with it): notebook 10 credits each lever with the
 # difference between the two, measured in the same run
@@ -196,6 +212,14 @@ LEVERS: tuple[tuple[str, str, str], ...] = (
     ("split fp32 masters (bf16 weight + 16 low bits)", "ours_master_overlap_sm16", "ours_master_overlap_sm16_split"),
     ("16 SMs carved out of the backward's matmuls for the updates", "ours_master_overlap", "ours_master_overlap_sm16"),
     ("32 SMs carved out of the backward's matmuls for the updates", "ours_master_overlap", "ours_master_overlap_sm32"),
+    ("the whole step as one CUDA graph", "ours_master_split", "ours_stepgraph_split"),
+    ("the whole step as one CUDA graph", "ours_master_overlap_sm16_split", "ours_stepgraph_overlap_sm16_split"),
+    ("the whole step as one CUDA graph", "ours_master_overlap_sm16_split_fusedproj_qkvrope",
+     "ours_stepgraph_overlap_sm16_split_fusedproj_qkvrope"),
+    ("one CUDA graph per step instead of one per block", "ours_graphs_split", "ours_stepgraph_split"),
+    ("one CUDA graph per step instead of one per block", "ours_graphs_overlap_split", "ours_stepgraph_overlap_split"),
+    ("one CUDA graph per step instead of one per block", "ours_graphs_overlap_split_fusedproj_qkvrope",
+     "ours_stepgraph_overlap_split_fusedproj_qkvrope"),
 )
 
 # The project's own step-time targets on one H100 (not the handout's, which sets none for these
@@ -248,6 +272,9 @@ class StepConfig(RunConfig):
             raise ValueError(f"unknown variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
         if self.warmup < 1:
             raise ValueError(f"need warmup >= 1 (the first step compiles), got {self.warmup}")
+        if self.variant in VARIANTS and VARIANTS[self.variant].graph_step and self.warmup <= GRAPH_EAGER_STEPS:
+            raise ValueError(f"{self.variant} captures its graph after {GRAPH_EAGER_STEPS} eager steps: need warmup >= "
+                             f"{GRAPH_EAGER_STEPS + 1}, so the capture is not timed; got {self.warmup}")
         for lever in ("fused_projections", "qkv_rope_kernel"):
             if lever in self.model_overrides:
                 raise ValueError(f"{lever} is a variant's lever: choose a *_fusedproj or *_qkvrope variant instead of "
@@ -295,7 +322,8 @@ def build(cfg: StepConfig, *, device: torch.device) -> tuple[torch.nn.Module, ob
     # the optimizer first: master weights change the model's weight dtypes, which compiling sees
     opt = build_optimizer(model, variant.optimizer_spec(lr=cfg.lr))
     par = apply(model, variant.plan(), device=device)
-    return model, opt, TrainStep(model, spec=variant.step_spec(), optimizer=opt, forward=par.forward)
+    step = TrainStep(model, spec=variant.step_spec(), optimizer=opt, forward=par.forward)
+    return model, opt, (GraphedStep(step, eager_steps=GRAPH_EAGER_STEPS) if variant.graph_step else step)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -343,8 +371,9 @@ def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str
                 sync(device)
         sync(device)  # the events are read once every step has finished
         phases = [phase_ms(m) for m in steps]
-        for phase in PHASES:
-            row[f"{phase}_ms"] = statistics.median(p[phase] for p in phases)
+        for phase in (*PHASES, "replay"):
+            if all(phase in p for p in phases):
+                row[f"{phase}_ms"] = statistics.median(p[phase] for p in phases)
         row["step_ms"], row["step_ms_p10"], row["step_ms_p90"] = median_p10_p90([p["step"] for p in phases])
         row["loss"] = float(loss)
         row["tokens_per_s"] = tokens / (row["step_ms"] * 1e-3)
@@ -354,8 +383,9 @@ def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str
         if device.type == "cuda":
             row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
         if trace_path is not None:
-            profiled = TrainStep(model, spec=dataclasses.replace(step.spec, sync_phases=True), optimizer=opt,
-                                 forward=step.forward)
+            # a graphed step is profiled as one replay (its kernels, no phase ranges)
+            profiled = step if isinstance(step, GraphedStep) else TrainStep(
+                model, spec=dataclasses.replace(step.spec, sync_phases=True), optimizer=opt, forward=step.forward)
             row["trace"] = str(profile_one_step(lambda: profiled(x, y), device=device, trace_path=trace_path))
     if oom:
         row["status"] = "oom"

@@ -86,6 +86,11 @@ class _Scalars:
     bias_correction2_sqrt: float  # sqrt(1 - beta2^t)
     eps: float
 
+    def as_tensor(self) -> torch.Tensor:
+        """The kernel's ``Scalars`` (capturable optimizers), rounded to fp32 as scalar arguments are."""
+        return torch.tensor([self.decay, self.lerp_weight, self.beta2, self.one_minus_beta2, self.step_size,
+                             self.bias_correction2_sqrt, self.eps], dtype=torch.float32)
+
     @classmethod
     def of(cls, group: dict, step: int) -> "_Scalars":
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
@@ -107,6 +112,7 @@ class _Bucket:
     lows: list[torch.Tensor] | None  # split masters (all or none): their low halves; params are the high halves
     addends: list[torch.Tensor] | None = None  # all or none: the update reads grad_scale * (grad + addend)
     grad_scale: float = 1.0
+    slot: tuple = ()  # what identifies the bucket from step to step: its key without the step count
 
 
 def _kernel_applies(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
@@ -129,20 +135,47 @@ class _BlockMap:
     n_blocks: int
 
 
-def _block_map(numels: tuple[int, ...], device: torch.device) -> _BlockMap:
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class _DeviceTables:
+    """Moves the kernel's launch tables (host tensors) to the device. Outside a CUDA-graph capture
+    each is copied at once, from pinned memory without blocking (a pageable copy would make the
+    host wait for the queued backward). Inside one no host-to-device copy may be issued (its host
+    buffer would have to outlive the graph): the device tensor is allocated in the graph's pool and
+    filled by ``fill()`` once the capture has ended, before the first replay reads it."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return host
+        if _capturing():
+            out = torch.empty_like(host, device=device)
+            self.pending.append((out, host))
+            return out
+        return host.pin_memory().to(device, non_blocking=True)
+
+    def fill(self) -> None:
+        for out, host in self.pending:
+            out.copy_(host)
+        self.pending = []
+
+
+def _block_map(numels: tuple[int, ...], device: torch.device, to_device: _DeviceTables) -> _BlockMap:
     blocks = torch.tensor([triton.cdiv(n, BLOCK) for n in numels], dtype=torch.int64)
     first_block = torch.cumsum(blocks, 0) - blocks
     block_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), blocks)
-    return _BlockMap(numels=torch.tensor(numels, dtype=torch.int64).to(device), first_block=first_block.to(device),
-                     block_tensor=block_tensor.to(device), n_blocks=int(blocks.sum()))
+    return _BlockMap(numels=to_device(torch.tensor(numels, dtype=torch.int64), device),
+                     first_block=to_device(first_block, device), block_tensor=to_device(block_tensor, device),
+                     n_blocks=int(blocks.sum()))
 
 
-def _address_table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    table = torch.tensor(addresses, dtype=torch.int64).view(-1, N_POINTERS)
-    if device.type != "cuda":
-        return table
-    # pinned + non_blocking: a pageable copy would make the host wait for the queued backward
-    return table.pin_memory().to(device, non_blocking=True)
+def _address_table(addresses: tuple[int, ...], device: torch.device, to_device: _DeviceTables) -> torch.Tensor:
+    return to_device(torch.tensor(addresses, dtype=torch.int64).view(-1, N_POINTERS), device)
 
 
 def _foreach_step(bucket: _Bucket) -> None:
@@ -224,17 +257,28 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, a_ptr, offs, numel, grad_sca
 
 
 @triton.jit
-def _adamw_kernel(Addresses, Numels, FirstBlock, BlockTensor, grad_scale,
+def _adamw_kernel(Addresses, Numels, FirstBlock, BlockTensor, Scalars, grad_scale,
                   decay, lerp_weight, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps,
                   PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, COPY_DTYPE: tl.constexpr,
                   HAS_COPY: tl.constexpr, SPLIT: tl.constexpr, HAS_ADDEND: tl.constexpr, ALIGNED: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  SCALARS_IN_MEMORY: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (blocks of all tensors,). One program: BLOCK elements of one tensor of the bucket.
 
     PARAM_DTYPE: the master's dtype, which the moments share. SPLIT (not with HAS_COPY): every
     master is fp32 split in two int16 halves, the bf16 high half in the param column and the low
     half in the copy column (``split_master``). HAS_ADDEND: the gradient is grad_scale * (grad +
-    addend), the addend (in the gradient's dtype) in the sixth column."""
+    addend), the addend (in the gradient's dtype) in the sixth column. SCALARS_IN_MEMORY: the
+    step's scalars (decay to eps) are read from ``Scalars`` (fp32, in that order) instead of the
+    arguments, so that a CUDA graph which captured the launch sees each step's values
+    (``FusedAdamW(capturable=True)``)."""
+    if SCALARS_IN_MEMORY:
+        decay = tl.load(Scalars + 0)
+        lerp_weight = tl.load(Scalars + 1)
+        beta2 = tl.load(Scalars + 2)
+        one_minus_beta2 = tl.load(Scalars + 3)
+        step_size = tl.load(Scalars + 4)
+        bias_correction2_sqrt = tl.load(Scalars + 5)
+        eps = tl.load(Scalars + 6)
     pid = tl.program_id(0)
     t = tl.load(BlockTensor + pid).to(tl.int64)
     numel = tl.load(Numels + t)
@@ -281,18 +325,33 @@ class FusedAdamW(AdamW):
     reads the gradient ``scale * (grad + addend)``, summed in fp32 in the same kernel pass. A
     data-parallel wrapper that lands the other ranks' gradients in persistent buffers
     (``systems.parallel.peer.DDPPeer``) averages them here, with no pass of its own.
+
+    ``capturable``: the step may be captured in a CUDA graph (``systems.train.GraphedStep``). The
+    kernel then reads the step's scalars (learning rate, bias corrections) from device memory
+    instead of its arguments, which a graph would freeze at their capture-time values: an eager
+    step writes them before its launch; a captured step advances no step count and writes
+    nothing, and ``prepare_replay()``, called before each replay, advances the counts of the
+    parameters the captured step updates and writes their scalars (learning-rate changes in the
+    param groups included). A step can be captured only after an eager one (the moments exist),
+    and only through the kernel (CUDA tensors, contiguous).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, *,
-                 low_precision_copies: dict[torch.Tensor, torch.Tensor] | None = None):
+                 low_precision_copies: dict[torch.Tensor, torch.Tensor] | None = None, capturable: bool = False):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.capturable = capturable
         self._copies: dict[torch.Tensor, torch.Tensor] = {}
         # launch tables of the last step, reused while addresses and sizes stay the same
         self._tables: dict[tuple, torch.Tensor] = {}
         self._block_maps: dict[tuple, _BlockMap] = {}
         self._addends: dict[int, torch.Tensor] = {}  # id(the model's parameter) -> its gradient addend
         self._grad_scale = 1.0
+        self._to_device = _DeviceTables()
+        self._scalars: dict[tuple, torch.Tensor] = {}  # capturable: each bucket's scalars on the device
+        # the captured step's buckets, and the launch tables its kernels read (kept alive with the graph)
+        self._captured: list[_Bucket] | None = None
+        self._captured_tables: tuple[dict, dict] = ({}, {})
         for param, copy in (low_precision_copies or {}).items():
             self.attach_copy(param, copy)
 
@@ -304,6 +363,11 @@ class FusedAdamW(AdamW):
         self.__dict__.setdefault("_block_maps", {})
         self.__dict__.setdefault("_addends", {})
         self.__dict__.setdefault("_grad_scale", 1.0)
+        self.__dict__.setdefault("capturable", False)
+        self.__dict__.setdefault("_to_device", _DeviceTables())
+        self.__dict__.setdefault("_scalars", {})
+        self.__dict__.setdefault("_captured", None)
+        self.__dict__.setdefault("_captured_tables", ({}, {}))
 
     @torch.no_grad()
     def attach_copy(self, param: torch.Tensor, copy: torch.Tensor) -> None:
@@ -354,8 +418,9 @@ class FusedAdamW(AdamW):
         self._addends = {id(param): addend for param, addend in addends.items()}
         self._grad_scale = float(scale)
 
-    def _buckets(self) -> tuple[list[_Bucket], list[_Bucket]]:
-        """Advance every stepped parameter's count; group them into (kernel buckets, foreach buckets)."""
+    def _buckets(self, *, advance: bool = True) -> tuple[list[_Bucket], list[_Bucket]]:
+        """Advance every stepped parameter's count (unless ``advance`` is False: a captured step,
+        whose counts ``prepare_replay`` advances); group them into (kernel buckets, foreach buckets)."""
         kernel, fallback = {}, {}
         for index, group in enumerate(self.param_groups):
             for p in group["params"]:
@@ -368,7 +433,13 @@ class FusedAdamW(AdamW):
                 if addend is not None and addend.dtype != grad.dtype:  # before any state advances
                     raise ValueError(f"fold_gradients: an addend is {addend.dtype}, its gradient {grad.dtype}: "
                                      "give addends in the gradients' dtype")
-                state = advance_state(self.state[p], p)
+                if advance:
+                    state = advance_state(self.state[p], p)
+                elif not self.state[p]:
+                    raise RuntimeError("FusedAdamW: a step is captured only after an eager one (which creates the "
+                                       "moments); run one step before capturing")
+                else:
+                    state = self.state[p]
                 copy, low = self._copies.get(p), state.get(LOW_BITS)
                 use_kernel = _kernel_applies(p, grad, state["exp_avg"], state["exp_avg_sq"], copy, low, addend)
                 key = (index, state["step"], p.device, p.dtype, grad.dtype,
@@ -378,7 +449,8 @@ class FusedAdamW(AdamW):
                     buckets[key] = _Bucket(group=group, step=state["step"], params=[], grads=[],
                                            exp_avgs=[], exp_avg_sqs=[], copies=[] if copy is not None else None,
                                            lows=[] if low is not None else None,
-                                           addends=[] if addend is not None else None, grad_scale=self._grad_scale)
+                                           addends=[] if addend is not None else None, grad_scale=self._grad_scale,
+                                           slot=key[:1] + key[2:])
                 b = buckets[key]
                 b.params.append(p)
                 b.grads.append(grad)
@@ -392,7 +464,7 @@ class FusedAdamW(AdamW):
                     b.addends.append(addend)
         return list(kernel.values()), list(fallback.values())
 
-    def _launch(self, bucket: _Bucket, tables: dict, block_maps: dict) -> None:
+    def _launch(self, bucket: _Bucket, tables: dict, block_maps: dict, *, capturing: bool = False) -> None:
         p0 = bucket.params[0]
         # the fifth column: the copies or the split masters' low halves (address 0 for neither)
         fifth = bucket.copies if bucket.copies is not None else bucket.lows
@@ -405,36 +477,74 @@ class FusedAdamW(AdamW):
         map_key = (p0.device, tuple(p.numel() for p in bucket.params))
         block_map = self._block_maps.get(map_key)
         if block_map is None:
-            block_map = _block_map(map_key[1], p0.device)
+            block_map = _block_map(map_key[1], p0.device, self._to_device)
         table = self._tables.get(addresses)
         if table is None:
-            table = _address_table(addresses, p0.device)
+            table = _address_table(addresses, p0.device, self._to_device)
         block_maps[map_key], tables[addresses] = block_map, table
         if block_map.n_blocks == 0:
             return
         s = _Scalars.of(bucket.group, bucket.step)
+        scalars = table  # any pointer: read only with SCALARS_IN_MEMORY
+        if self.capturable:
+            scalars = self._scalars.get(bucket.slot)
+            if scalars is None:
+                scalars = self._scalars[bucket.slot] = torch.empty(7, dtype=torch.float32, device=p0.device)
+            if not capturing:  # a captured step's scalars are written by prepare_replay
+                self._write_scalars(bucket)
         copy_dtype = bucket.copies[0].dtype if bucket.copies is not None else torch.bfloat16  # unused without copies
         _adamw_kernel[(block_map.n_blocks,)](
-            table, block_map.numels, block_map.first_block, block_map.block_tensor, bucket.grad_scale,
+            table, block_map.numels, block_map.first_block, block_map.block_tensor, scalars, bucket.grad_scale,
             s.decay, s.lerp_weight, s.beta2, s.one_minus_beta2, s.step_size, s.bias_correction2_sqrt, s.eps,
             # the master's dtype is the moments' (a split master's param is its bf16 high half)
             PARAM_DTYPE=_TL_DTYPES[bucket.exp_avgs[0].dtype], GRAD_DTYPE=_TL_DTYPES[bucket.grads[0].dtype],
             COPY_DTYPE=_TL_DTYPES[copy_dtype], HAS_COPY=bucket.copies is not None, SPLIT=bucket.lows is not None,
-            HAS_ADDEND=bucket.addends is not None, ALIGNED=all(a % ALIGN_BYTES == 0 for a in addresses), BLOCK=BLOCK,
-            num_warps=NUM_WARPS)
+            HAS_ADDEND=bucket.addends is not None, ALIGNED=all(a % ALIGN_BYTES == 0 for a in addresses),
+            SCALARS_IN_MEMORY=self.capturable, BLOCK=BLOCK, num_warps=NUM_WARPS)
+
+    def _write_scalars(self, bucket: _Bucket) -> None:
+        host = _Scalars.of(bucket.group, bucket.step).as_tensor()
+        device_scalars = self._scalars[bucket.slot]
+        if device_scalars.is_cuda:
+            host = host.pin_memory()  # ordered on the stream, without waiting for the queued work
+        device_scalars.copy_(host, non_blocking=True)
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         loss = closure_loss(closure)
-        kernel_buckets, fallback_buckets = self._buckets()
+        capturing = _capturing()
+        if capturing and not self.capturable:
+            raise RuntimeError("FusedAdamW: this step is being captured in a CUDA graph, which would freeze its "
+                               "learning rate and bias corrections: build the optimizer with capturable=True")
+        kernel_buckets, fallback_buckets = self._buckets(advance=not capturing)
+        if capturing and fallback_buckets:
+            raise RuntimeError("FusedAdamW: a captured step runs only through the kernel; some parameters take the "
+                               "PyTorch fallback (CPU, non-contiguous or float64 tensors)")
         # keep only this step's tables: the caches stay as small as the model
         tables, block_maps = {}, {}
         for bucket in kernel_buckets:
-            self._launch(bucket, tables, block_maps)
+            self._launch(bucket, tables, block_maps, capturing=capturing)
         self._tables, self._block_maps = tables, block_maps
+        if capturing:
+            self._captured, self._captured_tables = kernel_buckets, (tables, block_maps)
         for bucket in fallback_buckets:
             _foreach_step(bucket)
         return loss
+
+    def finish_capture(self) -> None:
+        """After the capture of a step has ended: write the launch tables it allocated."""
+        self._to_device.fill()
+
+    def prepare_replay(self) -> None:
+        """Before each replay of the captured step: advance the step count of every parameter it
+        updates and write each bucket's scalars, on the current stream (the replay's)."""
+        if self._captured is None:
+            raise RuntimeError("FusedAdamW.prepare_replay: no step of this optimizer was captured")
+        for bucket in self._captured:
+            bucket.step += 1
+            for p in bucket.params:
+                self.state[p]["step"] = bucket.step
+            self._write_scalars(bucket)
 
 
 class MasterWeightAdamW(FusedAdamW):
@@ -478,7 +588,7 @@ class MasterWeightAdamW(FusedAdamW):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, *, low_precision: Iterable[torch.Tensor],
-                 dtype: torch.dtype = torch.bfloat16, split_masters: bool = False):
+                 dtype: torch.dtype = torch.bfloat16, split_masters: bool = False, capturable: bool = False):
         if dtype not in COPY_DTYPES:
             raise ValueError(f"MasterWeightAdamW: dtype must be one of {COPY_DTYPES}, got {dtype}")
         if split_masters and dtype != torch.bfloat16:
@@ -512,7 +622,7 @@ class MasterWeightAdamW(FusedAdamW):
                 tensors.append(master)
         # each master's copy is the model's parameter: FusedAdamW's copy table is the one map kept
         super().__init__(tensors, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         low_precision_copies=masters)
+                         low_precision_copies=masters, capturable=capturable)
         for p, low in lows.items():
             # the moments are the master's, fp32 (advance_state would make them in the parameter's bf16)
             self.state[p].update({"step": 0, "exp_avg": torch.zeros_like(low, dtype=torch.float32),

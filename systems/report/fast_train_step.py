@@ -12,7 +12,7 @@ def step_table(rows, *, baseline: str = "hf_llama", handout: str | None = None):
 
     df = pd.DataFrame(rows)
     cols = ["model", "variant", "status", "step_ms", "step_ms_p10", "step_ms_p90", "forward_ms", "backward_ms",
-            "optimizer_ms", "first_step_s", "achieved_tflops", "mfu", "peak_memory_gib", "tokens_per_s"]
+            "optimizer_ms", "replay_ms", "first_step_s", "achieved_tflops", "mfu", "peak_memory_gib", "tokens_per_s"]
     df = df[[c for c in cols if c in df.columns]].copy()
     if "step_ms" in df.columns:
         base = df[df["variant"] == baseline].set_index("model")["step_ms"]
@@ -57,9 +57,15 @@ def plot_phases(table, *, title: str):
     for ax, model in zip(axes[0], models):
         part = ok[ok["model"] == model]
         left = [0.0] * len(part)
-        for i, phase in enumerate(("forward_ms", "backward_ms", "optimizer_ms")):
-            ax.barh(part["variant"], part[phase], left=left, color=f"C{i}", label=phase.removesuffix("_ms"))
-            left = [a + b for a, b in zip(left, part[phase])]
+        # a step replayed as one CUDA graph has no phases: one bar of its whole step
+        segments = {"forward_ms": "forward", "backward_ms": "backward", "optimizer_ms": "optimizer",
+                    "replay_ms": "whole step, one CUDA graph"}
+        for i, (phase, label) in enumerate(segments.items()):
+            if phase not in part or part[phase].isna().all():
+                continue
+            widths = part[phase].fillna(0.0)
+            ax.barh(part["variant"], widths, left=left, color=f"C{i}", label=label)
+            left = [a + b for a, b in zip(left, widths)]
         ax.invert_yaxis()
         ax.set_xlabel("ms per step (median of each phase)")
         ax.set_title(part["size"].iloc[0] if "size" in part else model)
@@ -151,7 +157,9 @@ def step_answer(table, *, targets: dict[str, float], handout: str, target_gpu: s
         lines.append(text + ".")
         if "ours_eager" in part.index and best.startswith("ours") and best != "ours_eager":
             e = part.loc["ours_eager"]
-            deltas = ", ".join(f"{ph} {e[f'{ph}_ms']:.1f} -> {b[f'{ph}_ms']:.1f} ms" for ph in PHASES)
+            deltas = ", ".join(f"{ph} {e[f'{ph}_ms']:.1f} -> {b[f'{ph}_ms']:.1f} ms" for ph in PHASES
+                               if b.get(f"{ph}_ms") == b.get(f"{ph}_ms"))  # NaN: a graphed step has no phases
+            deltas = deltas or f"step {e['step_ms']:.1f} -> {b['step_ms']:.1f} ms (one CUDA graph: no phases)"
             lines.append(f"  - from `ours_eager` to `{best}`: {deltas}; first step (compilation, autotuning) "
                          f"{b['first_step_s']:.1f} s against {e['first_step_s']:.1f} s.")
     return "**Step time.**\n\n" + "\n".join(lines)

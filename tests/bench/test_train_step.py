@@ -148,6 +148,38 @@ def test_gpu_fast_variants_track_the_reference(variant):
         assert far <= 0.01, f"{name}: {far:.2%} of the elements differ by more than lr/10"
 
 
+def test_step_graph_variants_are_their_eager_variants_captured_whole():
+    for name, base in (("ours_stepgraph_split", "ours_master_split"),
+                       ("ours_stepgraph_overlap_sm16_split", "ours_master_overlap_sm16_split"),
+                       ("ours_stepgraph_overlap_sm16_split_fusedproj_qkvrope",
+                        "ours_master_overlap_sm16_split_fusedproj_qkvrope")):
+        assert ts.VARIANTS[name] == dataclasses.replace(ts.VARIANTS[base], graph_step=True)
+        assert ("the whole step as one CUDA graph", base, name) in ts.LEVERS
+        assert ts.VARIANTS[name].optimizer_spec(lr=1e-3).capturable
+    # against one graph per block: the same step with the blocks' graphs in place of the step's
+    assert ts.VARIANTS["ours_stepgraph_overlap_split"] == dataclasses.replace(
+        ts.VARIANTS["ours_graphs_overlap_split"], compile_mode=None, graph_step=True)
+    _, _, step = _built("ours_stepgraph_split", warmup=3)
+    assert isinstance(step, ts.GraphedStep) and step.eager_steps == ts.GRAPH_EAGER_STEPS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant,base", [("ours_stepgraph_split", "ours_master_split"),
+                                          ("ours_stepgraph_overlap_sm16_split", "ours_master_overlap_sm16_split")])
+def test_gpu_step_graph_variants_track_their_eager_variants(variant, base):
+    # the same compiled kernels, replayed: tolerances as test_gpu_fast_variants_track_the_reference's,
+    # over 6 steps, 4 of them replays (a frozen bias correction would move most elements by more
+    # than lr/10 after the first replays)
+    lr = 1e-3
+    losses_ref, params_ref = _steps(ts.VARIANTS[base], device="cuda", steps=6)
+    losses, params = _steps(ts.VARIANTS[variant], device="cuda", steps=6)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses_ref), rtol=1e-2, atol=0)
+    for (name, _, a), (_, _, master) in zip(params_ref, params):
+        far = ((master - a).abs() > lr / 10).float().mean().item()
+        assert far <= 0.01, f"{name}: {far:.2%} of the elements differ by more than lr/10"
+
+
 def test_variants_refuse_contradictions():
     with pytest.raises(ValueError, match="master_weights needs"):
         ts.Variant(impl="hf", optimizer="torch_fused", master_weights=True)
@@ -163,6 +195,10 @@ def test_variants_refuse_contradictions():
         ts.StepConfig(model="debug", variant="ours_eager", model_overrides={"qkv_rope_kernel": True})
     with pytest.raises(ValueError, match="set fused_projections=True"):
         ts.Variant(impl="ours", compile_blocks=True, qkv_rope_kernel=True)
+    with pytest.raises(ValueError, match="graph_step captures the whole step"):
+        ts.Variant(impl="ours", compile_blocks=True, optimizer="fused", compile_mode="reduce-overhead", graph_step=True)
+    with pytest.raises(ValueError, match="need warmup >= 3"):
+        ts.StepConfig(model="debug", variant="ours_stepgraph_split", warmup=2)
     cfg = ts.StepConfig(model="debug", variant="ours_graphs_fusedproj_qkvrope", device="cpu").model_config()
     assert cfg.fused_projections and cfg.qkv_rope_kernel
 

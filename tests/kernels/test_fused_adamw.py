@@ -9,6 +9,7 @@ must not leak into other tests). GPU (marked gpu, skipped without CUDA): the com
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ KERNEL_TOL = dict(atol=1e-6, rtol=1e-5)
 
 
 def run_pair(*, device="cpu", steps=4, weight_decay=0.1, grad_dtype=torch.float32, copy_dtype=None,
-             shapes=SHAPES, skip=None):
+             shapes=SHAPES, skip=None, capturable=False):
     """Steps AdamW and FusedAdamW on the same parameters and gradients.
 
     Two param groups (the second with its own lr and no decay). ``skip=(step, index)`` leaves
@@ -54,7 +55,8 @@ def run_pair(*, device="cpu", steps=4, weight_decay=0.1, grad_dtype=torch.float3
     copies = ({p: torch.empty(p.shape, dtype=copy_dtype, device=device) for p in ours}
               if copy_dtype is not None else None)
     opt_ref = AdamW(groups(ref), weight_decay=weight_decay, **HYPER)
-    opt = FusedAdamW(groups(ours), weight_decay=weight_decay, **HYPER, low_precision_copies=copies)
+    opt = FusedAdamW(groups(ours), weight_decay=weight_decay, **HYPER, low_precision_copies=copies,
+                     capturable=capturable)
     for step in range(steps):
         for i, (a, b) in enumerate(zip(ref, ours)):
             if skip == (step, i):
@@ -490,21 +492,23 @@ def test_triton_kernel_in_interpreter_subprocess():
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
 @pytest.mark.parametrize("grad", ["fp32", "bf16"])
 @pytest.mark.parametrize("fifth", ["copy", "none", "split", "split+addend"])
-def test_kernel_compiles_for_h100(grad, fifth):
+@pytest.mark.parametrize("scalars_in_memory", [False, True], ids=["scalar-args", "scalars-in-memory"])
+def test_kernel_compiles_for_h100(grad, fifth, scalars_in_memory):
     import triton.language as tl
 
     from systems.kernels.fused_adamw import NUM_WARPS, _adamw_kernel
 
     scalars = ("grad_scale", "decay", "lerp_weight", "beta2", "one_minus_beta2", "step_size",
                "bias_correction2_sqrt", "eps")
-    flags = ("PARAM_DTYPE", "GRAD_DTYPE", "COPY_DTYPE", "HAS_COPY", "SPLIT", "HAS_ADDEND", "ALIGNED", "BLOCK")
+    flags = ("PARAM_DTYPE", "GRAD_DTYPE", "COPY_DTYPE", "HAS_COPY", "SPLIT", "HAS_ADDEND", "ALIGNED",
+             "SCALARS_IN_MEMORY", "BLOCK")
     signature = {"Addresses": "*i64", "Numels": "*i64", "FirstBlock": "*i64", "BlockTensor": "*i32",
-                 **{k: "fp32" for k in scalars}, **{k: "constexpr" for k in flags}}
+                 "Scalars": "*fp32", **{k: "fp32" for k in scalars}, **{k: "constexpr" for k in flags}}
     addend = fifth == "split+addend"  # the data-parallel fold (DDPPeer): the other ranks' gradient sum
     fifth = fifth.removesuffix("+addend")
     constexprs = dict(PARAM_DTYPE=tl.float32, GRAD_DTYPE=tl.bfloat16 if grad == "bf16" else tl.float32,
                       COPY_DTYPE=tl.bfloat16, HAS_COPY=fifth == "copy", SPLIT=fifth == "split", HAS_ADDEND=addend,
-                      ALIGNED=True, BLOCK=BLOCK)
+                      ALIGNED=True, SCALARS_IN_MEMORY=scalars_in_memory, BLOCK=BLOCK)
     ptx = compile_ptx_for_h100(_adamw_kernel, signature=signature, constexprs=constexprs,
                                aligned_args=(0, 1, 2, 3), num_warps=NUM_WARPS)
     # aligned full blocks move every tensor in 16-byte vectors: per thread BLOCK / (32 * NUM_WARPS)
@@ -515,10 +519,14 @@ def test_kernel_compiles_for_h100(grad, fifth):
     stores = param + 2 + 2 + (fifth == "copy")  # p, m, v and the bf16 copy
     assert (ptx.count("ld.global.v4"), ptx.count("st.global.v4")) == (loads, stores)
     assert "sqrt.rn" in ptx and "sqrt.approx" not in ptx  # rounded as torch's sqrt
+    # unpredicated 32-bit loads: the program's tensor index, and the seven step scalars where they
+    # are read from memory (the PTX spells them .b32 or .f32 by Triton version)
+    scalar_loads = re.findall(r"^\s*ld\.global\.[bf]32 ", ptx, flags=re.MULTILINE)
+    assert len(scalar_loads) == 1 + 7 * scalars_in_memory
 
 
 INTERP_CASES = [(0.1, torch.float32, None), (0.0, torch.bfloat16, None), (0.1, torch.float32, (1, 2))]
-N_INTERP_TESTS = len(INTERP_CASES) + 5 + len(SPLIT_SEEDS)
+N_INTERP_TESTS = len(INTERP_CASES) + 6 + len(SPLIT_SEEDS)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -534,6 +542,19 @@ def test_interp_kernel_matches_adamw(weight_decay, grad_dtype, skip):
     # every parameter went through the kernel: one address table per (group, step count) bucket
     n_buckets = 2 + (skip is not None)
     assert len(opt._tables) == n_buckets
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+def test_interp_capturable_kernel_reads_the_same_scalars_from_memory():
+    # the scalars written to device memory are the Python doubles rounded to fp32, as the scalar
+    # arguments are: the same kernel arithmetic, bit for bit (a parameter skips a step, so two
+    # buckets have different step counts and scalars)
+    _, plain, _, _, opt_plain = run_pair(skip=(1, 2))
+    _, ours, _, _, opt = run_pair(skip=(1, 2), capturable=True)
+    assert opt._tables and len(opt._scalars) == 2  # through the kernel; a slot per (group, dtypes)
+    for a, b in zip(plain, ours):
+        torch.testing.assert_close(b, a, atol=0, rtol=0)
+        assert opt.state[b]["step"] == opt_plain.state[a]["step"]
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
@@ -606,6 +627,74 @@ def test_gpu_kernel_matches_adamw(grad_dtype):
         torch.testing.assert_close(b, a, **KERNEL_TOL)
     assert_copies_exact(ours, copies)  # a GPU converts fp32 -> bf16 rounding to nearest, as torch
     assert opt._tables  # the kernel ran
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("split", [False, True], ids=["fp32", "split-masters"])
+def test_gpu_captured_step_replays_with_each_steps_scalars(split):
+    # one eager step, then the step captured in a CUDA graph and replayed five times with new
+    # gradients written into the same tensors, the learning rate halved after the second replay:
+    # a replay that froze the capture's bias corrections or learning rate would move each
+    # element by a different multiple of lr, far outside KERNEL_TOL
+    torch.manual_seed(0)
+    shapes = ((1024, 256), (3 * BLOCK - 1,), (33,))
+    ref = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    if split:
+        opt = MasterWeightAdamW(ours, **HYPER, low_precision=ours[:2], split_masters=True, capturable=True)
+        grads = [torch.empty(p.shape, device="cuda", dtype=p.dtype) for p in ours]
+    else:
+        opt = FusedAdamW(ours, **HYPER, capturable=True)
+        grads = [torch.empty_like(p) for p in ours]
+    opt_ref = AdamW(ref, **HYPER)
+    for p, g in zip(ours, grads):
+        p.grad = g  # the graph reads the gradients where they were at capture
+
+    def new_gradients():
+        for a, g in zip(ref, grads):
+            g.copy_(torch.randn(a.shape, device="cuda"))
+            a.grad = g.float().clone()
+
+    new_gradients()
+    opt.step()
+    opt_ref.step()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=stream):
+        opt.step()
+    opt.finish_capture()
+    for replay in range(5):
+        if replay == 2:
+            for group in (*opt.param_groups, *opt_ref.param_groups):
+                group["lr"] *= 0.5
+        new_gradients()
+        opt.prepare_replay()
+        graph.replay()
+        opt_ref.step()
+    torch.cuda.synchronize()
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(opt.master_of(b) if split else b, a.detach(), **KERNEL_TOL)
+    counts = {opt.state[p]["step"] for p in opt.param_groups[0]["params"]}
+    assert counts == {6}
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_capture_refuses_host_scalars():
+    p = torch.nn.Parameter(torch.randn(64, device="cuda"))
+    p.grad = torch.randn(64, device="cuda")
+    opt = FusedAdamW([p], **HYPER)
+    opt.step()  # eager: fine
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            with pytest.raises(RuntimeError, match="capturable=True"):
+                opt.step()
+        finally:
+            graph.capture_end()
 
 
 @pytest.mark.gpu

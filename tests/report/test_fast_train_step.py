@@ -134,3 +134,19 @@ def test_levers_whose_variants_spread_over_each_other_are_named_as_unsettled():
     costly = report.lever_table(report.step_table([_row("debug", "ours_eager", 10.0),
                                                    _row("debug", "ours_fused", 13.0)]))
     assert bool(costly.loc[0, "beyond_spread"]) and costly.loc[0, "saved_ms"] == pytest.approx(-3.0)
+
+
+def test_a_step_replayed_as_one_graph_has_no_phases_and_one_bar():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    graphed = dict(model="2.7B", variant="ours_stepgraph_split", status="ok", step_ms=90.0, step_ms_p10=89.0,
+                   step_ms_p90=91.0, replay_ms=90.0, first_step_s=2.0, achieved_tflops=100.0, mfu=0.5)
+    table = report.step_table([_row("2.7B", "ours_eager", 150.0), graphed])
+    text = report.step_answer(table, targets={}, handout="2026")
+    assert "step 150.0 -> 90.0 ms (one CUDA graph: no phases)" in text and "nan" not in text
+    fig = report.plot_phases(table, title="t")
+    ax = fig.axes[0]
+    assert ax.get_legend_handles_labels()[1] == ["forward", "backward", "optimizer", "whole step, one CUDA graph"]
+    # eager's phases 45 / 90 / 15 ms, the graphed step's one 90 ms bar (its phases drawn 0 wide)
+    assert sorted(round(p.get_width(), 1) for p in ax.patches if p.get_width() > 0) == [15.0, 45.0, 90.0, 90.0]
