@@ -311,6 +311,8 @@ class GraphedStep:
         # no gradients when the capture starts: the captured backward then allocates them in the
         # graph's pool and writes them, where existing ones would be accumulated into
         self.step._zero_grad()
+        for optimizer in self._optimizers:
+            optimizer.prepare_capture()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             self._loss = self.step(*self._inputs)

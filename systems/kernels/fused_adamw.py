@@ -143,18 +143,31 @@ def _capturing() -> bool:
 class _DeviceTables:
     """Moves the kernel's launch tables (host tensors) to the device. Outside a CUDA-graph capture
     each is copied at once, from pinned memory without blocking (a pageable copy would make the
-    host wait for the queued backward). Inside one no host-to-device copy may be issued (its host
-    buffer would have to outlive the graph): the device tensor is allocated in the graph's pool and
-    filled by ``fill()`` once the capture has ended, before the first replay reads it."""
+    host wait for the queued backward). Inside one no host-to-device copy is issued (its host
+    buffer would have to outlive the graph): each table is a slice of an arena reserved before
+    the capture (``reserve``) and is written by ``fill()`` once the capture has ended. Not a
+    tensor of the graph's own pool: the pool hands a capture blocks that earlier captured kernels
+    used and freed, and a replay would run those kernels over the table before reading it."""
 
     def __init__(self) -> None:
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._arena: torch.Tensor | None = None  # int64 slots on the device
+        self._used = 0
+
+    def reserve(self, slots: int, device: torch.device) -> None:
+        self._arena, self._used = torch.empty(slots, dtype=torch.int64, device=device), 0
 
     def __call__(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         if device.type != "cuda":
             return host
         if _capturing():
-            out = torch.empty_like(host, device=device)
+            slots = -(-host.numel() * host.element_size() // 8)
+            if self._arena is None or self._used + slots > self._arena.numel():
+                raise RuntimeError("FusedAdamW: the captured step's launch tables do not fit the room reserved for "
+                                   "them: call prepare_capture() right before capturing, after an eager step of the "
+                                   "same parameters")
+            out = self._arena[self._used:self._used + slots].view(host.dtype)[:host.numel()].view(host.shape)
+            self._used += slots
             self.pending.append((out, host))
             return out
         return host.pin_memory().to(device, non_blocking=True)
@@ -162,7 +175,7 @@ class _DeviceTables:
     def fill(self) -> None:
         for out, host in self.pending:
             out.copy_(host)
-        self.pending = []
+        self.pending, self._arena = [], None  # the tables keep their slices of the arena alive
 
 
 def _block_map(numels: tuple[int, ...], device: torch.device, to_device: _DeviceTables) -> _BlockMap:
@@ -489,6 +502,9 @@ class FusedAdamW(AdamW):
         if self.capturable:
             scalars = self._scalars.get(bucket.slot)
             if scalars is None:
+                if capturing:  # allocated in the graph's pool, it could share a block with earlier kernels
+                    raise RuntimeError("FusedAdamW: the captured step updates a bucket that no eager step has: "
+                                       "capture only after an eager step of the same parameters")
                 scalars = self._scalars[bucket.slot] = torch.empty(7, dtype=torch.float32, device=p0.device)
             if not capturing:  # a captured step's scalars are written by prepare_replay
                 self._write_scalars(bucket)
@@ -531,8 +547,18 @@ class FusedAdamW(AdamW):
             _foreach_step(bucket)
         return loss
 
+    def prepare_capture(self) -> None:
+        """Right before a step is captured: reserve device memory, outside the graph's pool, for
+        its launch tables (twice what the last eager step's took)."""
+        if not self._tables:
+            raise RuntimeError("FusedAdamW.prepare_capture: run an eager step through the kernel first")
+        tensors = [*self._tables.values(),
+                   *(t for m in self._block_maps.values() for t in (m.numels, m.first_block, m.block_tensor))]
+        slots = sum(-(-t.numel() * t.element_size() // 8) for t in tensors)
+        self._to_device.reserve(2 * slots + 64, next(iter(self._tables.values())).device)
+
     def finish_capture(self) -> None:
-        """After the capture of a step has ended: write the launch tables it allocated."""
+        """After the capture of a step has ended: write the launch tables it made."""
         self._to_device.fill()
 
     def prepare_replay(self) -> None:

@@ -661,6 +661,7 @@ def test_gpu_captured_step_replays_with_each_steps_scalars(split):
     opt_ref.step()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    opt.prepare_capture()
     with torch.cuda.graph(graph, stream=stream):
         opt.step()
     opt.finish_capture()
