@@ -22,7 +22,8 @@
 # and fp32 masters in the optimizer (`ours_master`: bit-identical to autocast on a CPU), per-block
 # CUDA graphs (`ours_graphs`), Q, K, V and SwiGLU's W1, W3 each computed as one GEMM
 # (`*_fusedproj`), the fp32 masters kept as the bf16 weight plus 16 low bits (`*_split`), and the
-# optimizer inside the backward on a side stream (`*_overlap`; `*_sm16`: with 16 SMs left to it).
+# optimizer inside the backward on a side stream (`*_overlap`; `*_sm16`: with 16 SMs left to it),
+# and the whole step, updates included, captured and replayed as one CUDA graph (`ours_stepgraph_*`).
 # The variants are data in `systems.bench.train_step.VARIANTS`, the lever comparisons in `LEVERS`.
 # Then the 2026 handout's leaderboard: the 8B model's full step on two GPUs.
 

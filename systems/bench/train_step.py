@@ -245,11 +245,12 @@ FULL_PLAN = Plan(
                        "ours_master_fusedproj", "ours_master_split", "ours_master_overlap", "ours_master_overlap_sm16",
                        "ours_master_overlap_sm32", "ours_master_overlap_sm16_split",
                        "ours_master_overlap_sm16_split_fusedproj", "ours_master_overlap_sm16_split_fusedproj_qkvrope",
-                       "ours_graphs", "ours_graphs_split"),
+                       "ours_graphs", "ours_graphs_split", "ours_stepgraph_split", "ours_stepgraph_overlap_sm16_split"),
               "xl-2025": ("hf_llama", "ours_eager", "ours_fast", "ours_master", "ours_graphs", "ours_graphs_fusedproj",
                           "ours_graphs_fusedproj_qkvrope", "ours_graphs_split", "ours_graphs_overlap",
                           "ours_graphs_overlap_split", "ours_graphs_overlap_split_fusedproj",
-                          "ours_graphs_overlap_split_fusedproj_qkvrope")},
+                          "ours_graphs_overlap_split_fusedproj_qkvrope", "ours_stepgraph_split",
+                          "ours_stepgraph_overlap_split_fusedproj_qkvrope")},
     step=dict(batch_size=4, context_length=512, warmup=5, steps=20), trace=("2.7B", "ours_master_overlap"))
 # CPU: the debug model; compiled variants are left out (inductor's CPU compile dominates a smoke run
 # and needs a C++ toolchain)

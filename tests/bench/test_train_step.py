@@ -159,6 +159,13 @@ def test_step_graph_variants_are_their_eager_variants_captured_whole():
     # against one graph per block: the same step with the blocks' graphs in place of the step's
     assert ts.VARIANTS["ours_stepgraph_overlap_split"] == dataclasses.replace(
         ts.VARIANTS["ours_graphs_overlap_split"], compile_mode=None, graph_step=True)
+    for size, pairs in (("2.7B", [("ours_master_split", "ours_stepgraph_split"), ("ours_graphs_split", "ours_stepgraph_split"),
+                                  ("ours_master_overlap_sm16_split", "ours_stepgraph_overlap_sm16_split")]),
+                        ("xl-2025", [("ours_graphs_split", "ours_stepgraph_split"),
+                                     ("ours_graphs_overlap_split_fusedproj_qkvrope",
+                                      "ours_stepgraph_overlap_split_fusedproj_qkvrope")])):
+        for pair in pairs:  # notebook 10's lever table measures each of them in one run
+            assert set(pair) <= set(ts.FULL_PLAN.variants[size]) and pair in {(b, a) for _, b, a in ts.LEVERS}
     _, _, step = _built("ours_stepgraph_split", warmup=3)
     assert isinstance(step, ts.GraphedStep) and step.eager_steps == ts.GRAPH_EAGER_STEPS
 
