@@ -181,12 +181,13 @@ QKVROPE_OF = ("ours_graphs_fusedproj", *(f"{n}_fusedproj" for n in FUSEDPROJ_OF)
 VARIANTS.update({f"{n}_qkvrope": dataclasses.replace(VARIANTS[n], qkv_rope_kernel=True) for n in QKVROPE_OF})
 # The whole step as one CUDA graph (GraphedStep), in place of no graphs or of one graph per block:
 # ours_stepgraph_X is ours_master_X (blocks compiled without graphs of their own) captured whole
-STEPGRAPH_OF = ("split", "overlap_split", "overlap_sm16_split", "overlap_split_fusedproj_qkvrope",
-                "overlap_sm16_split_fusedproj_qkvrope")
+# (_smN: N SMs carved out of the backward's matmuls for the updates)
+STEPGRAPH_OF = ("split", "overlap_split", *(f"overlap_sm{n}_split" for n in (8, 16, 24, 32)),
+                "overlap_split_fusedproj_qkvrope", *(f"overlap_sm{n}_split_fusedproj_qkvrope" for n in (8, 16)))
 VARIANTS.update({f"ours_stepgraph_{n}": dataclasses.replace(
     VARIANTS["ours_master_overlap_sm16_split"], optimizer_in_backward="overlap" in n,
-    sm_carveout=16 if "sm16" in n else 0, fused_projections="fusedproj" in n, qkv_rope_kernel="qkvrope" in n,
-    graph_step=True) for n in STEPGRAPH_OF})
+    sm_carveout=int(n.split("_sm")[1].split("_")[0]) if "_sm" in n else 0, fused_projections="fusedproj" in n,
+    qkv_rope_kernel="qkvrope" in n, graph_step=True) for n in STEPGRAPH_OF})
 
 # (lever, variant without it, variant with it): notebook 10 credits each lever with the
 # difference between the two, measured in the same run
