@@ -9,6 +9,8 @@ One step, its variants as data:
   precision (bf16 / fp16 autocast over the model's weights; fp16 scales the loss), the loss
   (logits then cross-entropy, or the fused LM head + loss that never materialises the logits),
   and whether each phase ends with a device synchronisation (host timers, profiles).
+- ``GraphedStep(step)``: the same step captured whole as one CUDA graph and replayed (its
+  optimizer built with ``OptimizerSpec(capturable=True)``).
 - The model may come wrapped: ``forward`` is what the step calls (a compiled model, a DDP
   wrapper), ``grad_sync`` the data-parallel wrapper whose ``finish_gradient_synchronization``
   runs after the backward (``systems.parallel.plan.apply`` returns both).
