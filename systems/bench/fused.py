@@ -4,6 +4,9 @@
   loop, our multi-tensor ``foreach`` path, the Triton ``FusedAdamW`` with and without a bf16
   weight copy, and torch's ``AdamW(fused=True)``): median ms and the effective bandwidth of the
   bytes each element must move at least (p, m, v read and written, g read, the copy written).
+- AdamW tiles (``--adamw-tiles 1024x8 2048x8``): the update the training step runs (split fp32
+  masters, bf16 gradients) at each kernel tile (elements per program x warps), beside a copy of
+  the same bytes in the same run, the roofline it can reach.
 - loss: LM head + cross-entropy, forward + backward under bf16 autocast, unfused
   (``cross_entropy(h @ W.T)``) against ``linear_cross_entropy``: median ms, the TFLOP/s of the
   head's model FLOPs (``systems.measure.flops``' convention: the head's matmul, backward 2x) and
@@ -18,6 +21,7 @@ Times are ``systems.measure.timer.time_fn`` medians with their 10th / 90th perce
 
     python -m systems.bench.fused --model 2.7B            # rows under build/fused/
     python -m systems.bench.fused --model xl-2025         # its head dim 64 fills rope's block
+    python -m systems.bench.fused --model 2.7B --adamw-tiles 1024x8 2048x8 2048x16
 """
 
 from __future__ import annotations
@@ -81,6 +85,63 @@ def optimizer_rows(*, model: str, rep_ms: float = 400, device: str = "cuda") -> 
         if oom:
             row.update(status="oom", error=oom.message)
         opt = None
+        release_memory()
+        rows.append(row)
+    return rows
+
+
+def parse_tile(text: str) -> tuple[int, int]:
+    """'1024x8' -> (1024, 8): elements per program x warps."""
+    try:
+        block, warps = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"an AdamW tile is BLOCKxWARPS, e.g. 1024x8; got {text!r}") from None
+    return block, warps
+
+
+def adamw_tile_rows(*, model: str, tiles: list[tuple[int, int]], rep_ms: float = 300,
+                    device: str = "cuda") -> list[dict]:
+    """The split-master update of ``model``'s parameters at each (block, num_warps) tile, and a
+    copy of the bytes it must move (26 per element of a matmul weight, 28 of the fp32 embedding
+    table and gains), one row each."""
+    from systems.kernels.fused_adamw import MasterWeightAdamW
+    from systems.model import TransformerLM
+    from systems.train import matmul_weights_of
+
+    with torch.device("meta"):
+        lm = TransformerLM(get_config(model))
+    matmul = {id(p) for p in matmul_weights_of(lm)}
+    # (shape, held in bf16 with a split master): the matmul weights, as MasterWeightAdamW holds them in the step
+    shapes = [(tuple(p.shape), id(p) in matmul) for p in lm.parameters()]
+    n = sum(torch.Size(s).numel() for s, _ in shapes)
+    min_bytes = sum((26 if low else 28) * torch.Size(s).numel() for s, low in shapes)
+    rows = []
+    row = dict(bench="optimizer_tile", model=model, variant="copy", n_params=n, min_bytes=min_bytes, status="ok")
+    with catch_oom() as oom:
+        source = torch.empty(min_bytes // 2, dtype=torch.uint8, device=device)  # read + write: min_bytes
+        row.update(_timed(source.clone, rep_ms=rep_ms, device=device))
+        row["gbps"] = min_bytes / (row["ms"] * 1e-3) / 1e9
+    if oom:
+        row.update(status="oom", error=oom.message)
+    source = None
+    rows.append(row)
+    for block, warps in tiles:
+        row = dict(bench="optimizer_tile", model=model, variant="fused_triton_split", block=block, num_warps=warps,
+                   n_params=n, min_bytes=min_bytes, status="ok")
+        params = opt = None
+        with catch_oom() as oom:
+            gen = torch.Generator(device=device).manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen) * 0.02) for s, _ in shapes]
+            opt = MasterWeightAdamW(params, lr=1e-4, low_precision=[p for p, (_, low) in zip(params, shapes) if low],
+                                    split_masters=True, block=block, num_warps=warps)
+            for p in params:  # bf16 gradients for the bf16 weights, as the step's
+                p.grad = torch.randn(p.shape, device=device, generator=gen, dtype=p.dtype) * 1e-3
+            opt.step()  # launch tables and kernel compile outside the timed region
+            row.update(_timed(opt.step, rep_ms=rep_ms, device=device))
+            row["gbps"] = min_bytes / (row["ms"] * 1e-3) / 1e9
+        if oom:
+            row.update(status="oom", error=oom.message)
+        params = opt = None
         release_memory()
         rows.append(row)
     return rows
@@ -164,10 +225,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="2.7B", help="preset whose parameter shapes the optimizer updates")
     parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/fused/10_fused_kernels.jsonl")
+    parser.add_argument("--adamw-tiles", nargs="+", default=None, metavar="BLOCKxWARPS",
+                        help="time only the split-master AdamW update at these kernel tiles (e.g. 1024x8 2048x8), "
+                             "beside a copy of the same bytes")
     args = parser.parse_args(argv)
+    try:
+        tiles = [parse_tile(t) for t in args.adamw_tiles] if args.adamw_tiles else None
+    except ValueError as exc:
+        parser.error(str(exc))
     if not torch.cuda.is_available():
         parser.error("the fused kernels are timed on a GPU; none is visible")
     writer = ResultWriter(args.out)
+    if tiles:
+        for row in adamw_tile_rows(model=args.model, tiles=tiles):
+            writer.write(row)
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        return 0
     cfg8b = get_config("8B")
     cases = [dict(tokens=4 * 512, d_model=get_config(args.model).d_model, vocab=get_config(args.model).vocab_size),
              dict(tokens=32768, d_model=cfg8b.d_model, vocab=cfg8b.vocab_size)]

@@ -38,8 +38,11 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # parameter and 
 COPY_DTYPES = (torch.bfloat16, torch.float16)  # low-precision copies
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
-# Elements per program: 8 per thread at 8 warps, i.e. two 16-byte fp32 vectors per tensor.
-BLOCK = 2048
+# Elements per program and warps: 4 elements per thread, one 16-byte vector of each fp32 tensor and
+# an 8-byte one of each 16-bit tensor. On one H200 the split-master update ran at 4.14 TB/s
+# against 3.63 with 8 per thread (2048 x 8 warps) and 4.28 for a copy of the same bytes
+# (docs/training_step_notes.md, entry 22; ``python -m systems.bench.fused --adamw-tiles ...``).
+BLOCK = 1024
 NUM_WARPS = 8
 ALIGN_BYTES = 16  # the kernel tells the compiler addresses are 16-byte aligned when they all are
 # columns of the address table: param, grad, exp_avg, exp_avg_sq, the copy or, for a split
@@ -178,8 +181,8 @@ class _DeviceTables:
         self.pending, self._arena = [], None  # the tables keep their slices of the arena alive
 
 
-def _block_map(numels: tuple[int, ...], device: torch.device, to_device: _DeviceTables) -> _BlockMap:
-    blocks = torch.tensor([triton.cdiv(n, BLOCK) for n in numels], dtype=torch.int64)
+def _block_map(numels: tuple[int, ...], device: torch.device, to_device: _DeviceTables, block: int) -> _BlockMap:
+    blocks = torch.tensor([triton.cdiv(n, block) for n in numels], dtype=torch.int64)
     first_block = torch.cumsum(blocks, 0) - blocks
     block_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), blocks)
     return _BlockMap(numels=to_device(torch.tensor(numels, dtype=torch.int64), device),
@@ -347,13 +350,21 @@ class FusedAdamW(AdamW):
     parameters the captured step updates and writes their scalars (learning-rate changes in the
     param groups included). A step can be captured only after an eager one (the moments exist),
     and only through the kernel (CUDA tensors, contiguous).
+
+    ``block``, ``num_warps``: the kernel's elements per program and warps (a power of two, at least
+    one element per thread); the defaults are the fastest measured (``BLOCK``'s comment).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, *,
-                 low_precision_copies: dict[torch.Tensor, torch.Tensor] | None = None, capturable: bool = False):
+                 low_precision_copies: dict[torch.Tensor, torch.Tensor] | None = None, capturable: bool = False,
+                 block: int = BLOCK, num_warps: int = NUM_WARPS):
+        if block & (block - 1) or num_warps & (num_warps - 1) or block < 32 * num_warps:
+            raise ValueError(f"FusedAdamW: block and num_warps must be powers of two with block >= 32 * num_warps "
+                             f"(one element per thread at least), got block={block}, num_warps={num_warps}")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.capturable = capturable
+        self.block, self.num_warps = block, num_warps
         self._copies: dict[torch.Tensor, torch.Tensor] = {}
         # launch tables of the last step, reused while addresses and sizes stay the same
         self._tables: dict[tuple, torch.Tensor] = {}
@@ -377,6 +388,8 @@ class FusedAdamW(AdamW):
         self.__dict__.setdefault("_addends", {})
         self.__dict__.setdefault("_grad_scale", 1.0)
         self.__dict__.setdefault("capturable", False)
+        self.__dict__.setdefault("block", BLOCK)
+        self.__dict__.setdefault("num_warps", NUM_WARPS)
         self.__dict__.setdefault("_to_device", _DeviceTables())
         self.__dict__.setdefault("_scalars", {})
         self.__dict__.setdefault("_captured", None)
@@ -490,7 +503,7 @@ class FusedAdamW(AdamW):
         map_key = (p0.device, tuple(p.numel() for p in bucket.params))
         block_map = self._block_maps.get(map_key)
         if block_map is None:
-            block_map = _block_map(map_key[1], p0.device, self._to_device)
+            block_map = _block_map(map_key[1], p0.device, self._to_device, self.block)
         table = self._tables.get(addresses)
         if table is None:
             table = _address_table(addresses, p0.device, self._to_device)
@@ -516,7 +529,7 @@ class FusedAdamW(AdamW):
             PARAM_DTYPE=_TL_DTYPES[bucket.exp_avgs[0].dtype], GRAD_DTYPE=_TL_DTYPES[bucket.grads[0].dtype],
             COPY_DTYPE=_TL_DTYPES[copy_dtype], HAS_COPY=bucket.copies is not None, SPLIT=bucket.lows is not None,
             HAS_ADDEND=bucket.addends is not None, ALIGNED=all(a % ALIGN_BYTES == 0 for a in addresses),
-            SCALARS_IN_MEMORY=self.capturable, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            SCALARS_IN_MEMORY=self.capturable, BLOCK=self.block, num_warps=self.num_warps)
 
     def _write_scalars(self, bucket: _Bucket) -> None:
         host = _Scalars.of(bucket.group, bucket.step).as_tensor()
@@ -614,7 +627,8 @@ class MasterWeightAdamW(FusedAdamW):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, *, low_precision: Iterable[torch.Tensor],
-                 dtype: torch.dtype = torch.bfloat16, split_masters: bool = False, capturable: bool = False):
+                 dtype: torch.dtype = torch.bfloat16, split_masters: bool = False, capturable: bool = False,
+                 block: int = BLOCK, num_warps: int = NUM_WARPS):
         if dtype not in COPY_DTYPES:
             raise ValueError(f"MasterWeightAdamW: dtype must be one of {COPY_DTYPES}, got {dtype}")
         if split_masters and dtype != torch.bfloat16:
@@ -648,7 +662,7 @@ class MasterWeightAdamW(FusedAdamW):
                 tensors.append(master)
         # each master's copy is the model's parameter: FusedAdamW's copy table is the one map kept
         super().__init__(tensors, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         low_precision_copies=masters, capturable=capturable)
+                         low_precision_copies=masters, capturable=capturable, block=block, num_warps=num_warps)
         for p, low in lows.items():
             # the moments are the master's, fp32 (advance_state would make them in the parameter's bf16)
             self.state[p].update({"step": 0, "exp_avg": torch.zeros_like(low, dtype=torch.float32),

@@ -56,3 +56,28 @@ def test_rope_rows_time_both_passes_against_the_bytes_they_must_move():
     for r in rows:
         assert r["status"] == "ok" and 0 < r["p10_ms"] <= r["ms"] <= r["p90_ms"], r
         assert r["gbps"] == pytest.approx(r["min_bytes"] / (r["ms"] * 1e-3) / 1e9)
+
+
+def test_adamw_tile_rows_time_each_tile_beside_a_copy_of_its_bytes():
+    # on the CPU the update takes the PyTorch fallback whatever the tile: the rows' shape is checked
+    rows = fused.adamw_tile_rows(model="debug", tiles=[(1024, 8), (2048, 16)], rep_ms=5, device="cpu")
+    assert [(r["variant"], r.get("block"), r.get("num_warps")) for r in rows] == [
+        ("copy", None, None), ("fused_triton_split", 1024, 8), ("fused_triton_split", 2048, 16)]
+    cfg = fused.get_config("debug")
+    # split masters move 26 bytes per element of a matmul weight (bf16 gradient); the fp32
+    # embedding table and norm gains 28
+    fp32 = cfg.vocab_size * cfg.d_model + (2 * cfg.n_layers + 1) * cfg.d_model
+    want = 26 * (cfg.n_params - fp32) + 28 * fp32
+    for r in rows:
+        assert r["status"] == "ok" and r["min_bytes"] == want, r
+        assert 0 < r["p10_ms"] <= r["ms"] <= r["p90_ms"], r
+        assert r["gbps"] == pytest.approx(want / (r["ms"] * 1e-3) / 1e9)
+
+
+def test_adamw_tiles_are_parsed_or_refused():
+    assert fused.parse_tile("1024x8") == (1024, 8) and fused.parse_tile("2048X16") == (2048, 16)
+    with pytest.raises(ValueError, match="BLOCKxWARPS"):
+        fused.parse_tile("1024")
+    with pytest.raises(SystemExit) as exc:
+        fused.main(["--adamw-tiles", "big"])
+    assert exc.value.code == 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import re
+from collections import Counter
 
 import pytest
 import torch
@@ -144,6 +145,10 @@ def test_rejects_bad_hyperparameters():
         FusedAdamW(p, lr=-1)
     with pytest.raises(ValueError, match="betas"):
         FusedAdamW(p, betas=(1.0, 0.9))
+    for block, num_warps in ((1000, 8), (1024, 6), (128, 8)):  # not powers of two; under a thread each
+        with pytest.raises(ValueError, match="powers of two with block >= 32 \\* num_warps"):
+            FusedAdamW(p, block=block, num_warps=num_warps)
+    assert MasterWeightAdamW(p, low_precision=[], block=2048, num_warps=16).block == 2048
 
 
 def test_float64_params_take_the_fallback():
@@ -304,9 +309,11 @@ def near_zero_values(gen: torch.Generator, device: str) -> torch.Tensor:
     return torch.cat([edges, *scaled])
 
 
-# matmul weights below, at and above one kernel block (the last ragged: a masked tail);
-# run_split_pair adds a weight of values at and near zero and a norm gain left in fp32
-SPLIT_SHAPES = ((7, 13), (BLOCK,), (2 * BLOCK + 5,))
+# matmul weights below one kernel block, of whole blocks and ragged (a masked tail); sizes fixed
+# whatever BLOCK is, since SPLIT_SEEDS counts the ties of their random data. run_split_pair adds
+# a weight of values at and near zero and a norm gain left in fp32
+SPLIT_SHAPES = ((7, 13), (2048,), (4101,))
+assert 7 * 13 < BLOCK and 2048 % BLOCK == 0 and 4101 % BLOCK
 
 
 def run_split_pair(*, device="cpu", shapes=SPLIT_SHAPES, steps=4, seed=0):
@@ -511,13 +518,24 @@ def test_kernel_compiles_for_h100(grad, fifth, scalars_in_memory):
                       ALIGNED=True, SCALARS_IN_MEMORY=scalars_in_memory, BLOCK=BLOCK)
     ptx = compile_ptx_for_h100(_adamw_kernel, signature=signature, constexprs=constexprs,
                                aligned_args=(0, 1, 2, 3), num_warps=NUM_WARPS)
-    # aligned full blocks move every tensor in 16-byte vectors: per thread BLOCK / (32 * NUM_WARPS)
-    # elements, so two vectors of an fp32 tensor and one of a 16-bit one (a split master: two)
-    vectors = {"fp32": 2, "bf16": 1}
-    param = 2  # fp32, or the two int16 halves of a split master
-    loads = param + vectors[grad] * (1 + addend) + 2 + 2  # p, g (and its addend), m, v
-    stores = param + 2 + 2 + (fifth == "copy")  # p, m, v and the bf16 copy
-    assert (ptx.count("ld.global.v4"), ptx.count("st.global.v4")) == (loads, stores)
+    # aligned full blocks move each thread's BLOCK / (32 * NUM_WARPS) elements of a tensor in as
+    # few vector accesses as the bytes allow: 16-byte (v4) ones, or one 8-byte (v2) one
+    per_thread = BLOCK // (32 * NUM_WARPS)
+
+    def vectors(itemsizes: list[int]) -> Counter:
+        out = Counter()
+        for size in itemsizes:
+            nbytes = per_thread * size
+            out.update({"v4": nbytes // 16} if nbytes >= 16 else {f"v{nbytes // 4}": 1})
+        return out
+
+    param = [2, 2] if fifth == "split" else [4]  # the two int16 halves of a split master, or fp32
+    grads = [2 if grad == "bf16" else 4] * (1 + addend)  # g and its addend
+    loads = vectors(param + grads + [4, 4])  # m, v
+    stores = vectors(param + [4, 4] + [2] * (fifth == "copy"))  # p, m, v and the bf16 copy
+    for kind in ("v4", "v2"):
+        assert ptx.count(f"ld.global.{kind}") == loads[kind], (kind, per_thread)
+        assert ptx.count(f"st.global.{kind}") == stores[kind], (kind, per_thread)
     assert "sqrt.rn" in ptx and "sqrt.approx" not in ptx  # rounded as torch's sqrt
     # unpredicated 32-bit loads: the program's tensor index, and the seven step scalars where they
     # are read from memory (the PTX spells them .b32 or .f32 by Triton version)
