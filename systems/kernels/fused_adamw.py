@@ -359,7 +359,7 @@ class FusedAdamW(AdamW):
                  eps: float = 1e-8, weight_decay: float = 0.01, *,
                  low_precision_copies: dict[torch.Tensor, torch.Tensor] | None = None, capturable: bool = False,
                  block: int = BLOCK, num_warps: int = NUM_WARPS):
-        if block & (block - 1) or num_warps & (num_warps - 1) or block < 32 * num_warps:
+        if num_warps < 1 or block & (block - 1) or num_warps & (num_warps - 1) or block < 32 * num_warps:
             raise ValueError(f"FusedAdamW: block and num_warps must be powers of two with block >= 32 * num_warps "
                              f"(one element per thread at least), got block={block}, num_warps={num_warps}")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

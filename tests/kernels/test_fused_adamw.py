@@ -145,7 +145,7 @@ def test_rejects_bad_hyperparameters():
         FusedAdamW(p, lr=-1)
     with pytest.raises(ValueError, match="betas"):
         FusedAdamW(p, betas=(1.0, 0.9))
-    for block, num_warps in ((1000, 8), (1024, 6), (128, 8)):  # not powers of two; under a thread each
+    for block, num_warps in ((1000, 8), (1024, 6), (128, 8), (1024, 0)):  # not powers of two; under a thread each
         with pytest.raises(ValueError, match="powers of two with block >= 32 \\* num_warps"):
             FusedAdamW(p, block=block, num_warps=num_warps)
     assert MasterWeightAdamW(p, low_precision=[], block=2048, num_warps=16).block == 2048
