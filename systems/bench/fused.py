@@ -46,13 +46,17 @@ def _timed(fn, *, rep_ms: float, device: str) -> dict:
     return dict(ms=stats["median_ms"], p10_ms=stats["p10_ms"], p90_ms=stats["p90_ms"])
 
 
-def preset_param_shapes(model: str) -> list[tuple[int, ...]]:
-    """The parameter shapes of a TransformerLM preset, built on the meta device (no memory)."""
+def _meta_model(model: str) -> torch.nn.Module:
+    """A TransformerLM preset on the meta device (shapes, no memory)."""
     from systems.model import TransformerLM
 
     with torch.device("meta"):
-        lm = TransformerLM(get_config(model))
-    return [tuple(p.shape) for p in lm.parameters()]
+        return TransformerLM(get_config(model))
+
+
+def preset_param_shapes(model: str) -> list[tuple[int, ...]]:
+    """The parameter shapes of a TransformerLM preset."""
+    return [tuple(p.shape) for p in _meta_model(model).parameters()]
 
 
 def optimizer_rows(*, model: str, rep_ms: float = 400, device: str = "cuda") -> list[dict]:
@@ -105,11 +109,9 @@ def adamw_tile_rows(*, model: str, tiles: list[tuple[int, int]], rep_ms: float =
     copy of the bytes it must move (26 per element of a matmul weight, 28 of the fp32 embedding
     table and gains), one row each."""
     from systems.kernels.fused_adamw import MasterWeightAdamW
-    from systems.model import TransformerLM
     from systems.train import matmul_weights_of
 
-    with torch.device("meta"):
-        lm = TransformerLM(get_config(model))
+    lm = _meta_model(model)
     matmul = {id(p) for p in matmul_weights_of(lm)}
     # (shape, held in bf16 with a split master): the matmul weights, as MasterWeightAdamW holds them in the step
     shapes = [(tuple(p.shape), id(p) in matmul) for p in lm.parameters()]

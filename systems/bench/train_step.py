@@ -68,7 +68,6 @@ from systems.train import GraphedStep, OptimizerSpec, StepSpec, TrainStep, build
 
 GIB = 2**30
 PHASES = ("forward", "backward", "optimizer")
-# a step replayed as one CUDA graph (Variant.graph_step) has no phases: its "replay" is the whole step
 GRAPH_EAGER_STEPS = 2  # GraphedStep's eager steps before the capture (within the warm-up)
 
 
@@ -182,12 +181,19 @@ VARIANTS.update({f"{n}_qkvrope": dataclasses.replace(VARIANTS[n], qkv_rope_kerne
 # The whole step as one CUDA graph (GraphedStep), in place of no graphs or of one graph per block:
 # ours_stepgraph_X is ours_master_X (blocks compiled without graphs of their own) captured whole
 # (_smN: N SMs carved out of the backward's matmuls for the updates)
-STEPGRAPH_OF = ("split", "overlap_split", *(f"overlap_sm{n}_split" for n in (8, 16, 24, 32)),
-                "overlap_split_fusedproj_qkvrope", *(f"overlap_sm{n}_split_fusedproj_qkvrope" for n in (8, 16)))
-VARIANTS.update({f"ours_stepgraph_{n}": dataclasses.replace(
-    VARIANTS["ours_master_overlap_sm16_split"], optimizer_in_backward="overlap" in n,
-    sm_carveout=int(n.split("_sm")[1].split("_")[0]) if "_sm" in n else 0, fused_projections="fusedproj" in n,
-    qkv_rope_kernel="qkvrope" in n, graph_step=True) for n in STEPGRAPH_OF})
+# (in_backward, SMs carved out, fused projections with the QKV + RoPE kernel)
+STEPGRAPH_LEVERS = ((False, 0, False), (True, 0, False), *((True, sms, False) for sms in (8, 16, 24, 32)),
+                    (True, 0, True), *((True, sms, True) for sms in (8, 16)))
+
+
+def _stepgraph_name(in_backward: bool, sms: int, fused: bool) -> str:
+    return (f"ours_stepgraph{'_overlap' if in_backward else ''}{f'_sm{sms}' if sms else ''}_split"
+            f"{'_fusedproj_qkvrope' if fused else ''}")
+
+
+VARIANTS.update({_stepgraph_name(*levers): dataclasses.replace(
+    VARIANTS["ours_master_split"], optimizer_in_backward=levers[0], sm_carveout=levers[1],
+    fused_projections=levers[2], qkv_rope_kernel=levers[2], graph_step=True) for levers in STEPGRAPH_LEVERS})
 
 # (lever, variant without it, variant with it): notebook 10 credits each lever with the
 # difference between the two, measured in the same run

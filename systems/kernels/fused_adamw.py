@@ -520,7 +520,7 @@ class FusedAdamW(AdamW):
                                        "capture only after an eager step of the same parameters")
                 scalars = self._scalars[bucket.slot] = torch.empty(7, dtype=torch.float32, device=p0.device)
             if not capturing:  # a captured step's scalars are written by prepare_replay
-                self._write_scalars(bucket)
+                self._write_scalars(bucket, s)
         copy_dtype = bucket.copies[0].dtype if bucket.copies is not None else torch.bfloat16  # unused without copies
         _adamw_kernel[(block_map.n_blocks,)](
             table, block_map.numels, block_map.first_block, block_map.block_tensor, scalars, bucket.grad_scale,
@@ -531,8 +531,8 @@ class FusedAdamW(AdamW):
             HAS_ADDEND=bucket.addends is not None, ALIGNED=all(a % ALIGN_BYTES == 0 for a in addresses),
             SCALARS_IN_MEMORY=self.capturable, BLOCK=self.block, num_warps=self.num_warps)
 
-    def _write_scalars(self, bucket: _Bucket) -> None:
-        host = _Scalars.of(bucket.group, bucket.step).as_tensor()
+    def _write_scalars(self, bucket: _Bucket, scalars: _Scalars) -> None:
+        host = scalars.as_tensor()
         device_scalars = self._scalars[bucket.slot]
         if device_scalars.is_cuda:
             host = host.pin_memory()  # ordered on the stream, without waiting for the queued work
@@ -583,7 +583,7 @@ class FusedAdamW(AdamW):
             bucket.step += 1
             for p in bucket.params:
                 self.state[p]["step"] = bucket.step
-            self._write_scalars(bucket)
+            self._write_scalars(bucket, _Scalars.of(bucket.group, bucket.step))
 
 
 class MasterWeightAdamW(FusedAdamW):

@@ -128,6 +128,8 @@ def step_answer(table, *, targets: dict[str, float], handout: str, target_gpu: s
     Face's Llama, against our target where we set one, and what changed from ``ours_eager``.
     ``target_gpu``: the GPU the targets are set for; a run whose ``gpu`` does not name it is
     compared with them but not judged met or not (an H200's faster HBM alone moves the step)."""
+    import pandas as pd
+
     ok = table[table["status"] == "ok"].set_index(["model", "variant"])
     lines = []
     for model in dict.fromkeys(table["model"]):
@@ -158,7 +160,7 @@ def step_answer(table, *, targets: dict[str, float], handout: str, target_gpu: s
         if "ours_eager" in part.index and best.startswith("ours") and best != "ours_eager":
             e = part.loc["ours_eager"]
             deltas = ", ".join(f"{ph} {e[f'{ph}_ms']:.1f} -> {b[f'{ph}_ms']:.1f} ms" for ph in PHASES
-                               if b.get(f"{ph}_ms") == b.get(f"{ph}_ms"))  # NaN: a graphed step has no phases
+                               if pd.notna(b.get(f"{ph}_ms")))  # a graphed step has no phases
             deltas = deltas or f"step {e['step_ms']:.1f} -> {b['step_ms']:.1f} ms (one CUDA graph: no phases)"
             lines.append(f"  - from `ours_eager` to `{best}`: {deltas}; first step (compilation, autotuning) "
                          f"{b['first_step_s']:.1f} s against {e['first_step_s']:.1f} s.")
