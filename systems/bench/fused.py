@@ -7,9 +7,6 @@
 - AdamW tiles (``--adamw-tiles 1024x8 2048x8``): the update the training step runs (split fp32
   masters, bf16 gradients) at each kernel tile (elements per program x warps), beside a copy of
   the same bytes in the same run, the roofline it can reach.
-- weight gradients with the update (``--wgrad-tiles``): one block's weight-gradient matmuls and
-  split-master AdamW updates as the step runs them (cuBLAS, then one update launch) against
-  ``systems.kernels.wgrad_adamw``, which updates each weight in its matmul's epilogue.
 - loss: LM head + cross-entropy, forward + backward under bf16 autocast, unfused
   (``cross_entropy(h @ W.T)``) against ``linear_cross_entropy``: median ms, the TFLOP/s of the
   head's model FLOPs (``systems.measure.flops``' convention: the head's matmul, backward 2x) and
@@ -25,7 +22,6 @@ Times are ``systems.measure.timer.time_fn`` medians with their 10th / 90th perce
     python -m systems.bench.fused --model 2.7B            # rows under build/fused/
     python -m systems.bench.fused --model xl-2025         # its head dim 64 fills rope's block
     python -m systems.bench.fused --model 2.7B --adamw-tiles 1024x8 2048x8 2048x16
-    python -m systems.bench.fused --model 2.7B --wgrad-tiles 128x128x64/8w3s 128x64x64/4w3s
 """
 
 from __future__ import annotations
@@ -153,79 +149,6 @@ def adamw_tile_rows(*, model: str, tiles: list[tuple[int, int]], rep_ms: float =
     return rows
 
 
-def _block_weight_shapes(model: str, *, fused_projections: bool) -> list[tuple[int, int]]:
-    """The (out, in) shapes of one transformer block's matmul weights."""
-    import dataclasses
-
-    from systems.model import TransformerBlock
-
-    cfg = dataclasses.replace(get_config(model), fused_projections=fused_projections)
-    with torch.device("meta"):
-        block = TransformerBlock(cfg)
-    return [tuple(p.shape) for p in block.parameters() if p.dim() == 2]
-
-
-def wgrad_rows(*, model: str, tiles: list, tokens: int = 4 * 512, fused_projections: bool = False,
-               rep_ms: float = 300, device: str = "cuda") -> list[dict]:
-    """One block's weight-gradient matmuls and split-master AdamW updates, as the step runs them
-    (``torch.mm(dy.T, x)`` per weight, bf16 out, then one ``MasterWeightAdamW`` launch for the
-    block) against ``wgrad_adamw_`` at each tile (one launch per weight, the gradient never
-    written): median ms, the matmuls' TFLOP/s over the whole time, the bytes the update must
-    move at least (24 per parameter fused: the master's halves and the moments, read and
-    written) and ``speedup`` against the unfused row of the same run. ``tokens``: the step's
-    batch x context (4 x 512)."""
-    from systems.kernels.fused_adamw import LOW_BITS, MasterWeightAdamW, step_scalars
-    from systems.kernels.wgrad_adamw import WeightUpdate, wgrad_adamw_
-
-    shapes = _block_weight_shapes(model, fused_projections=fused_projections)
-    n = sum(o * i for o, i in shapes)
-    work = FLOPS_PER_MAC * tokens * n
-    layout = "fused_projections" if fused_projections else "separate"
-    common = dict(bench="wgrad_adamw", model=model, layout=layout, tokens=tokens, n_params=n, tflop=work / 1e12)
-    gen = torch.Generator(device=device).manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen) * 0.02) for s in shapes]
-    opt = MasterWeightAdamW(params, lr=1e-4, low_precision=params, split_masters=True)
-    dys = [torch.randn(tokens, o, device=device, generator=gen).to(torch.bfloat16) for o, _ in shapes]
-    xs = [torch.randn(tokens, i, device=device, generator=gen).to(torch.bfloat16) for _, i in shapes]
-
-    def unfused():
-        for p, dy, x in zip(params, dys, xs):
-            p.grad = torch.mm(dy.T, x)  # (out, tokens) @ (tokens, in): the bf16 gradient autocast's matmul returns
-        opt.step()
-
-    rows = []
-    row = dict(common, variant="mm_then_adamw", min_bytes=28 * n, status="ok")  # + the gradient's write and read
-    with catch_oom() as oom:
-        unfused()  # the optimizer's launch tables and kernel compile outside the timed region
-        row.update(_timed(unfused, rep_ms=rep_ms, device=device))
-    if oom:
-        row.update(status="oom", error=oom.message)
-    rows.append(row)
-    baseline = row.get("ms")
-    scalars = step_scalars(opt.param_groups[0], 1).to(device)
-    for tile in tiles:
-        updates = [WeightUpdate(low=opt.state[p][LOW_BITS], exp_avg=opt.state[p]["exp_avg"],
-                                exp_avg_sq=opt.state[p]["exp_avg_sq"], scalars=scalars, tile=tile) for p in params]
-
-        def fused():
-            for p, dy, x, update in zip(params, dys, xs, updates):
-                wgrad_adamw_(dy, x, p.data, update)
-
-        row = dict(common, variant="wgrad_adamw", tile=tile.label(), min_bytes=24 * n, status="ok")
-        with catch_oom() as oom:
-            fused()
-            row.update(_timed(fused, rep_ms=rep_ms, device=device))
-        if oom:
-            row.update(status="oom", error=oom.message)
-        rows.append(row)
-    for row in rows:
-        if row["status"] == "ok":
-            row.update(tflops=work / (row["ms"] * 1e-3) / 1e12, gbps=row["min_bytes"] / (row["ms"] * 1e-3) / 1e9)
-            if baseline:
-                row["speedup"] = baseline / row["ms"]
-    return rows
-
-
 def loss_rows(*, tokens: int, d_model: int, vocab: int, rep_ms: float = 300, device: str = "cuda") -> list[dict]:
     from systems.kernels.fused_linear_ce import linear_cross_entropy
     from systems.optim import cross_entropy
@@ -307,26 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adamw-tiles", nargs="+", default=None, metavar="BLOCKxWARPS",
                         help="time only the split-master AdamW update at these kernel tiles (e.g. 1024x8 2048x8), "
                              "beside a copy of the same bytes")
-    parser.add_argument("--wgrad-tiles", nargs="+", default=None, metavar="OUTxINxK/<w>w<s>s",
-                        help="time only one block's weight-gradient matmuls and updates, unfused against "
-                             "wgrad_adamw at these tiles (e.g. 128x128x64/8w3s), both projection layouts")
     args = parser.parse_args(argv)
-    from systems.kernels.wgrad_adamw import WgradTile
-
     try:
         tiles = [parse_tile(t) for t in args.adamw_tiles] if args.adamw_tiles else None
-        wgrad_tiles = [WgradTile.parse(t) for t in args.wgrad_tiles] if args.wgrad_tiles else None
     except ValueError as exc:
         parser.error(str(exc))
     if not torch.cuda.is_available():
         parser.error("the fused kernels are timed on a GPU; none is visible")
     writer = ResultWriter(args.out)
-    if wgrad_tiles:
-        for fused_projections in (False, True):
-            for row in wgrad_rows(model=args.model, tiles=wgrad_tiles, fused_projections=fused_projections):
-                writer.write(row)
-                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-        return 0
     if tiles:
         for row in adamw_tile_rows(model=args.model, tiles=tiles):
             writer.write(row)

@@ -63,7 +63,7 @@ def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     satisfy ``bits(master) = (bits(high) << 16) + low`` (new contiguous tensors), except that a
     tie rounded down (low 16 bits 0x8000, even high half), whose rest 0x8000 is one past int16,
     keeps 0x7FFF: the master one fp32 ulp smaller in magnitude, with the same rounding. The
-    kernel's ``split_bits`` is the same arithmetic."""
+    kernel's ``_split_bits`` is the same arithmetic."""
     bits = master.contiguous().view(torch.int32)
     # rounding acts on the magnitude bits, laid out for a negative value as for a positive one
     high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
@@ -99,12 +99,6 @@ class _Scalars:
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         return cls(decay=1 - lr * wd, lerp_weight=1 - beta1, beta2=beta2, one_minus_beta2=1 - beta2,
                    step_size=lr / (1 - beta1**step), bias_correction2_sqrt=math.sqrt(1 - beta2**step), eps=eps)
-
-
-def step_scalars(group: dict, step: int) -> torch.Tensor:
-    """The step scalars of a param group at step count ``step`` as the kernels read them from
-    memory (fp32, CPU: copy them to the device), ``_adamw_kernel``'s and ``wgrad_adamw``'s."""
-    return _Scalars.of(group, step).as_tensor()
 
 
 @dataclass
@@ -230,13 +224,13 @@ def _pointer(address, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def join_bits(high, low):
+def _join_bits(high, low):
     """split_master's inverse on int16 halves: the fp32 whose bits are (high << 16) + low."""
     return ((high.to(tl.int32) << 16) + low.to(tl.int32)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def split_bits(x):
+def _split_bits(x):
     """split_master's arithmetic on a block: (bf16 rounding to nearest even, rest) as int16 bits.
     Integer arithmetic, not a conversion: the interpreter's fp32 -> bf16 truncates."""
     bits = x.to(tl.int32, bitcast=True)
@@ -247,25 +241,11 @@ def split_bits(x):
 
 
 @triton.jit
-def adamw_math(p, g, m, v, decay, lerp_weight, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps):
-    """One AdamW update of fp32 blocks (any shape): the new (p, m, v). Shared by every kernel
-    that updates weights (``systems.kernels.wgrad_adamw`` runs it in a matmul's epilogue)."""
-    p = p * decay  # decoupled decay acts on the pre-update weights
-    # torch's lerp(m, g, w): m + w (g - m) for w < 0.5, else g - (g - m)(1 - w) (exact at w = 1)
-    m = tl.where(lerp_weight < 0.5, m + lerp_weight * (g - m), g - (g - m) * (1.0 - lerp_weight))
-    v = v * beta2 + one_minus_beta2 * g * g
-    # sqrt and divisions rounded to nearest as torch's (tl.sqrt and / may be approximate on GPUs)
-    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-    p = p - tl.div_rn(step_size * m, denom)
-    return p, m, v
-
-
-@triton.jit
 def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, a_ptr, offs, numel, grad_scale,
                  decay, lerp_weight, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps,
                  HAS_COPY: tl.constexpr, SPLIT: tl.constexpr, HAS_ADDEND: tl.constexpr, MASKED: tl.constexpr):
     if SPLIT:
-        p = join_bits(load(p_ptr, offs, numel, MASKED), load(c_ptr, offs, numel, MASKED))
+        p = _join_bits(load(p_ptr, offs, numel, MASKED), load(c_ptr, offs, numel, MASKED))
     else:
         p = load_f32(p_ptr, offs, numel, MASKED)
     g = load_f32(g_ptr, offs, numel, MASKED)
@@ -273,10 +253,15 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, c_ptr, a_ptr, offs, numel, grad_sca
         g = (g + load_f32(a_ptr, offs, numel, MASKED)) * grad_scale
     m = load_f32(m_ptr, offs, numel, MASKED)
     v = load_f32(v_ptr, offs, numel, MASKED)
-    p, m, v = adamw_math(p, g, m, v, decay, lerp_weight, beta2, one_minus_beta2, step_size, bias_correction2_sqrt,
-                         eps)
+    p = p * decay  # decoupled decay acts on the pre-update weights
+    # torch's lerp(m, g, w): m + w (g - m) for w < 0.5, else g - (g - m)(1 - w) (exact at w = 1)
+    m = tl.where(lerp_weight < 0.5, m + lerp_weight * (g - m), g - (g - m) * (1.0 - lerp_weight))
+    v = v * beta2 + one_minus_beta2 * g * g
+    # sqrt and divisions rounded to nearest as torch's (tl.sqrt and / may be approximate on GPUs)
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p - tl.div_rn(step_size * m, denom)
     if SPLIT:
-        high, low = split_bits(p)
+        high, low = _split_bits(p)
         store_as(p_ptr, high, offs, numel, MASKED)
         store_as(c_ptr, low, offs, numel, MASKED)
     else:
