@@ -64,7 +64,8 @@ from systems.measure.profiler import export_trace, profiler_activities
 from systems.measure.results import ResultWriter
 from systems.measure.timer import Marks, median_p10_p90
 from systems.parallel.plan import ParallelPlan, apply
-from systems.train import GraphedStep, OptimizerSpec, StepSpec, TrainStep, build_optimizer, phase_ms, priority_stream
+from systems.train import (MARKS, GraphedStep, OptimizerSpec, StepSpec, TrainStep, build_optimizer, phase_ms,
+                           priority_stream)
 
 GIB = 2**30
 PHASES = ("forward", "backward", "optimizer")
@@ -88,6 +89,9 @@ class Variant:
     sm_carveout: int = 0  # SMs the backward's matmuls leave to the updates (with optimizer_in_backward)
     # the whole step (forward, backward, updates) captured as one CUDA graph (systems.train.GraphedStep)
     graph_step: bool = False
+    # with optimizer_in_backward: the first blocks' updates run beside the next forward instead of
+    # after the backward (OptimizerSpec.defer_blocks)
+    defer_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.impl not in ("hf", "ours"):
@@ -100,6 +104,9 @@ class Variant:
             raise ValueError("qkv_rope_kernel rotates the fused QKV projection's output: set fused_projections=True")
         if self.sm_carveout and not self.optimizer_in_backward:
             raise ValueError("sm_carveout leaves SMs to the updates inside the backward: set optimizer_in_backward=True")
+        if self.defer_blocks and (not self.optimizer_in_backward or self.graph_step):
+            raise ValueError("defer_blocks defers updates of the optimizer inside the backward into the next forward: "
+                             "set optimizer_in_backward=True, without graph_step")
         if self.compile_mode is not None and not self.compile_blocks:
             raise ValueError("compile_mode applies to compiled blocks: set compile_blocks=True")
         if self.graph_step and (self.optimizer != "fused" or self.compile_mode is not None):
@@ -117,7 +124,7 @@ class Variant:
         kind = {"ours": "ours", "fused": "fused", "torch_fused": "torch_fused"}[self.optimizer]
         return OptimizerSpec(kind=kind, lr=lr, master_weights=self.master_weights,
                              split_masters=self.split_masters, in_backward=self.optimizer_in_backward,
-                             capturable=self.graph_step)
+                             capturable=self.graph_step, defer_blocks=self.defer_blocks)
 
     def step_spec(self) -> StepSpec:
         loss = "hf_logits" if self.impl == "hf" else ("fused" if self.fused_loss else "logits")
@@ -195,6 +202,14 @@ VARIANTS.update({_stepgraph_name(*levers): dataclasses.replace(
     VARIANTS["ours_master_split"], optimizer_in_backward=levers[0], sm_carveout=levers[1],
     fused_projections=levers[2], qkv_rope_kernel=levers[2], graph_step=True) for levers in STEPGRAPH_LEVERS})
 
+# The first N blocks' updates deferred into the next forward (OptimizerInBackward's defer), on the
+# fastest eager overlap variant of each size: the updates the backward leaves for after its end
+# (docs/training_step_notes.md, entry 24)
+DEFER_OF = {"ours_master_overlap_sm16_split": (4, 8, 12, 16),
+            "ours_graphs_overlap_split_fusedproj_qkvrope": (6, 12, 18, 24)}
+VARIANTS.update({f"{n}_defer{k}": dataclasses.replace(VARIANTS[n], defer_blocks=k)
+                 for n, ks in DEFER_OF.items() for k in ks})
+
 # (lever, variant without it, variant with it): notebook 10 credits each lever with the
 # difference between the two, measured in the same run
 LEVERS: tuple[tuple[str, str, str], ...] = (
@@ -227,6 +242,8 @@ LEVERS: tuple[tuple[str, str, str], ...] = (
     ("one CUDA graph per step instead of one per block", "ours_graphs_overlap_split", "ours_stepgraph_overlap_split"),
     ("one CUDA graph per step instead of one per block", "ours_graphs_overlap_split_fusedproj_qkvrope",
      "ours_stepgraph_overlap_split_fusedproj_qkvrope"),
+    *((f"the first {k} blocks' updates beside the next forward", n, f"{n}_defer{k}")
+      for n, ks in DEFER_OF.items() for k in ks),
 )
 
 # The project's own step-time targets on one H100 (not the handout's, which sets none for these
@@ -383,6 +400,10 @@ def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str
             if all(phase in p for p in phases):
                 row[f"{phase}_ms"] = statistics.median(p[phase] for p in phases)
         row["step_ms"], row["step_ms_p10"], row["step_ms_p90"] = median_p10_p90([p["step"] for p in phases])
+        # the timed steps' whole span over their count: what a step costs where work crosses the
+        # step's marks (updates deferred into the next forward) or the host leaves gaps between steps
+        last = next(name for name in reversed(MARKS) if name in steps[-1])
+        row["step_ms_span"] = steps[-1].ms_since(steps[0], "start", last) / cfg.steps
         row["loss"] = float(loss)
         row["tokens_per_s"] = tokens / (row["step_ms"] * 1e-3)
         row["achieved_tflops"] = flops / (row["step_ms"] * 1e-3) / 1e12

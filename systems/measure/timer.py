@@ -82,6 +82,17 @@ class Marks:
             return self.points[start].elapsed_time(self.points[end])
         return (self.points[end] - self.points[start]) * 1e3
 
+    def ms_since(self, earlier: "Marks", start: str, end: str) -> float:
+        """Milliseconds from ``earlier``'s mark ``start`` to this one's mark ``end`` (the span of
+        several steps, each with its own marks, on one clock)."""
+        if start not in earlier.points or end not in self.points:
+            raise KeyError(f"no mark {start!r} in the earlier marks or {end!r} in these")
+        if self.events != earlier.events:
+            raise ValueError("ms_since needs both marks on the same clock (device events or host time)")
+        if self.events:
+            return earlier.points[start].elapsed_time(self.points[end])
+        return (self.points[end] - earlier.points[start]) * 1e3
+
     def peak_bytes(self, name: str) -> int | None:
         """The allocator's high-water mark between the previous mark and ``name`` (None without tracking)."""
         return self.peaks.get(name)
