@@ -457,16 +457,17 @@ def test_gpu_side_stream_matches_the_plain_step():
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_deferred_blocks_match_the_plain_step():
-    # half the blocks' updates deferred into the next forward, the blocks compiled (their waits
-    # run outside the graphs): the same kernels on the same values as the plain step, so a forward
-    # that read a block before its deferred update ended, or an update that read a gradient whose
-    # memory was reused, would be far outside KERNEL_TOL
+    # half the blocks' updates deferred into the next forward, both models' blocks compiled (the
+    # same Inductor kernels; the waits run outside the graphs): the same kernels on the same values
+    # as the plain step, so a forward that read a block before its deferred update ended, or an
+    # update that read a gradient whose memory was reused, would be far outside KERNEL_TOL
     from systems.parallel.compile import compile_blocks
 
     cfg, ref, ours = twin_models(device="cuda", d_model=512, d_ff=1536, n_layers=8, n_heads=8)
     batches = random_batches(cfg, steps=4, device="cuda", batch=8, seq=32)
     ref_opt = FusedAdamW(ref.parameters(), **HYPER)
     ours_opt = in_backward(ours, FusedAdamW, defer=4, blocks=list(ours.layers))
+    compile_blocks(ref.layers)
     compile_blocks(ours.layers)
     train(ref, ref_opt, batches, device="cuda", autocast=True)
     with priority_stream(torch.device("cuda")):
