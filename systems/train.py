@@ -268,9 +268,6 @@ class GraphedStep:
         if eager_steps < 1:
             raise ValueError(f"eager_steps must be >= 1 (the first step compiles and creates the optimizer's state), "
                              f"got {eager_steps}")
-        if getattr(step.optimizer, "defer", 0):
-            raise ValueError("GraphedStep cannot capture an optimizer whose deferred updates run into the next step "
-                             "(OptimizerInBackward(defer=...)): use defer=0")
         optimizers = list(getattr(step.optimizer, "optimizers", [step.optimizer]))
         if not all(getattr(o, "capturable", False) for o in optimizers):
             raise ValueError("GraphedStep needs optimizers whose step scalars live on the device: "
@@ -359,9 +356,6 @@ class OptimizerSpec:
     grouped: bool = False
     # the step's scalars in device memory, so a CUDA graph can capture the update (GraphedStep)
     capturable: bool = False
-    # with in_backward: the first blocks' updates run beside the next forward instead of after the
-    # backward (OptimizerInBackward's defer)
-    defer_blocks: int = 0
 
     def __post_init__(self) -> None:
         check_choice("optimizer", self.kind, OPTIMIZERS)
@@ -374,11 +368,6 @@ class OptimizerSpec:
                              "step scalars on the host")
         if self.sharded and self.in_backward:
             raise ValueError("a sharded optimizer cannot also step inside the backward: choose one")
-        if self.defer_blocks and not self.in_backward:
-            raise ValueError("defer_blocks defers updates of the optimizer inside the backward: set in_backward=True")
-        if self.defer_blocks and self.capturable:
-            raise ValueError("defer_blocks leaves updates running into the next step, which a step captured as one "
-                             "CUDA graph cannot: choose one")
         if self.grouped and (self.sharded or self.in_backward):
             raise ValueError("grouped is one optimizer per block stepped after the backward: it excludes sharded "
                              "and in_backward (which is grouped already)")
@@ -428,11 +417,9 @@ def build_optimizer(model: nn.Module, spec: OptimizerSpec, *, blocks: Iterable[n
         def make(ps: list[nn.Parameter]):
             return cls(ps, lr=spec.lr, **options)
     if spec.in_backward or spec.grouped:
-        blocks = list(blocks if blocks is not None else model.layers)
-        groups = block_groups(model, blocks=blocks)
-        if spec.in_backward:
-            return OptimizerInBackward(groups, make_optimizer=make, defer=spec.defer_blocks, blocks=blocks)
-        return GroupedOptimizer(groups, make_optimizer=make)
+        groups = block_groups(model, blocks=blocks if blocks is not None else model.layers)
+        grouped = OptimizerInBackward if spec.in_backward else GroupedOptimizer
+        return grouped(groups, make_optimizer=make)
     if spec.sharded:
         from systems.parallel.sharded_optimizer import ShardedOptimizer
 
@@ -663,32 +650,14 @@ class OptimizerInBackward(GroupedOptimizer):
     ``free_grads``: set each updated parameter's ``grad`` to None at once (saves the memory of
     the gradients of every group already updated while the backward goes on).
 
-    ``defer`` (with ``blocks``, the modules whose parameters are the first groups, in order): the
-    first ``defer`` groups are not updated inside the backward but by ``step()``, in block order,
-    and ``step()`` does not wait for them: the next forward waits for each just before its block
-    runs (a forward pre-hook on ``blocks[i]``). Why: the backward completes the first blocks'
-    gradients last, so their updates are what is left when it ends (measured on an H200: 11 ms of
-    a 94 ms 2.7B step, 6 of 63 at xl-2025; docs/training_step_notes.md, entry 24); deferred, they
-    run beside the next forward, first block first, which needs them in that order. The
-    arithmetic is unchanged (each update reads the gradients of its own step). Anything that
-    reads the weights other than through the blocks' forward (evaluation code indexing them, a
-    checkpoint) must call ``wait()`` first; ``state_dict``, ``load_state_dict`` and
-    ``zero_grad(set_to_none=False)`` do.
-
     Used as an optimizer in a training loop, inside ``priority_stream``: ``loss.backward()``
     (the updates happen here), ``opt.step()`` (the leftovers, then the wait), ``opt.zero_grad()``.
     """
 
     def __init__(self, groups: Sequence[Sequence[nn.Parameter]], *,
-                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], free_grads: bool = True,
-                 defer: int = 0, blocks: Sequence[nn.Module] = ()):
+                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], free_grads: bool = True):
         super().__init__(groups, make_optimizer=make_optimizer)
         self.free_grads = free_grads
-        _check_deferred_blocks(self._groups, defer=defer, blocks=blocks)
-        self.defer = defer
-        self._deferred = {id(g) for g in self._groups[:defer]}
-        # each deferred group's update, once launched: the event the forward of its block waits for
-        self._deferred_events: dict[int, torch.cuda.Event] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         # the devices whose side stream got updates since the current stream last waited for it
         self._pending: set[torch.device] = set()
@@ -703,19 +672,6 @@ class OptimizerInBackward(GroupedOptimizer):
 
         self._handles = [p.register_post_accumulate_grad_hook(hook) for g in self._groups for p in g.params]
 
-        def waiter(index: int):
-            # outside torch.compile's graphs (a compiled block traces its hooks): a stream wait is
-            # host-side bookkeeping, and a graph break before the block costs nothing here
-            @torch.compiler.disable
-            def wait_before_block(module: nn.Module, args) -> None:
-                wrapper = this()
-                if wrapper is not None:
-                    wrapper._wait_deferred(index)
-
-            return wait_before_block
-
-        self._handles += [block.register_forward_pre_hook(waiter(i)) for i, block in enumerate(blocks[:defer])]
-
     def _on_grad(self, p: torch.Tensor) -> None:
         group = self._owner[id(p)]
         if id(p) in group.arrived:
@@ -724,7 +680,7 @@ class OptimizerInBackward(GroupedOptimizer):
                 "OptimizerInBackward updates a group as soon as its gradients arrive, so it supports exactly one "
                 "backward per step (no gradient accumulation, no reentrant activation checkpointing)")
         group.arrived.add(id(p))
-        if group.complete and id(group) not in self._deferred:
+        if group.complete:
             self._launch(group)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -734,7 +690,7 @@ class OptimizerInBackward(GroupedOptimizer):
         return stream
 
     @torch.no_grad()
-    def _launch(self, group: _Group, *, deferred: bool = False) -> None:
+    def _launch(self, group: _Group) -> None:
         grads = [p.grad for p in group.params if p.grad is not None]
         if group.device.type == "cuda":
             side = self._stream(group.device)
@@ -742,11 +698,7 @@ class OptimizerInBackward(GroupedOptimizer):
             side.wait_stream(torch.cuda.current_stream(group.device))
             with torch.cuda.stream(side):
                 group.optimizer.step()
-                if deferred:  # the next forward waits for this event, not for the whole side stream
-                    self._deferred_events[id(group)] = torch.cuda.Event()
-                    self._deferred_events[id(group)].record()
-            if not deferred:
-                self._pending.add(group.device)
+            self._pending.add(group.device)
             for g in grads:
                 g.record_stream(side)  # its memory is not reused until the side stream's update has read it
         else:
@@ -758,24 +710,16 @@ class OptimizerInBackward(GroupedOptimizer):
 
     def step(self) -> None:
         """Update the groups that did not complete in the backward (only their parameters with a
-        gradient), then make the current stream wait for every update but the deferred groups',
-        which are launched last, in block order."""
-        for group in self._groups[self.defer:]:
+        gradient), then make the current stream wait for every update."""
+        for group in self._groups:
             if group.arrived and not group.stepped:  # complete groups were updated in the backward
                 self._launch(group)
         self._wait()
-        for group in self._groups[:self.defer]:
-            if group.arrived and not group.stepped:
-                self._launch(group, deferred=True)
         self._new_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # zeroing in place (set_to_none=False) writes gradients an update may still be reading;
-        # setting them to None does not (record_stream keeps their memory for the update)
-        if set_to_none:
-            self._wait()
-        else:
-            self.wait()
+        # zeroing in place (set_to_none=False) writes gradients an update may still be reading
+        self._wait()
         super().zero_grad(set_to_none=set_to_none)
 
     def _wait(self) -> None:
@@ -785,44 +729,8 @@ class OptimizerInBackward(GroupedOptimizer):
             torch.cuda.current_stream(device).wait_stream(self._streams[device])
         self._pending = set()
 
-    def _wait_deferred(self, index: int) -> None:
-        event = self._deferred_events.pop(id(self._groups[index]), None)
-        if event is not None:
-            torch.cuda.current_stream(self._groups[index].device).wait_event(event)
-
-    def wait(self) -> None:
-        """Make the current stream wait for every update launched, the deferred ones included: call
-        it before reading the weights other than through the blocks' forward."""
-        self._wait()
-        for index in range(self.defer):
-            self._wait_deferred(index)
-
-    def state_dict(self) -> dict:
-        self.wait()
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.wait()
-        super().load_state_dict(state_dict)
-
     def remove(self) -> None:
-        """Remove the hooks (the blocks' waits too, after waiting for every update): the
-        parameters' gradients then just accumulate, as without the wrapper."""
-        self.wait()
+        """Remove the hooks: the parameters' gradients then just accumulate, as without the wrapper."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-def _check_deferred_blocks(groups: list[_Group], *, defer: int, blocks: Sequence[nn.Module]) -> None:
-    """``defer`` groups deferred into the next forward need their blocks, whose parameters they are."""
-    if defer < 0:
-        raise ValueError(f"defer counts the first blocks whose updates wait for the next forward, got {defer}; "
-                         "use 0 for none")
-    if defer > min(len(blocks), len(groups)):
-        raise ValueError(f"defer={defer} needs that many blocks (the modules whose forward waits for each deferred "
-                         f"update), got {len(blocks)} blocks and {len(groups)} groups")
-    for index, (group, block) in enumerate(zip(groups[:defer], blocks[:defer])):
-        if {id(p) for p in group.params} != {id(p) for p in block.parameters() if p.requires_grad}:
-            raise ValueError(f"defer: group {index}'s parameters are not those of block {index}; pass the blocks the "
-                             "groups were made from (block_groups(model, blocks=...))")

@@ -258,52 +258,6 @@ def test_state_dict_round_trip_and_remove():
     assert all(torch.equal(p, p0) and p.grad is not None for p, p0 in zip(ours.parameters(), before))
 
 
-def test_deferred_blocks_train_as_the_plain_optimizer():
-    # defer=1 of the debug model's 2 blocks: block 0's update is launched by step(), not in the
-    # backward; on a CPU it runs there and then, so the arithmetic is the plain run's, bit for bit
-    cfg, ref, ours = twin_models()
-    batches = random_batches(cfg, steps=3)
-    ref_opt = AdamW(ref.parameters(), **HYPER)
-    ours_opt = in_backward(ours, AdamW, defer=1, blocks=list(ours.layers))
-    train(ref, ref_opt, batches[:1])
-    x, y = batches[0]
-    first = [p.detach().clone() for p in ours.layers[0].parameters()]
-    second = [p.detach().clone() for p in ours.layers[1].parameters()]
-    cross_entropy(ours(x), y).backward()
-    # after the backward: block 1 updated inside it, block 0 left for step()
-    assert all(torch.equal(p, p0) for p, p0 in zip(ours.layers[0].parameters(), first))
-    assert not any(torch.equal(p, p0) for p, p0 in zip(ours.layers[1].parameters(), second))
-    ours_opt.step()
-    ours_opt.zero_grad()
-    assert not any(torch.equal(p, p0) for p, p0 in zip(ours.layers[0].parameters(), first))
-    train(ref, ref_opt, batches[1:])
-    train(ours, ours_opt, batches[1:])
-    ours_opt.wait()
-    assert_same_training(ref, ours, ref_opt, ours_opt, atol=0, rtol=0)
-
-
-def test_deferred_blocks_are_checked():
-    _, model, other = twin_models()
-    groups = block_groups(model, blocks=model.layers)
-    make = lambda ps: AdamW(ps)  # noqa: E731
-    with pytest.raises(ValueError, match="needs that many blocks"):
-        OptimizerInBackward(groups, make_optimizer=make, defer=1)
-    with pytest.raises(ValueError, match="needs that many blocks"):
-        OptimizerInBackward(groups, make_optimizer=make, defer=3, blocks=list(model.layers))
-    with pytest.raises(ValueError, match="use 0 for none"):
-        OptimizerInBackward(groups, make_optimizer=make, defer=-1, blocks=list(model.layers))
-    with pytest.raises(ValueError, match="not those of block 0"):
-        OptimizerInBackward(groups, make_optimizer=make, defer=1, blocks=list(other.layers))
-    with pytest.raises(ValueError, match="set in_backward=True"):
-        OptimizerSpec(kind="fused", defer_blocks=2)
-    with pytest.raises(ValueError, match="choose one"):
-        OptimizerSpec(kind="fused", in_backward=True, defer_blocks=2, capturable=True)
-    opt = build_optimizer(model, OptimizerSpec(kind="fused", in_backward=True, defer_blocks=2))
-    assert opt.defer == 2
-    with pytest.raises(ValueError, match="use defer=0"):
-        GraphedStep(TrainStep(model, spec=StepSpec(precision="bf16", loss="fused"), optimizer=opt))
-
-
 def test_split_masters_need_master_weights():
     with pytest.raises(ValueError, match="set master_weights=True"):
         OptimizerSpec(kind="fused", split_masters=True)
@@ -450,28 +404,5 @@ def test_gpu_side_stream_matches_the_plain_step():
     with priority_stream(torch.device("cuda")) as stream:  # as train_step.measure runs it
         assert torch.cuda.current_stream() == stream and stream.priority < torch.cuda.Stream().priority
         train(ours, ours_opt, batches, device="cuda", autocast=True)
-    torch.cuda.synchronize()
-    assert_same_training(ref, ours, ref_opt, ours_opt, **KERNEL_TOL)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_deferred_blocks_match_the_plain_step():
-    # half the blocks' updates deferred into the next forward, both models' blocks compiled (the
-    # same Inductor kernels; the waits run outside the graphs): the same kernels on the same values
-    # as the plain step, so a forward that read a block before its deferred update ended, or an
-    # update that read a gradient whose memory was reused, would be far outside KERNEL_TOL
-    from systems.parallel.compile import compile_blocks
-
-    cfg, ref, ours = twin_models(device="cuda", d_model=512, d_ff=1536, n_layers=8, n_heads=8)
-    batches = random_batches(cfg, steps=4, device="cuda", batch=8, seq=32)
-    ref_opt = FusedAdamW(ref.parameters(), **HYPER)
-    ours_opt = in_backward(ours, FusedAdamW, defer=4, blocks=list(ours.layers))
-    compile_blocks(ref.layers)
-    compile_blocks(ours.layers)
-    train(ref, ref_opt, batches, device="cuda", autocast=True)
-    with priority_stream(torch.device("cuda")):
-        train(ours, ours_opt, batches, device="cuda", autocast=True)
-        ours_opt.wait()  # the last step's deferred updates, before the weights are read below
     torch.cuda.synchronize()
     assert_same_training(ref, ours, ref_opt, ours_opt, **KERNEL_TOL)

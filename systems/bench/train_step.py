@@ -89,9 +89,6 @@ class Variant:
     sm_carveout: int = 0  # SMs the backward's matmuls leave to the updates (with optimizer_in_backward)
     # the whole step (forward, backward, updates) captured as one CUDA graph (systems.train.GraphedStep)
     graph_step: bool = False
-    # with optimizer_in_backward: the first blocks' updates run beside the next forward instead of
-    # after the backward (OptimizerSpec.defer_blocks)
-    defer_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.impl not in ("hf", "ours"):
@@ -104,9 +101,6 @@ class Variant:
             raise ValueError("qkv_rope_kernel rotates the fused QKV projection's output: set fused_projections=True")
         if self.sm_carveout and not self.optimizer_in_backward:
             raise ValueError("sm_carveout leaves SMs to the updates inside the backward: set optimizer_in_backward=True")
-        if self.defer_blocks and (not self.optimizer_in_backward or self.graph_step):
-            raise ValueError("defer_blocks defers updates of the optimizer inside the backward into the next forward: "
-                             "set optimizer_in_backward=True, without graph_step")
         if self.compile_mode is not None and not self.compile_blocks:
             raise ValueError("compile_mode applies to compiled blocks: set compile_blocks=True")
         if self.graph_step and (self.optimizer != "fused" or self.compile_mode is not None):
@@ -124,7 +118,7 @@ class Variant:
         kind = {"ours": "ours", "fused": "fused", "torch_fused": "torch_fused"}[self.optimizer]
         return OptimizerSpec(kind=kind, lr=lr, master_weights=self.master_weights,
                              split_masters=self.split_masters, in_backward=self.optimizer_in_backward,
-                             capturable=self.graph_step, defer_blocks=self.defer_blocks)
+                             capturable=self.graph_step)
 
     def step_spec(self) -> StepSpec:
         loss = "hf_logits" if self.impl == "hf" else ("fused" if self.fused_loss else "logits")
@@ -202,14 +196,6 @@ VARIANTS.update({_stepgraph_name(*levers): dataclasses.replace(
     VARIANTS["ours_master_split"], optimizer_in_backward=levers[0], sm_carveout=levers[1],
     fused_projections=levers[2], qkv_rope_kernel=levers[2], graph_step=True) for levers in STEPGRAPH_LEVERS})
 
-# The first N blocks' updates deferred into the next forward (OptimizerInBackward's defer), on the
-# fastest eager overlap variant of each size: the updates the backward leaves for after its end
-# (docs/training_step_notes.md, entry 24)
-DEFER_OF = {"ours_master_overlap_sm16_split": (4, 8, 12, 16),
-            "ours_graphs_overlap_split_fusedproj_qkvrope": (6, 12, 18, 24)}
-VARIANTS.update({f"{n}_defer{k}": dataclasses.replace(VARIANTS[n], defer_blocks=k)
-                 for n, ks in DEFER_OF.items() for k in ks})
-
 # (lever, variant without it, variant with it): notebook 10 credits each lever with the
 # difference between the two, measured in the same run
 LEVERS: tuple[tuple[str, str, str], ...] = (
@@ -242,8 +228,6 @@ LEVERS: tuple[tuple[str, str, str], ...] = (
     ("one CUDA graph per step instead of one per block", "ours_graphs_overlap_split", "ours_stepgraph_overlap_split"),
     ("one CUDA graph per step instead of one per block", "ours_graphs_overlap_split_fusedproj_qkvrope",
      "ours_stepgraph_overlap_split_fusedproj_qkvrope"),
-    *((f"the first {k} blocks' updates beside the next forward", n, f"{n}_defer{k}")
-      for n, ks in DEFER_OF.items() for k in ks),
 )
 
 # The project's own step-time targets on one H100 (not the handout's, which sets none for these
@@ -400,8 +384,8 @@ def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str
             if all(phase in p for p in phases):
                 row[f"{phase}_ms"] = statistics.median(p[phase] for p in phases)
         row["step_ms"], row["step_ms_p10"], row["step_ms_p90"] = median_p10_p90([p["step"] for p in phases])
-        # the timed steps' whole span over their count: what a step costs where work crosses the
-        # step's marks (updates deferred into the next forward) or the host leaves gaps between steps
+        # the timed steps' whole span over their count: what a step costs with the host's gaps
+        # between steps (and any work that crosses a step's marks) included
         last = next(name for name in reversed(MARKS) if name in steps[-1])
         row["step_ms_span"] = steps[-1].ms_since(steps[0], "start", last) / cfg.steps
         row["loss"] = float(loss)

@@ -7,11 +7,13 @@ from systems.bench.train_step import LEVERS, PHASES
 
 def step_table(rows, *, baseline: str = "hf_llama", handout: str | None = None):
     """One line per (model, variant): times, MFU, memory, and speed-up over the baseline variant;
-    with ``handout``, the size as that handout names it beside the preset."""
+    with ``handout``, the size as that handout names it beside the preset. ``step_ms_span``: the
+    timed steps' span over their count (with the host's gaps between steps), beside the median."""
     import pandas as pd
 
     df = pd.DataFrame(rows)
-    cols = ["model", "variant", "status", "step_ms", "step_ms_p10", "step_ms_p90", "forward_ms", "backward_ms",
+    cols = ["model", "variant", "status", "step_ms", "step_ms_p10", "step_ms_p90", "step_ms_span", "forward_ms",
+            "backward_ms",
             "optimizer_ms", "replay_ms", "first_step_s", "achieved_tflops", "mfu", "peak_memory_gib", "tokens_per_s"]
     df = df[[c for c in cols if c in df.columns]].copy()
     if "step_ms" in df.columns:

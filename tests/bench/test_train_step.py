@@ -187,26 +187,6 @@ def test_gpu_step_graph_variants_track_their_eager_variants(variant, base):
         assert far <= 0.01, f"{name}: {far:.2%} of the elements differ by more than lr/10"
 
 
-def test_deferred_variants_are_their_base_variants_plus_the_lever(monkeypatch):
-    from systems.train import OptimizerInBackward
-
-    for base, ks in ts.DEFER_OF.items():
-        for k in ks:
-            name = f"{base}_defer{k}"
-            assert ts.VARIANTS[name] == dataclasses.replace(ts.VARIANTS[base], defer_blocks=k)
-            assert (f"the first {k} blocks' updates beside the next forward", base, name) in ts.LEVERS
-            assert ts.VARIANTS[name].optimizer_spec(lr=1e-3).defer_blocks == k
-    # built on the debug model (2 blocks) without the blocks' CPU compile: block 0's update deferred
-    eager = dataclasses.replace(ts.VARIANTS["ours_master_overlap_sm16_split"], compile_blocks=False, sm_carveout=0,
-                                defer_blocks=1)
-    monkeypatch.setitem(ts.VARIANTS, "defer_eager", eager)
-    model, opt, _ = _built("defer_eager")
-    assert isinstance(opt, OptimizerInBackward) and opt.defer == 1
-    row = ts.measure(ts.StepConfig(model="debug", variant="defer_eager", batch_size=2, context_length=32, warmup=1,
-                                   steps=2, device="cpu"))
-    assert row["status"] == "ok" and row["defer_blocks"] == 1 and row["step_ms_span"] > 0
-
-
 def test_variants_refuse_contradictions():
     with pytest.raises(ValueError, match="master_weights needs"):
         ts.Variant(impl="hf", optimizer="torch_fused", master_weights=True)
@@ -224,8 +204,6 @@ def test_variants_refuse_contradictions():
         ts.Variant(impl="ours", compile_blocks=True, qkv_rope_kernel=True)
     with pytest.raises(ValueError, match="graph_step captures the whole step"):
         ts.Variant(impl="ours", compile_blocks=True, optimizer="fused", compile_mode="reduce-overhead", graph_step=True)
-    with pytest.raises(ValueError, match="set optimizer_in_backward=True, without graph_step"):
-        ts.Variant(impl="ours", compile_blocks=True, optimizer="fused", defer_blocks=4)
     with pytest.raises(ValueError, match="need warmup >= 3"):
         ts.StepConfig(model="debug", variant="ours_stepgraph_split", warmup=2)
     cfg = ts.StepConfig(model="debug", variant="ours_graphs_fusedproj_qkvrope", device="cpu").model_config()
