@@ -34,8 +34,10 @@ Each variant is data: an implementation and its projections' layout (the model c
 logits loss), run by the one training step (``systems.train.TrainStep``).
 
 Timing: CUDA events at each phase's end (``Marks``; no synchronisation inside a step), then
-medians and 10th/90th percentiles over the timed steps; the first step's wall time is reported
-separately (it includes compilation and autotuning). Each row is written as soon as it exists.
+medians and 10th/90th percentiles over the timed steps, and ``step_ms_span``, the timed steps'
+whole span over their count (host gaps between steps included); the first step's wall time is
+reported separately (it includes compilation and autotuning). Each row is written as soon as it
+exists.
 With ``optimizer_in_backward`` the updates run during the backward, so the "backward" phase holds
 the backward plus whatever the overlapped updates slow it down by, and the "optimizer" phase is
 only the tail: the updates of the last groups to get their gradients (the first block, the
