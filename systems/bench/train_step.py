@@ -387,7 +387,7 @@ def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str
                 row[f"{phase}_ms"] = statistics.median(p[phase] for p in phases)
         row["step_ms"], row["step_ms_p10"], row["step_ms_p90"] = median_p10_p90([p["step"] for p in phases])
         # the timed steps' whole span over their count: what a step costs with the host's gaps
-        # between steps (and any work that crosses a step's marks) included
+        # between steps included, which the per-step marks leave out
         last = next(name for name in reversed(MARKS) if name in steps[-1])
         row["step_ms_span"] = steps[-1].ms_since(steps[0], "start", last) / cfg.steps
         row["loss"] = float(loss)

@@ -13,8 +13,8 @@ def step_table(rows, *, baseline: str = "hf_llama", handout: str | None = None):
 
     df = pd.DataFrame(rows)
     cols = ["model", "variant", "status", "step_ms", "step_ms_p10", "step_ms_p90", "step_ms_span", "forward_ms",
-            "backward_ms",
-            "optimizer_ms", "replay_ms", "first_step_s", "achieved_tflops", "mfu", "peak_memory_gib", "tokens_per_s"]
+            "backward_ms", "optimizer_ms", "replay_ms", "first_step_s", "achieved_tflops", "mfu", "peak_memory_gib",
+            "tokens_per_s"]
     df = df[[c for c in cols if c in df.columns]].copy()
     if "step_ms" in df.columns:
         base = df[df["variant"] == baseline].set_index("model")["step_ms"]
