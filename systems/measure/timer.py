@@ -75,18 +75,14 @@ class Marks:
 
     def ms(self, start: str, end: str) -> float:
         """Milliseconds from mark ``start`` to mark ``end``."""
-        missing = [n for n in (start, end) if n not in self.points]
-        if missing:
-            raise KeyError(f"no mark named {missing[0]!r}; marks: {list(self.points)}")
-        if self.events:
-            return self.points[start].elapsed_time(self.points[end])
-        return (self.points[end] - self.points[start]) * 1e3
+        return self.ms_since(self, start, end)
 
     def ms_since(self, earlier: "Marks", start: str, end: str) -> float:
         """Milliseconds from ``earlier``'s mark ``start`` to this one's mark ``end`` (the span of
-        several steps, each with its own marks, on one clock)."""
-        if start not in earlier.points or end not in self.points:
-            raise KeyError(f"no mark {start!r} in the earlier marks or {end!r} in these")
+        several steps, each with its own marks, on one clock; ``ms`` is the case earlier = self)."""
+        for marks, name in ((earlier, start), (self, end)):
+            if name not in marks.points:
+                raise KeyError(f"no mark named {name!r}; marks: {list(marks.points)}")
         if self.events != earlier.events:
             raise ValueError("ms_since needs both marks on the same clock (device events or host time)")
         if self.events:
