@@ -154,7 +154,8 @@ if lb_row is not None:
     nb.show(report.leaderboard_table(lb_row), caption=f"8B leaderboard step ({lb_file})")
     source = "in this run" if why_not is None else f"read from `{lb_file}` (not measured in this run: {why_not})"
     if ctx.handout == "2026":
-        nb.answer(ctx, "leaderboard", "", report.leaderboard_answer(lb_row, source=source))
+        nb.answer(ctx, "leaderboard", "", report.leaderboard_answer(lb_row, source=source),
+                  measured_by=None if why_not is None else lb_row.get("env"))
     else:
         nb.md(report.leaderboard_answer(lb_row, source=source))
 elif ctx.handout == "2026":

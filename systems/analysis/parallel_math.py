@@ -72,9 +72,10 @@ TPU_V5P = Accelerator(name="TPU v5p", flops_per_s=TPU_V5P_BF16_FLOPS_PER_S,
                       link_bytes_per_s=2 * TPU_V5P_ICI_ONE_WAY_BYTES_PER_S,
                       memory_bytes=TPU_V5P_HBM_BYTES)
 
-# H100 SXM: NVLink 4 is 900 GB/s summed over both directions, so 450 GB/s of egress per GPU.
-H100_NVLINK_EGRESS_BYTES_PER_S = 450 * GB
-H100_HBM_BYTES = 80 * GB
+# H100 SXM (systems.measure.hardware): NVLink 4 is 900 GB/s summed over both directions, so
+# 450 GB/s of egress per GPU.
+H100_NVLINK_EGRESS_BYTES_PER_S = GPU_PEAKS["H100"].nvlink_gb_s / 2 * GB
+H100_HBM_BYTES = GPU_PEAKS["H100"].hbm_gb * GB
 H100 = Accelerator(name="H100 SXM 80GB", flops_per_s=GPU_PEAKS["H100"].bf16_tflops * 1e12,
                    link_bytes_per_s=H100_NVLINK_EGRESS_BYTES_PER_S, memory_bytes=H100_HBM_BYTES)
 

@@ -33,13 +33,12 @@ import torch
 
 from systems.analysis.attention_memory import attention_memory_accounting
 from systems.attention.naive import naive_attention
+from systems.bench.budget import SKIPPED as SKIPPED_BUDGET
 from systems.measure.devices import catch_oom, dtype_of, release_memory, resolve_device, sync
 from systems.measure.flops import attention_flops
 from systems.measure.memory import MemoryProbe, saved_tensors
 from systems.measure.results import ResultWriter, read_records
 from systems.measure.timer import Marks, median_p10_p90
-
-SKIPPED_BUDGET = "skipped (budget)"
 
 
 def sdpa_one_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:

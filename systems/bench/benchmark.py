@@ -33,7 +33,7 @@ from systems.config import PRESETS, check_choice
 from systems.measure.devices import catch_oom, release_memory, sync
 from systems.measure.flops import model_flops
 from systems.measure.hardware import lookup_peak
-from systems.measure.results import ResultWriter, read_records
+from systems.measure.results import ResultWriter
 from systems.measure.timer import Marks, mean_std
 from systems.model import TransformerLM
 from systems.parallel.compile import COMPILE_SCOPES
@@ -237,10 +237,6 @@ def config_of(record: dict) -> BenchmarkConfig:
     overrides = values.get("model_overrides")
     values["model_overrides"] = json.loads(overrides) if isinstance(overrides, str) else dict(overrides or {})
     return BenchmarkConfig(**values)
-
-
-def load_sweep(path: str | Path) -> list[dict]:
-    return read_records(path)
 
 
 # ----------------------------------------------------------------------------- CLI

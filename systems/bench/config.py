@@ -66,6 +66,16 @@ class RunConfig:
                              f"{world_size} ranks")
 
 
+def model_argument(name: str) -> str:
+    """An argparse ``type`` for a model preset: an unknown or ambiguous name is a one-line usage
+    error, before anything is built or run."""
+    try:
+        get_config(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
+
 def shape_argument(names: str) -> Callable[[str], tuple[int, ...]]:
     """An argparse ``type`` for a shape written as comma-separated positive integers, one per name
     of ``names`` ("B,H,SEQ,D"): "1,16,4096,64" -> (1, 16, 4096, 64); anything else is a usage error
@@ -89,7 +99,7 @@ def add_distributed_arguments(parser, defaults: RunConfig, *, precisions, tool: 
     """
     parser.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     parser.add_argument("--backend", default="auto", help="nccl, gloo or auto (nccl when CUDA is present)")
-    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--model", type=model_argument, default=defaults.model)
     parser.add_argument("--context-length", type=int, default=defaults.context_length)
     parser.add_argument("--global-batch", dest="batch_size", type=int, default=defaults.batch_size,
                         help="sequences per step over all ranks")

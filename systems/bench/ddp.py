@@ -71,10 +71,12 @@ from pathlib import Path
 
 import torch
 
+from systems.bench.budget import SKIPPED
 from systems.bench.config import RunConfig, add_distributed_arguments
 from systems.measure.devices import release_memory
+from systems.measure.profiler import export_trace, profiler_activities
 from systems.measure.results import ResultWriter
-from systems.measure.timer import Marks, median_p10_p90
+from systems.measure.timer import Marks, slowest_rank_median
 from systems.measure.trace import comm_compute_intervals, overlap_stats
 from systems.model import TransformerLM
 from systems.parallel.compile import apply_compile
@@ -260,8 +262,8 @@ def notebook_config(*, profile: str, handout: str) -> DDPBenchConfig:
 
 def _train_step(name: str, model: torch.nn.Module, opt, precision: str) -> tuple[Parallelized, TrainStep]:
     """The variant's plan applied to the shared model, and the step that runs it."""
-    par = apply(model, variant_plan(name), optimizer=opt)
     spec = StepSpec(precision=precision, sm_carveout=variant_sm_carveout(name))
+    par = apply(model, variant_plan(name), optimizer=opt, loss=spec.loss)
     step = TrainStep(model, spec=spec, optimizer=opt, forward=par.forward, grad_sync=par.grad_sync)
     return par, step
 
@@ -272,18 +274,16 @@ def _close(par: Parallelized, opt) -> None:
 
 
 def _profile(step: TrainStep, tokens, targets, ctx: DistContext, steps: int, path: Path) -> None:
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
     ctx.barrier()
     # only rank 0 records; every rank runs the same steps so the collectives still pair up
     if ctx.is_main:
-        with profile(activities=activities) as prof:
+        with profile(activities=profiler_activities(ctx.device)) as prof:
             for _ in range(steps):
                 step(tokens, targets)
             ctx.sync()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(path))
+        export_trace(prof, path)
     else:
         for _ in range(steps):
             step(tokens, targets)
@@ -432,7 +432,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             row = {**about, "variant": name, "kind": name.partition(":")[0], "bucket_size_mb": plan.bucket_size_mb,
                    "last_bucket_mb": plan.last_bucket_mb}
             if not budget.allows(cfg.warmup + cfg.steps):
-                row["status"] = "skipped (budget)"
+                row["status"] = SKIPPED
             else:
                 measured = _time_variant(name, model, opt, precision, tokens, targets, ctx, cfg)
                 budget.step_s = measured["step_ms"] / 1e3
@@ -459,7 +459,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
                 # a trace of a long step takes seconds to write and to read back
                 if not budget.allows(cfg.warmup + cfg.profile_steps + 2, extra_s=5.0):
                     if ctx.is_main:
-                        overlap_rows.append(overlap_writer.write({**about, "variant": name, "status": "skipped (budget)"}))
+                        overlap_rows.append(overlap_writer.write({**about, "variant": name, "status": SKIPPED}))
                     continue
                 path = Path(cfg.trace_dir) / f"ddp_{setting.replace('+', '_')}_{name.replace(':', '')}_rank0.json.gz"
                 _profile_variant(name, model, opt, precision, tokens, targets, ctx, cfg, path)
@@ -492,7 +492,7 @@ def _paired_rounds(timed: dict[str, float], model, opt, precision: str, tokens, 
     for r in range(cfg.paired_rounds):
         row = {**about, "variant": best, "round": r, "steps": cfg.steps}
         if not budget.allows(2 * per_variant + (per_variant if torch_ddp_left else 0), extra_s=5.0):
-            row["status"] = "skipped (budget)"
+            row["status"] = SKIPPED
         else:
             order = ("nosync", best) if r % 2 == 0 else (best, "nosync")
             ms = {name: _time_variant(name, model, opt, precision, tokens, targets, ctx, cfg)["step_ms"]
@@ -512,8 +512,7 @@ def summarise_steps(gathered: list[list[dict]]) -> dict:
     n = min(len(s) for s in gathered)
     out = {}
     for key in gathered[0][0]:
-        per_step = [max(rank[i][key] for rank in gathered) for i in range(n)]
-        out[key], p10, p90 = median_p10_p90(per_step)
+        out[key], p10, p90 = slowest_rank_median([[s[key] for s in rank] for rank in gathered])
         if key == "step_ms":
             out["step_ms_p10"], out["step_ms_p90"] = p10, p90
     out["steps"] = n

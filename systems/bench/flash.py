@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from systems.attention import BACKENDS
 from systems.attention.naive import naive_attention
+from systems.bench.budget import SKIPPED as SKIPPED_BUDGET
 from systems.bench.config import DEFAULT_OUT_ROOT
 from systems.measure import flops as flop_count
 from systems.measure.devices import DTYPES, catch_oom, is_oom, release_memory
@@ -53,7 +54,6 @@ from systems.measure.timer import time_fn
 IMPLS = ("triton", "naive", "sdpa_flash", "sdpa_cudnn")
 PASSES = ("fwd", "bwd", "e2e")
 FLOP_PASS = {"fwd": "fwd", "bwd": "bwd", "e2e": "fwd_bwd"}  # our pass names -> measure.flops'
-SKIPPED_BUDGET = "skipped (budget)"
 SKIPPED_MEMORY = "skipped (memory)"
 
 # The Triton implementations get_impl knows, as FlashVariant fields: our default (TMA kernels above

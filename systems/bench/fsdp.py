@@ -39,8 +39,9 @@ import torch.nn as nn
 
 from systems.bench.config import RunConfig, add_distributed_arguments
 from systems.measure.devices import catch_oom, release_memory
+from systems.measure.profiler import export_trace, profiler_activities
 from systems.measure.results import ResultWriter
-from systems.measure.timer import Marks, median_p10_p90
+from systems.measure.timer import Marks, slowest_rank_median
 from systems.measure.trace import STEP_RANGE, collective_timeline
 from systems.model import TransformerLM
 from systems.parallel.fsdp import FSDP
@@ -109,6 +110,11 @@ def _mib(x):
     return None if x is None else x / MiB
 
 
+def _peak_text(peak_bytes) -> str:
+    """The progress line's peak: measured on a GPU, unknown (None) on a CPU."""
+    return "peak n/a" if peak_bytes is None else f"peak {_mib(peak_bytes):,.0f} MiB"
+
+
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     if isinstance(opt, ShardedOptimizer):
         return opt.state_bytes()
@@ -132,10 +138,10 @@ def _build(variant: str, model_cfg, ctx: DistContext, cfg: FSDPBenchConfig, prec
     torch.manual_seed(cfg.seed)
     model = TransformerLM(model_cfg, device=ctx.device)
     n_params = sum(p.numel() for p in model.parameters())
-    par = apply(model, variant_plan(variant, precision, prefetch=cfg.prefetch))
-    opt = build_optimizer(par.params_owner, OptimizerSpec(kind="torch", lr=cfg.lr, sharded=variant == "ddp_sharded"))
     # the DDP variants compute in bf16 by autocast; FSDP and FSDP2 cast their gathered weights themselves
     spec = StepSpec(precision=precision if variant.startswith("ddp") else "fp32")
+    par = apply(model, variant_plan(variant, precision, prefetch=cfg.prefetch), loss=spec.loss)
+    opt = build_optimizer(par.params_owner, OptimizerSpec(kind="torch", lr=cfg.lr, sharded=variant == "ddp_sharded"))
     step = TrainStep(model, spec=spec, optimizer=opt, forward=par.forward, grad_sync=par.grad_sync)
     return _Setup(par, opt, step, n_params)
 
@@ -182,9 +188,8 @@ def _timed(s: _Setup, tokens, targets, ctx: DistContext, steps: int) -> list[flo
 
 
 def _summarise(gathered: list[list[float]]) -> dict:
-    per_step = [max(rank[i] for rank in gathered) for i in range(min(len(r) for r in gathered))]
-    median, p10, p90 = median_p10_p90(per_step)
-    return {"step_ms": median, "step_ms_p10": p10, "step_ms_p90": p90, "steps": len(per_step)}
+    median, p10, p90 = slowest_rank_median(gathered)
+    return {"step_ms": median, "step_ms_p10": p10, "step_ms_p90": p90, "steps": min(len(r) for r in gathered)}
 
 
 def run_variant(variant: str, precision: str, model_cfg, ctx: DistContext, cfg: FSDPBenchConfig,
@@ -253,18 +258,16 @@ def _annotate_units(fsdp: FSDP):
 
 
 def profile_fsdp_step(ctx: DistContext, s: _Setup, tokens, targets, path: Path) -> None:
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
     handles = _annotate_units(s.par.wrapper)
     ctx.barrier()
     try:
         if ctx.is_main:
-            with profile(activities=activities) as prof:
+            with profile(activities=profiler_activities(ctx.device)) as prof:
                 s.step(tokens, targets)
                 ctx.sync()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            prof.export_chrome_trace(str(path))
+            export_trace(prof, path)
         else:
             s.step(tokens, targets)
     finally:
@@ -334,8 +337,8 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
         row = run_variant(variant, "fp32", model_cfg, ctx, cfg, tokens, targets)
         emit("opt", row)
         if main:
-            print(f"[opt] {variant:>12}: {row.get('step_ms', float('nan')):8.1f} ms/step, peak "
-                  f"{_mib(row.get('peak_fwd_bwd')) or float('nan'):,.0f} MiB ({row['status']})", flush=True)
+            print(f"[opt] {variant:>12}: {row.get('step_ms', float('nan')):8.1f} ms/step, "
+                  f"{_peak_text(row.get('peak_fwd_bwd'))} ({row['status']})", flush=True)
 
     # part 2: FSDP against FSDP2
     for precision in cfg.precisions:
@@ -350,8 +353,8 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             row["prefetch"] = cfg.prefetch if variant == "fsdp" else None
             emit("fsdp", row)
             if main:
-                print(f"[{precision}] {variant:>6}: {row.get('step_ms', float('nan')):8.1f} ms/step, peak "
-                      f"{_mib(row.get('peak_fwd_bwd')) or float('nan'):,.0f} MiB ({row['status']})", flush=True)
+                print(f"[{precision}] {variant:>6}: {row.get('step_ms', float('nan')):8.1f} ms/step, "
+                      f"{_peak_text(row.get('peak_fwd_bwd'))} ({row['status']})", flush=True)
         if cfg.profile and "fsdp" in cfg.fsdp_variants:
             s = _build("fsdp", model_cfg, ctx, cfg, precision)
             for _ in range(cfg.warmup):

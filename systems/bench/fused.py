@@ -30,7 +30,7 @@ import argparse
 
 import torch
 
-from systems.bench.config import DEFAULT_OUT_ROOT
+from systems.bench.config import DEFAULT_OUT_ROOT, model_argument
 from systems.config import get_config
 from systems.measure.devices import catch_oom, release_memory
 from systems.measure.flops import FLOPS_PER_MAC, pass_factor
@@ -225,7 +225,7 @@ def rope_rows(*, batch: int, seq: int, n_heads: int, d_head: int, rep_ms: float 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="2.7B", help="preset whose parameter shapes the optimizer updates")
+    parser.add_argument("--model", type=model_argument, default="2.7B", help="preset whose parameter shapes the optimizer updates")
     parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/fused/10_fused_kernels.jsonl")
     parser.add_argument("--adamw-tiles", nargs="+", default=None, metavar="BLOCKxWARPS",
                         help="time only the split-master AdamW update at these kernel tiles (e.g. 1024x8 2048x8), "

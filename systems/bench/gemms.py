@@ -21,7 +21,9 @@ from typing import Sequence
 
 import torch
 
+from systems.bench.config import model_argument
 from systems.config import ModelConfig, get_config
+from systems.measure.flops import FLOPS_PER_MAC
 from systems.measure.results import ResultWriter
 from systems.measure.timer import time_fn
 
@@ -73,7 +75,7 @@ def time_gemms(cfg: ModelConfig, *, tokens: int, fused: bool, device: torch.devi
     for p in block_projections(cfg, fused=fused):
         for pass_ in PASSES:
             a, b = gemm_operands(p, pass_, tokens=tokens, device=device, dtype=dtype)
-            flops = 2 * tokens * p.d_in * p.d_out
+            flops = FLOPS_PER_MAC * tokens * p.d_in * p.d_out
             t = time_fn(lambda: torch.mm(a, b), device=device)
             row = dict(model=cfg.name, device=torch.device(device).type, n_layers=cfg.n_layers, tokens=tokens,
                        dtype=str(dtype).removeprefix("torch."), projections="fused" if fused else "separate",
@@ -99,7 +101,7 @@ def run_gemms(models: Sequence[str], *, tokens: int, device: torch.device | str,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m systems.bench.gemms", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", nargs="+", default=["xl-2025", "2.7B"])
+    parser.add_argument("--model", nargs="+", type=model_argument, default=["xl-2025", "2.7B"])
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (batch x context)")
     parser.add_argument("--out", default=None, help="JSON-lines results file")
     args = parser.parse_args(argv)

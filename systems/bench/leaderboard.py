@@ -41,12 +41,12 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from systems.bench.config import RunConfig
+from systems.bench.config import RunConfig, model_argument
 from systems.config import check_choice
 from systems.measure.devices import release_memory
 from systems.measure.flops import train_step_flops
 from systems.measure.results import ResultWriter
-from systems.measure.timer import Marks
+from systems.measure.timer import Marks, slowest_rank_median
 from systems.parallel.checkpoint import CHECKPOINT_SAVES
 from systems.parallel.launch import DistContext, all_gather_objects, launch
 from systems.parallel.plan import ParallelPlan, apply
@@ -141,7 +141,7 @@ def make_training(cfg: LeaderboardConfig, ctx: DistContext):
     torch.manual_seed(cfg.seed)
     with torch.device(device):
         model = TransformerLM(mcfg)
-    par = apply(model, cfg.plan(), device=device)  # DDPBucketed broadcasts rank 0's weights
+    par = apply(model, cfg.plan(), device=device, loss=cfg.step_spec().loss)  # DDPBucketed broadcasts rank 0's weights
     opt = build_optimizer(model, cfg.optimizer_spec())
     # the backend choice spans backward too: checkpointed blocks recompute attention there
     train_step = TrainStep(model, spec=cfg.step_spec(), optimizer=opt, forward=par.forward,
@@ -178,7 +178,7 @@ def leaderboard_worker(ctx: DistContext, cfg_dict: dict) -> dict:
     release_memory()
     per_rank = all_gather_objects(mine)
     # a step lasts as long as its slowest rank
-    step_ms = statistics.median(max(r["step_times_ms"][i] for r in per_rank) for i in range(cfg.steps))
+    step_ms, _, _ = slowest_rank_median([r["step_times_ms"] for r in per_rank])
     # causal attention counted once, recomputation by checkpointing not counted (the MFU convention)
     flops = train_step_flops(mcfg, batch=cfg.batch_size, seq=cfg.context_length)
     return dict(**asdict(cfg), world_size=ctx.world_size, backend=ctx.backend, n_params=mcfg.n_params,
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     d = LeaderboardConfig()
     parser = argparse.ArgumentParser(prog="python -m systems.bench.leaderboard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=d.model)
+    parser.add_argument("--model", type=model_argument, default=d.model)
     parser.add_argument("--context-length", type=int, default=d.context_length)
     parser.add_argument("--global-batch", dest="batch_size", type=int, default=d.batch_size)
     parser.add_argument("--warmup", type=int, default=d.warmup)

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from systems.bench.config import RunConfig
+from systems.bench.config import RunConfig, model_argument
 from systems.config import ModelConfig
 from systems.measure.devices import catch_oom, release_memory, sync
 from systems.measure.flops import train_step_flops
@@ -332,7 +332,7 @@ def build(cfg: StepConfig, *, device: torch.device) -> tuple[torch.nn.Module, ob
             model = TransformerLM(mcfg)
     # the optimizer first: master weights change the model's weight dtypes, which compiling sees
     opt = build_optimizer(model, variant.optimizer_spec(lr=cfg.lr))
-    par = apply(model, variant.plan(), device=device)
+    par = apply(model, variant.plan(), device=device, loss=variant.step_spec().loss)
     step = TrainStep(model, spec=variant.step_spec(), optimizer=opt, forward=par.forward)
     return model, opt, (GraphedStep(step, eager_steps=GRAPH_EAGER_STEPS) if variant.graph_step else step)
 
@@ -450,8 +450,10 @@ def run_variants(*, model: str, variants: list[str], writer: ResultWriter | None
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="2.7B")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--model", type=model_argument, default="2.7B")
+    # a metavar keeps the usage line short: argparse would spell every variant in it, twice
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="VARIANT",
+                        help=f"any of: {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--context-length", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
@@ -459,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="bf16 matmul rate MFU is relative to (e.g. a measured ceiling)")
     parser.add_argument("--out", default=None, help="JSON-lines results file")
-    parser.add_argument("--trace-variant", default=None, choices=list(VARIANTS),
+    parser.add_argument("--trace-variant", default=None, choices=list(VARIANTS), metavar="VARIANT",
                         help="profile one more step of this variant (one of --variants), export its Chrome trace "
                              "to --trace and print its kernel time per category and its top kernels")
     parser.add_argument("--trace", default="train_step_trace.json.gz", help="where --trace-variant's trace goes")

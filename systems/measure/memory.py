@@ -682,10 +682,6 @@ class SavedTensorReport:
     expected_grad_bytes: int  # closed form: parameters x element size
     backward: BackwardMemory
 
-    @property
-    def total_mib(self) -> float:
-        return self.total_bytes / 2**20
-
 
 def saved_tensor_report(block: nn.Module, x: torch.Tensor, *args, autocast_dtype: torch.dtype | None = None,
                         top: int = 5) -> SavedTensorReport:

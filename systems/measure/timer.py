@@ -25,6 +25,16 @@ def median_p10_p90(values: Sequence[float]) -> tuple[float, float, float]:
     return median, q[0], q[-1]
 
 
+def slowest_rank_median(per_rank: Sequence[Sequence[float]]) -> tuple[float, float, float]:
+    """``median_p10_p90`` over steps of the slowest rank's time in each step: a step ends for every
+    rank only when the last one is done. ``per_rank[r][i]``: rank r's time of step i; steps past
+    the fewest any rank ran are left out."""
+    if not per_rank:
+        raise ValueError("slowest_rank_median needs the times of at least one rank")
+    n = min(len(times) for times in per_rank)
+    return median_p10_p90([max(times[i] for times in per_rank) for i in range(n)])
+
+
 def mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
     """Mean and sample standard deviation (0 for one value; None, None for none)."""
     if not values:

@@ -149,12 +149,6 @@ def launched_spans(events: list[dict], name: str) -> list[Interval]:
     return [(a, b) for a, b in spans if a < b]
 
 
-def range_spans(events: list[dict], name: str) -> list[Interval]:
-    """Where the ranges called ``name`` ran: their GPU-side spans when the trace has them (the
-    device work launched inside them), else their CPU spans."""
-    return gpu_annotation_spans(events, name) or cpu_range_spans(events, name)
-
-
 # ----------------------------------------------------------------------------- interval arithmetic
 
 

@@ -196,12 +196,16 @@ def _data_parallel(model: nn.Module, plan: ParallelPlan, device: torch.device,
 
 
 def apply(model: nn.Module, plan: ParallelPlan, *, device: torch.device | None = None,
-          optimizer=None) -> Parallelized:
+          optimizer=None, loss: str | None = None) -> Parallelized:
     """Apply ``plan`` to ``model`` (in place where it can), in the module docstring's order.
+    ``loss``: the step's loss (``StepSpec.loss``), checked against the plan before anything is
+    applied (the fused loss bypasses the forward that torch's DDP, FSDP and a compiled model need).
     ``optimizer``: with ``update_per_bucket``, the ``GroupedOptimizer`` (``systems.train``) over
     ``model`` whose groups become the buckets; build it first (``OptimizerSpec(grouped=True)``).
     With ``data_parallel="peer"`` the same, of fused optimizers (``OptimizerSpec(kind="fused",
     grouped=True)``), which average the ranks' gradients inside their update."""
+    if loss is not None:
+        plan.check_loss(loss)
     grouped = hasattr(optimizer, "groups") and hasattr(optimizer, "step_group")
     if plan.update_per_bucket and not grouped:
         raise ValueError("update_per_bucket needs the optimizer whose groups become the buckets: build "

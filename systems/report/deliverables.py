@@ -40,9 +40,9 @@ HANDOUTS = ("2025", "2026")
 KINDS = ("code", "written", "table", "figure", "number")
 
 # What a real answer needs beyond the CPU smoke run.
-# "6 GPUs": the all-reduce sweep goes up to 6 processes, one GPU each; "2 GPUs of >= 125 GiB": the 2026
+# "6 GPUs": the all-reduce sweep goes up to 6 processes, one GPU each; "2 GPUs of >= 130 GiB": the 2026
 # leaderboard's 8B step (systems.bench.leaderboard.MIN_GPU_MEMORY_GIB)
-NEEDS = (None, "a GPU", "2 GPUs", "6 GPUs", "2 GPUs of >= 125 GiB")
+NEEDS = (None, "a GPU", "2 GPUs", "6 GPUs", "2 GPUs of >= 130 GiB")
 
 
 @dataclass(frozen=True)

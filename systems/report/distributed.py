@@ -375,7 +375,7 @@ def overlap_answer(ddp: pd.DataFrame) -> str:
         text = (f"- {setting}: overlapped {o['step_ms']:.4g} ms per step ({o['step_ms_p10']:.4g}-{o['step_ms_p90']:.4g}), "
                 f"{_compare(o['step_ms'], n['step_ms'])} than naive ({n['step_ms']:.4g}) and "
                 f"{_compare(o['step_ms'], f['step_ms'])} than flat ({f['step_ms']:.4g}); the wait after the backward "
-                f"falls from {n['sync_wait_ms']:.3g} ms to {o['sync_wait_ms']:.3g} ms")
+                f"is {o['sync_wait_ms']:.3g} ms against naive's {n['sync_wait_ms']:.3g} ms")
         if base is not None:
             slowed = o["backward_ms"] - base["backward_ms"]
             text += (f", and of its {o['step_ms'] - base['step_ms']:.3g} ms over the no-communication step, "
@@ -418,11 +418,18 @@ def trace_row(overlap: pd.DataFrame | None, *, setting: str, variant: str) -> pd
     return rows.iloc[0] if len(rows) else None
 
 
+# Our targets for DDP in the compiled bf16 setting (the project's, not the handout's): the best
+# variant's step over torch DDP's, its step over the no-communication step (% of its step), and
+# the communication its trace shows exposed (% of the step).
+TARGET_VS_TORCH_DDP = 1.0
+TARGET_OVER_NOSYNC_PCT = 5.0
+TARGET_EXPOSED_IN_TRACE_PCT = 3.0
+
+
 def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None, paired: pd.DataFrame | None = None) -> str:
     """Per setting (of ddp_table's output): the best variant's step time over torch DDP's, its step
     over the no-communication step, and its trace's exposed-communication share, each beside our
-    own target (the project's, not the handout's: at most torch DDP's step time, at most 5% of the
-    step over the no-communication step, at most 3% of the step exposed in the trace). Where
+    own target (the project's, not the handout's: the ``TARGET_*`` constants above). Where
     ``paired`` (the benchmark's paired rounds) has rounds of the setting, the time over the
     no-communication step is also given as their median, the estimate a drifting machine moves least."""
     lines = []
@@ -434,13 +441,14 @@ def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None, paired: pd.Da
         exposed = traced["exposed_comm_pct_of_step"] if traced is not None else float("nan")
         over = best["comm_share_pct"] if best["comm_share_pct"] is not None else float("nan")
         line = (f"- {setting}: best `{best['variant']}` runs at {best['vs_torch_ddp']:.3f}x torch DDP's step time "
-                f"(our target <= 1); {over:.1f}% of its step is time over the no-communication step (our "
-                f"target <= 5%)")
+                f"(our target <= {TARGET_VS_TORCH_DDP:g}); {over:.1f}% of its step is time over the no-communication "
+                f"step (our target <= {TARGET_OVER_NOSYNC_PCT:g}%)")
         rounds = paired_summary(paired, setting=setting)
         if rounds is not None:
             line += (f", {100 * rounds['share']:.1f}% as the median of {rounds['n']} rounds alternating it with "
                      f"no sync ({100 * rounds['share_min']:.1f}-{100 * rounds['share_max']:.1f}% by round)")
-        lines.append(line + f", {exposed:.1f}% exposed communication in its trace (our target <= 3%).")
+        lines.append(line + f", {exposed:.1f}% exposed communication in its trace (our target <= "
+                     f"{TARGET_EXPOSED_IN_TRACE_PCT:g}%).")
     return "\n".join(lines)
 
 

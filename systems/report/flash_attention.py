@@ -70,12 +70,13 @@ def forward_answers(table: pd.DataFrame, *, triton_where: str) -> dict[tuple[str
     """The code deliverables' answers, keyed (problem, part): what implements each and how it
     checked out in this run (``triton_where`` says where the Triton rows ran)."""
     from systems.attention.flash_triton import FlashAttentionTriton
+    from systems.attention.flash_pytorch import TILE_K, TILE_Q
 
     answers = {}
     pt = table[table["impl"] == "flash_pytorch"]
     answers[("flash_forward", "a")] = (
         "`systems.attention.flash_pytorch.FlashAttentionPytorch` (`flash_forward`): a tiled forward with an "
-        "online softmax over 32 x 32 tiles, saving Q, K, V, O and the logsumexp L. Against float64 autograd of "
+        f"online softmax over {TILE_Q} x {TILE_K} tiles, saving Q, K, V, O and the logsumexp L. Against float64 autograd of "
         f"the direct formula: {_worst(table, 'flash_pytorch')}; L was saved (a tensor shaped (..., n_queries)) in "
         f"{int(pt['saves_lse'].sum())} of {len(pt)} cases.")
     tri = table[table["impl"].str.startswith("triton")]

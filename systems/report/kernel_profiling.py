@@ -32,6 +32,12 @@ def _percent_range(values: pd.Series, digits: int = 1) -> str:
     return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}–{fmt.format(hi)}"
 
 
+def _signed_range(values: pd.Series) -> str:
+    """A range of relative differences with their signs: "+0.3% to +9.0%", or "-12.0% to +40.5%"."""
+    lo, hi = f"{values.min():+.1%}", f"{values.max():+.1%}"
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
 def tool_note(*, nsys: bool, device: str) -> str:
     """The one statement of which profiler measured what follows."""
     if device != "cuda":
@@ -121,15 +127,15 @@ def answer_a(table: pd.DataFrame, *, device: str, busy: float = 0.9) -> str:
     dense, sparse = fa[filled >= busy], fa[filled < busy]
     if len(dense):
         text += (f"Where {unit}s keep the device busy ({unit} time at least {busy:.0%} of the span, our cut: "
-                 f"{len(dense)} of {len(fa)} forward-only configurations) the two agree within "
-                 f"{dense['span vs harness'].abs().max():.1%}. ")
+                 f"{len(dense)} of {len(fa)} forward-only configurations) the profiled span is "
+                 f"{_signed_range(dense['span vs harness'])} off the harness's time. ")
     if len(sparse):
-        worst = sparse.loc[sparse["span vs harness"].idxmax()]
+        worst = sparse.loc[sparse["span vs harness"].abs().idxmax()]
         text += (f"Where they do not ({', '.join(f'{r.label} {r.context:.0f}' for r in sparse.itertuples())}) the "
-                 f"forward is launch-bound and the profiler's own cost per launch, measured by running the same loop "
-                 f"with and without it, adds {_percent_range(sparse['profiler overhead'], 0)}: the profiled span is "
-                 f"up to {worst['span vs harness']:+.0%} off ({worst['label']} at {worst['context']:.0f} tokens, whose "
-                 f"{unit}s run for only {worst['kernel ms']:.1f} of its {worst['harness ms']:.1f} ms). ")
+                 f"forward is launch-bound, and the profiler's own cost per launch changes the same loop's time by "
+                 f"{_signed_range(sparse['profiler overhead'])} (the loop run with and without it): the profiled span "
+                 f"is up to {worst['span vs harness']:+.0%} off ({worst['label']} at {worst['context']:.0f} tokens, "
+                 f"whose {unit}s run for {worst['kernel ms']:.2f} of the span's {worst['profiled span ms']:.2f} ms). ")
     return text + (f"Counting that overhead and two standard deviations of the timing noise, {n_agree} of {len(fa)} "
                    f"profiled forward times agree with the harness.")
 
@@ -176,8 +182,10 @@ def answer_b(table: pd.DataFrame) -> str:
     text += "; where it does not, the leader is " + ", ".join(
         f"`{r.top_fwd_bwd_kernel}` ({r.top_fwd_bwd_category}; {r.label}, {r.context_length})"
         for r in moved.itertuples()) + "."
-    if (moved["top_fwd_bwd_category"] == "matmul").any():
-        text += (" A backward matmul takes the lead there: the gradient GEMMs multiply by transposed operands "
+    n_matmul = int((moved["top_fwd_bwd_category"] == "matmul").sum())
+    if n_matmul:
+        where = "there" if n_matmul == len(moved) else f"in {n_matmul} of those {len(moved)}"
+        text += (f" A backward matmul takes the lead {where}: the gradient GEMMs multiply by transposed operands "
                  "(dX = dY·W, dW = dYᵀ·X), which cuBLAS serves with differently tiled kernels.")
     return text
 

@@ -344,7 +344,7 @@ def residual_answer(*, cfg: ModelConfig, batch_size: int, contexts: tuple[int, .
         c = snapshot_row_["context_length"]
         m = match_allocation_size(snapshot_row_["snapshot"], sizes[c])
         text += (f" In the {snapshot_row_['mode']} snapshot at context {c}, {m['n_matches']} allocations have exactly "
-                 f"that size (by phase: {m['by_phase']}), most often from "
+                 f"that size ({', '.join(f'{n} in the {phase}' for phase, n in m['by_phase'].items())}), most often from "
                  + "; ".join(f"`{src}` ×{n}" for src, n in m["top_sources"]) + ".")
     return text
 

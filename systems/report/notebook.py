@@ -21,7 +21,6 @@ from systems.measure.env import environment
 from systems.measure.results import ResultWriter
 
 PROFILES = ("smoke", "full")
-ANSWER_STATUSES = ("answered", "not run")
 
 
 @dataclass
@@ -92,22 +91,31 @@ def md(text: str) -> None:
     print(text)
 
 
-def _record(ctx: NotebookContext, problem: str, part: str, status: str, reason: str | None) -> str:
+def _record(ctx: NotebookContext, problem: str, part: str, status: str, reason: str | None,
+            measured_by: dict | None = None) -> str:
     from systems.report.deliverables import find
 
     item = find(ctx.handout, problem, part)  # a misspelt problem or part fails here, in the notebook
     if ctx.answers is not None:
-        ctx.answers.write({"notebook": ctx.name, "handout": ctx.handout, "problem": problem, "part": part,
-                           "anchor": item.anchor, "status": status, "reason": reason, "profile": ctx.profile})
+        row = {"notebook": ctx.name, "handout": ctx.handout, "problem": problem, "part": part,
+               "anchor": item.anchor, "status": status, "reason": reason, "profile": ctx.profile}
+        if measured_by is not None:
+            row["measured_by"] = measured_by
+        ctx.answers.write(row)
     return item.anchor
 
 
-def answer(ctx: NotebookContext, problem: str, part: str = "", text: str = "") -> None:
+def answer(ctx: NotebookContext, problem: str, part: str = "", text: str = "", *,
+           measured_by: dict | None = None) -> None:
     """Render an answer to (problem, part) of the notebook's handout, under the anchor the report's
-    deliverables index links to, and record it as answered."""
-    anchor = _record(ctx, problem, part, "answered", None)
+    deliverables index links to, and record it as answered. ``measured_by``: the environment stamp
+    (``env``) of the rows the answer quotes when another run measured them, which the index then
+    names instead of this run's commit and machine."""
+    anchor = _record(ctx, problem, part, "answered", None, measured_by)
     label = f"{problem} ({part})" if part else problem
-    md(f'<a id="{anchor}"></a>\n\n**{label}.** {text}')
+    # a list must start on its own line to render as one
+    sep = "\n\n" if text.lstrip().startswith(("- ", "* ", "1. ", "|")) else " "
+    md(f'<a id="{anchor}"></a>\n\n**{label}.**{sep}{text}')
 
 
 def not_run(ctx: NotebookContext, problem: str, part: str, reason: str) -> None:
@@ -170,7 +178,11 @@ def format_table(df: pd.DataFrame, formats: dict[str, str] | None = None) -> pd.
 
 
 def show(df: pd.DataFrame, *, caption: str | None = None, formats: dict[str, str] | None = None) -> None:
-    """Display a table with each column formatted for reading (``format_table``)."""
+    """Display a table with each column formatted for reading (``format_table``); an empty one as a
+    line saying so, not a header over no rows."""
+    if df.empty:
+        md(f"*{caption or 'table'}*: none.")
+        return
     table = format_table(df, formats)
     try:
         from IPython import get_ipython
@@ -195,7 +207,3 @@ def save_figure(fig, ctx: NotebookContext, stem: str, *, dpi: int = 120) -> None
     Returns nothing, so a cell ending in this call shows the figure and no path repr.
     """
     fig.savefig(ctx.figures / f"{ctx.name}_{stem}.png", dpi=dpi, bbox_inches="tight")
-
-
-def fmt_ms(seconds: float | None) -> str:
-    return "—" if seconds is None or seconds != seconds else f"{seconds * 1e3:,.1f} ms"

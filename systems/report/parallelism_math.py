@@ -117,12 +117,13 @@ def xxl_memory_table(xxl: pm.StackedFFN, *, tokens: int, gpu: pm.Accelerator) ->
     rows = [("master weights (FP32)", state["master_weights"]), ("accumulated gradients (FP32)", state["gradients"]),
             ("AdamW m and v (FP32)", state["optimizer_state"]), ("total model state", state["total"]),
             ("saved activations per token (BF16)", act), (f"saved activations for {tokens:,} tokens", act * tokens)]
-    return pd.DataFrame([dict(item=item, GB=b / GB, h100_80GB_equivalents=b / gpu.memory_bytes) for item, b in rows])
+    return pd.DataFrame([{"item": item, "GB": b / GB, f"{gpu.name} equivalents": b / gpu.memory_bytes} for item, b in rows])
 
 
 def xxl_answers(*, xxl: pm.StackedFFN, mesh: pm.TPUMesh, tpu: pm.Accelerator, gpu: pm.Accelerator) -> dict[str, str]:
     """communication_accounting (a)-(d), keyed by part."""
     state, act = pm.model_state_bytes(xxl), pm.activation_bytes_per_token(xxl)
+    k = pm.HANDOUT_PRECISION.state_bytes_per_param  # bytes of model state per parameter
     b_star = pm.mesh_compute_bound_tokens_per_device(xxl, mesh=mesh, accelerator=tpu)
     b_ring = pm.mesh_compute_bound_tokens_per_device(xxl, mesh=mesh, accelerator=tpu, ring_factor=True)
     batch_c = math.ceil(b_star) * mesh.n_devices
@@ -132,14 +133,14 @@ def xxl_answers(*, xxl: pm.StackedFFN, mesh: pm.TPUMesh, tpu: pm.Accelerator, gp
     b_mx3 = pm.mesh_compute_bound_tokens_per_device(xxl, mesh=pm.TPUMesh(x=mesh.x, y=mesh.y, m_x=3, m_y=mesh.m_y),
                                                     accelerator=tpu)
     a = (f"XXL has $P = 2 \\cdot {xxl.n_blocks} \\cdot {xxl.d_model} \\cdot {xxl.d_ff} = {xxl.n_params:.4g}$ parameters, so "
-         f"the FP32 master weights, gradients and AdamW state take $16P = {state['total'] / GB:,.0f}$ GB, "
-         f"**{pm.devices_worth(state['total'], gpu):.1f} H100-80GB** worth before a single activation. Each linear saves "
+         f"the FP32 master weights, gradients and AdamW state take ${k}P = {state['total'] / GB:,.0f}$ GB, "
+         f"**{pm.devices_worth(state['total'], gpu):.1f} {gpu.name}** worth before a single activation. Each linear saves "
          f"its BF16 input for the weight gradient, so backward keeps $2\\,n_\\text{{blocks}}(d_\\text{{model}} + "
-         f"d_\\text{{ff}})$ = **{act / 1e6:.2f} MB per token** ({pm.devices_worth(act * 1000, gpu):.2f} H100s per thousand "
+         f"d_\\text{{ff}})$ = **{act / 1e6:.2f} MB per token** ({pm.devices_worth(act * 1000, gpu):.2f} {gpu.name} per thousand "
          f"tokens; at the {batch_c:,}-token batch of part (c), {act * batch_c / GB:,.0f} GB, another "
-         f"{pm.devices_worth(act * batch_c, gpu):.1f} H100s).")
+         f"{pm.devices_worth(act * batch_c, gpu):.1f} {gpu.name}).")
     max_tokens = 2 * tpu.memory_bytes / act
-    b = (f"Per device $M(N) = (16P + A/2)/N + A/2$ ($A$: the activations of the device's tokens; every second layer's "
+    b = (f"Per device $M(N) = ({k}P + A/2)/N + A/2$ ($A$: the activations of the device's tokens; every second layer's "
          f"are sharded). The state alone needs $N_\\text{{FSDP}} > {state['total'] / GB:,.0f}/{tpu.memory_bytes / GB:.0f}$, "
          f"i.e. **at least {pm.min_fsdp_degree(xxl, accelerator=tpu)} v5p chips**; with the {math.ceil(b_star)} tokens per "
          f"device of part (c) it is {pm.min_fsdp_degree(xxl, accelerator=tpu, tokens_per_device=math.ceil(b_star))}. The "

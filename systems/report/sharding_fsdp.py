@@ -13,10 +13,11 @@ import pandas as pd
 from systems.analysis.sharding import (communication_per_step, expected_saving, memory_per_rank, per_rank_bytes,
                                        phase_bytes, sizes_table)
 from systems.config import get_config
+from systems.measure.hardware import GPU_PEAKS
 
 MiB = 2**20
 GB = 1e9
-H200_DATASHEET_BYTES = 141e9  # HBM3e of one H200 (NVIDIA datasheet), the GPU the full profile runs on
+H200_DATASHEET_BYTES = GPU_PEAKS["H200"].hbm_gb * GB  # one H200's HBM3e, the GPU the full profile runs on
 PHASES = {"after_init": "peak_after_init", "before_step": "peak_fwd_bwd", "optimizer_step": "peak_opt_step",
           "after_step": "mem_after_step"}
 SCHEME_OF = {"ddp": "ddp", "ddp_sharded": "ddp_sharded", "fsdp": "fsdp", "fsdp2": "fsdp"}
@@ -73,8 +74,11 @@ def breakdown_table(rows: pd.DataFrame, *, model: str, world_size: int) -> pd.Da
                         "measured_MiB": None if measured is None or pd.isna(measured) else measured / MiB,
                         "computed_MiB": None if computed is None else computed / MiB})
     df = pd.DataFrame(out)
-    return df.pivot(index="part", columns="variant", values=["measured_MiB", "computed_MiB"]).reindex(
+    wide = df.pivot(index="part", columns="variant", values=["measured_MiB", "computed_MiB"]).reindex(
         ["params", "grads", "optimizer_state", "optimizer_temporaries", "activations", "other"])
+    # one flat header per column, each variant's measured beside its computed
+    variants = list(dict.fromkeys(df["variant"]))
+    return pd.DataFrame({f"{v} {kind}": wide[(f"{kind}_MiB", v)] for v in variants for kind in ("measured", "computed")})
 
 
 def _mib(x: float) -> str:

@@ -114,7 +114,10 @@ def deliverables_index(out_dir: Path, handout: str, *, failed: dict[str, str] | 
     for d in deliverables(handout):
         row = recorded.get(d.anchor)
         label = f"{d.problem} ({d.part})" if d.part else d.problem
-        if row is not None and row.get("status") == "answered":
+        if row is not None and row.get("status") == "answered" and row.get("measured_by"):
+            status, css = "answered from an earlier run's rows (not measured in this run)", "answered"
+            link = f'<a href="#{d.anchor}">{html.escape(label)}</a>'
+        elif row is not None and row.get("status") == "answered":
             status, css = "answered" + (" (smoke profile)" if row.get("profile") == "smoke" else ""), "answered"
             link = f'<a href="#{d.anchor}">{html.escape(label)}</a>'
         elif row is not None:
@@ -131,7 +134,8 @@ def deliverables_index(out_dir: Path, handout: str, *, failed: dict[str, str] | 
         else:
             status, css, link = "missing: its notebook ran but recorded no answer", "missing", html.escape(label)
         counts[css] += 1
-        run = f"{row['env'].get('git_commit')} · {_run_label(row['env'])}" if row and row.get("env") else ""
+        env = (row.get("measured_by") or row.get("env")) if row else None
+        run = f"{env.get('git_commit')} · {_run_label(env)}" if env else ""
         rows.append(f'<tr><td>{link}</td><td>{html.escape(d.title)}</td><td>{html.escape(d.notebook)}</td>'
                     f'<td class="{css}">{html.escape(status)}</td><td><code>{html.escape(run)}</code></td></tr>')
     summary = ", ".join(f"{n} {css.replace('-', ' ')}" for css, n in counts.items())

@@ -27,9 +27,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from systems.config import check_handout
 from systems.measure.env import REPO_ROOT, environ_set, git_commit, tree_is_dirty
 from systems.measure.results import PREVIOUS_SUFFIX
-from systems.workbook.html import build_report
+from systems.workbook.html import ReportError, build_report
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 
@@ -117,6 +118,21 @@ def check_parameters(paths: list[Path], parameters: dict) -> None:
         if unknown:
             raise WorkbookError(f"{path.stem} has no parameter {', '.join(map(repr, unknown))}; its parameters are "
                                 f"{', '.join(sorted(known))} (select notebooks with --only)")
+    check_parameter_values(parameters)
+
+
+def check_parameter_values(parameters: dict) -> None:
+    """What the runner owns, and the values every notebook checks in its first cell: refused before
+    any kernel starts."""
+    for name, option in (("profile", "--profile"), ("out_dir", "--out-dir")):
+        if name in parameters:  # the runner sets these, and checks the profile against the GPUs and the commit
+            raise WorkbookError(f"set {name} with {option}, not -p")
+    # a bad value would otherwise fail inside every notebook's first cell, one kernel start each
+    if "handout" in parameters:
+        try:
+            check_handout(parameters["handout"])
+        except ValueError as exc:
+            raise WorkbookError(f"-p {exc}") from None
 
 
 def _describe_failure(exc: Exception, nb_path: Path) -> str:
@@ -249,7 +265,13 @@ def run_notebooks(*, only: list[str] | None = None, profile: str = "auto", out_d
             if not run.ok and not keep_going:
                 break
         if report and any(r.output is not None for r in runs):
-            print(f"report: {build_report(out, handout=parameters.get('handout'))}", flush=True)
+            try:
+                print(f"report: {build_report(out, handout=parameters.get('handout'))}", flush=True)
+            except ReportError as exc:
+                if all(r.ok for r in runs):
+                    raise
+                # the failed notebooks are the news (listed by the caller, exit 1), not the report
+                print(f"report: not built ({exc})", flush=True)
     return runs
 
 

@@ -58,7 +58,7 @@ FULL_MINUTES = {"01_benchmarking": 20, "05_attention_compile": 25, "06_flash_att
 FULL_MINUTES_DEFAULT = 10
 FULL_CPUS_PER_GPU = 8
 FULL_MEM_GB_PER_GPU = 64
-# A smoke notebook takes under 90 s on a 2-core CPU (docs/CONVENTIONS.md); 07 and 08 run two
+# A smoke notebook takes under 60 s on a 2-core CPU (docs/CONVENTIONS.md); 07 and 08 run two
 # gloo ranks, so every smoke job asks for two cores.
 SMOKE = {"cpus": 2, "mem": "8G", "time": "00:20:00"}
 REPORT = {"cpus": 1, "mem": "4G", "time": "00:15:00"}
@@ -428,6 +428,7 @@ def _plan_new(request: SubmitRequest) -> Manifest:
         raise SlurmUsageError(f"--run-dir {run_dir} is not empty: give a new or empty directory")
     if re.search(r"\s", str(run_dir)):
         raise SlurmUsageError(f"run dir {run_dir!s} contains whitespace, which #SBATCH lines cannot hold; pick another")
+    runner.check_parameter_values(request.parameters)  # at submission, not in every job
     notebooks = [] if request.bench else [p.stem for p in runner.discover(list(request.only or ()))]
     options = merge_options(request.file_options, request.flag_options)
     return Manifest(run_dir=str(run_dir), out_dir=str((request.out_dir or run_dir).resolve()), profile=profile,
@@ -446,6 +447,7 @@ def _plan_resume(request: SubmitRequest) -> Manifest:
         raise SlurmError(f"{run_dir} still has jobs in the queue: {', '.join(active)}; wait for them "
                          "(workbook status) or scancel them, then resume")
     manifest.parameters = {**manifest.parameters, **request.parameters}
+    runner.check_parameter_values(manifest.parameters)
     manifest.options = asdict(merge_options(manifest.options, request.flag_options))
     return manifest
 

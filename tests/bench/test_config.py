@@ -1,9 +1,11 @@
 """The fields every harness shares, checked once, before any work."""
 
+import argparse
+
 import pytest
 import torch
 
-from systems.bench.config import RunConfig
+from systems.bench.config import RunConfig, model_argument
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -58,3 +60,15 @@ def test_commands_write_under_build_unless_told(tool, monkeypatch):
                  FSDPBenchConfig.fsdp_path, FSDPBenchConfig.opt_path, FSDPBenchConfig.gather_path,
                  LeaderboardConfig.out_path):
         assert path.startswith("build/"), path
+
+
+def test_an_unknown_model_is_a_one_line_usage_error_before_anything_runs(capsys):
+    from systems.bench import train_step
+
+    with pytest.raises(SystemExit) as exc:
+        train_step.main(["--model", "nosuch", "--variants", "ours_eager"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown model size 'nosuch'; choose one of debug" in err
+    assert "ours_graphs_overlap_split" not in err  # the usage line names VARIANT, not all the variants
+    assert "'xl' names two sizes" in str(pytest.raises(argparse.ArgumentTypeError, model_argument, "xl").value)

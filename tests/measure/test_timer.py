@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from systems.measure.timer import Marks, median_p10_p90
+from systems.measure.timer import Marks, median_p10_p90, slowest_rank_median
 
 
 def test_median_and_percentiles():
@@ -15,6 +15,18 @@ def test_median_and_percentiles():
     assert (median, p10, p90) == (5.0, 1.0, 9.0)
     with pytest.raises(ValueError, match="at least one value"):
         median_p10_p90([])
+
+
+def test_slowest_rank_median():
+    # per step the slowest rank: max(1, 3, 2) = 3, max(5, 1, 2) = 5, max(2, 6, 2) = 6, max(4, 2, 9) = 9;
+    # the third rank's fifth step is past the others' last, so left out. Median of [3, 5, 6, 9]: 5.5;
+    # inclusive percentiles at positions 0.3 and 2.7 of the sorted four: 3 + 0.3 * 2 = 3.6, 6 + 0.7 * 3 = 8.1
+    median, p10, p90 = slowest_rank_median([[1.0, 5.0, 2.0, 4.0], [3.0, 1.0, 6.0, 2.0], [2.0, 2.0, 2.0, 9.0, 100.0]])
+    assert median == 5.5
+    assert p10 == pytest.approx(3.6) and p90 == pytest.approx(8.1)  # float rounding of the interpolation
+    assert slowest_rank_median([[2.0]]) == (2.0, 2.0, 2.0)
+    with pytest.raises(ValueError, match="at least one rank"):
+        slowest_rank_median([])
 
 
 def test_marks_across_steps_span_them():

@@ -24,6 +24,17 @@ def test_bad_plans_are_refused_with_what_to_set(kwargs, message):
         ParallelPlan(**kwargs)
 
 
+@pytest.mark.parametrize("plan", [ParallelPlan(data_parallel="torch_ddp"), ParallelPlan(data_parallel="fsdp"),
+                                  ParallelPlan(compile="model")])
+def test_the_fused_loss_is_refused_where_the_forward_does_work(plan):
+    # the fused loss calls model.hidden_states, skipping the wrapper's (or compiled model's)
+    # forward: refused before anything is applied or any process group is needed
+    with pytest.raises(ValueError, match="use loss='logits'"):
+        apply(nn.Linear(2, 2), plan, loss="fused")
+    plan.check_loss("logits")  # the logits loss goes through the forward: fine
+    ParallelPlan(data_parallel="bucketed", bucket_size_mb=1).check_loss("fused")  # hooks do the work: fine
+
+
 def test_update_per_bucket_needs_the_grouped_optimizer_before_anything_is_applied():
     plan = ParallelPlan(data_parallel="bucketed", update_per_bucket=True)
     assert plan.bucket_size_mb is None

@@ -189,3 +189,11 @@ def test_summary_counts(capsys):
     dl._main()
     out = capsys.readouterr().out
     assert f"2025: {len(dl.deliverables('2025'))} deliverables" in out
+
+
+def test_the_leaderboards_memory_need_is_the_benchs_threshold():
+    # the index's words and the check that decides whether the step runs must name one number
+    from systems.bench.leaderboard import MIN_GPU_MEMORY_GIB
+
+    assert f"2 GPUs of >= {MIN_GPU_MEMORY_GIB:g} GiB" in dl.NEEDS
+    assert any(d.needs == f"2 GPUs of >= {MIN_GPU_MEMORY_GIB:g} GiB" for d in dl.deliverables("2026"))

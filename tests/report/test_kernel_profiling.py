@@ -43,10 +43,22 @@ def test_answer_a_splits_busy_from_launch_bound_forwards():
 
     table = pd.DataFrame([row("small", 20.0, 30.0, 5.0, 0.45), row("xl", 300.0, 301.5, 290.0, 0.004)])
     text = KP.answer_a(table, device="cuda")
-    assert "(kernel time at least 90% of the span, our cut: 1 of 2 forward-only configurations) the two agree " \
-           "within 0.5%" in text
-    assert "Where they do not (small 512)" in text and "adds 45%" in text and "up to +50% off" in text
-    assert "run for only 5.0 of its 20.0 ms" in text
+    assert "(kernel time at least 90% of the span, our cut: 1 of 2 forward-only configurations) the profiled " \
+           "span is +0.5% off the harness's time" in text
+    assert "Where they do not (small 512)" in text and "changes the same loop's time by +45.0%" in text
+    assert "up to +50% off" in text
+    assert "run for 5.00 of the span's 30.00 ms" in text  # kernel time against the same profile's span
+
+
+def test_answer_a_gives_signed_ranges():
+    # a CPU smoke run can time the profiled loop faster than the plain one: a negative overhead is
+    # stated as a signed change, and the largest deviation (either sign) is the one quoted
+    table = pd.DataFrame([{"label": n, "context": 32, "mode": "forward", "harness ms": 4.0, "harness std ms": 0.5,
+                           "profiled ms": 4.0, "profiler overhead": o, "profiled span ms": span,
+                           "span vs harness": span / 4.0 - 1, "kernel ms": 1.0, "agrees": True}
+                          for n, o, span in (("a", -0.47, 2.0), ("b", 0.72, 5.0))])
+    text = KP.answer_a(table, device="cpu")
+    assert "changes the same loop's time by -47.0% to +72.0%" in text and "up to -50% off (a at 32" in text
 
 
 def test_top_kernel_and_answers_b_c(sweep):

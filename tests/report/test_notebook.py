@@ -48,6 +48,16 @@ def test_answer_and_not_run_are_recorded_under_the_index_anchor(tmp_path, capsys
     assert f'<a id="{rows[0]["anchor"]}"></a>' in out and "forward 1 ms" in out
 
 
+def test_an_answer_quoting_another_runs_rows_names_that_run(tmp_path, capsys):
+    ctx = nb.setup(name="10_fast_train_step", profile="smoke", out_dir=tmp_path, handout="2026", show_env=False)
+    elsewhere = {"git_commit": "124754b", "gpu": "NVIDIA H200", "gpu_count": 2}
+    nb.answer(ctx, "leaderboard", "", "- 5.5 s per step\n- 2 GPUs", measured_by=elsewhere)
+    row = _rows(ctx.result_path("deliverables"))[0]
+    assert row["measured_by"] == elsewhere and row["env"]["git_commit"] != "124754b"
+    # a list answer starts on its own line, else Markdown glues its first item to the label
+    assert "**leaderboard.**\n\n- 5.5 s per step" in capsys.readouterr().out
+
+
 def test_a_misspelt_problem_fails_in_the_notebook(tmp_path):
     ctx = nb.setup(name="01_benchmarking", profile="smoke", out_dir=tmp_path, show_env=False)
     with pytest.raises(KeyError, match="benchmarking_scrip"):
@@ -79,3 +89,8 @@ def test_format_table_explicit_formats_win_and_missing_stays_a_dash():
 def test_an_all_missing_numeric_column_is_dashes():
     df = pd.DataFrame({"x": [math.nan, math.nan]})
     assert list(nb.format_table(df)["x"]) == ["—", "—"]
+
+
+def test_show_says_an_empty_table_is_empty(capsys):
+    nb.show(pd.DataFrame(columns=["impl", "reason"]), caption="points that did not run")
+    assert capsys.readouterr().out.strip() == "*points that did not run*: none."

@@ -42,14 +42,14 @@ def test_report_embeds_relative_images_and_repoints_links(tmp_path):
     assert "PosixPath" not in html and "progress 50%" not in html  # reprs and stderr stay in the notebook
 
 
-def _answer_rows(tmp_path, notebook: str, handout: str, rows: list[tuple]) -> None:
+def _answer_rows(tmp_path, notebook: str, handout: str, rows: list[tuple], **extra) -> None:
     env = {"git_commit": "0123456789ab", "gpu": None, "date": "2026-11-24T00:00:00+00:00"}
     (tmp_path / "results").mkdir(parents=True, exist_ok=True)
     lines = []
     for d, status, reason in rows:
         lines.append(json.dumps({"notebook": notebook, "handout": handout, "problem": d.problem, "part": d.part,
                                  "anchor": d.anchor, "status": status, "reason": reason, "profile": "smoke",
-                                 "env": env}))
+                                 "env": env, **extra}))
     (tmp_path / "results" / f"{notebook}_deliverables.jsonl").write_text("\n".join(lines) + "\n")
 
 
@@ -68,6 +68,16 @@ def test_index_status_comes_from_the_recorded_answers(tmp_path):
     assert "0123456789ab" in html and "Provenance" in html
     with pytest.raises(ValueError, match="handout"):
         workbook.build_report(tmp_path, handout="2027")
+
+
+def test_an_answer_from_another_runs_rows_names_that_run_not_this_one(tmp_path):
+    lb = next(d for d in deliverables("2026") if d.problem == "leaderboard")
+    _answer_rows(tmp_path, lb.notebook, "2026", [(lb, "answered", None)],
+                 measured_by={"git_commit": "124754b", "gpu": "NVIDIA H200", "gpu_count": 2})
+    _executed(tmp_path, lb.notebook, [nbformat.v4.new_code_cell("x = 1")])
+    html = workbook.build_report(tmp_path, handout="2026").read_text()
+    assert "answered from an earlier run's rows (not measured in this run)" in html
+    assert "124754b · 2 x NVIDIA H200" in html and "answered (smoke profile)" not in html
 
 
 def test_code_is_hidden_behind_a_toggle_and_tracebacks_become_a_note(tmp_path):

@@ -1,5 +1,6 @@
 """The notebook runner: notebooks are output-free jupytext scripts; execution, failures, the report."""
 
+import itertools
 import subprocess
 
 import pytest
@@ -167,3 +168,31 @@ def test_the_run_states_its_commit_before_the_notebooks_write(monkeypatch, tmp_p
     monkeypatch.setenv("WORKBOOK_GIT_COMMIT", "fedcba987654")
     workbook.run_notebooks(only=["01"], profile="smoke", out_dir=tmp_path, progress=False, report=False)
     assert seen[-1]["WORKBOOK_GIT_COMMIT"] == "fedcba987654"
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("handout", "2024", "handout must be one of 2025, 2026"),
+    ("profile", "full", "set profile with --profile"),
+    ("out_dir", "elsewhere", "set out_dir with --out-dir"),
+])
+def test_a_bad_parameter_value_fails_before_any_notebook_runs(capsys, tmp_path, name, value, message):
+    assert workbook.main(["run", "--only", "01", "09", "--profile", "smoke", "--out-dir", str(tmp_path),
+                          "-p", name, value]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "writeup").exists()  # refused before the first kernel started
+
+
+def test_the_readmes_workbook_commands_name_real_notebooks_and_parameters():
+    import shlex
+
+    from systems.workbook import notebooks as runner
+
+    commands = [line.split("#")[0].rstrip(" \\") for line in (REPO_ROOT / "README.md").read_text().splitlines()
+                if line.startswith("python3 -m systems.workbook run") or line.startswith("python3 -m systems.workbook submit")]
+    assert len(commands) >= 4
+    for command in commands:
+        words = shlex.split(command)[3:]
+        only = words[words.index("--only") + 1:] if "--only" in words else []
+        only = [w for w in itertools.takewhile(lambda w: not w.startswith("-"), only)]
+        params = {words[i + 1]: runner.parse_value(words[i + 2]) for i, w in enumerate(words) if w == "-p"}
+        runner.check_parameters(runner.discover(only or None), params)  # raises on a name or value the notebooks refuse
