@@ -33,7 +33,7 @@ import torch.distributed as dist
 from systems.config import check_choice
 from systems.measure.env import environment
 from systems.measure.results import ResultWriter, read_records
-from systems.measure.timer import slowest_rank_median
+from systems.measure.timer import Marks, slowest_rank_median
 from systems.parallel.launch import DistContext, all_gather_objects, resolve_backend, spawn
 
 MB = 1_000_000  # the handout's 1 MB ... 1 GB are decimal sizes
@@ -155,16 +155,12 @@ def _timed_all_reduce(data: torch.Tensor, ctx: DistContext) -> float:
     stream wait for NCCL's), so CPU launch and synchronisation latency, tens of microseconds and
     comparable to a 1 MB NVLink all-reduce, stay out. CPU: wall time, gloo runs synchronously.
     """
-    if ctx.device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dist.all_reduce(data)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
+    marks = Marks(ctx.device)  # CUDA events on a GPU, perf_counter on a CPU
+    marks.mark("start")
     dist.all_reduce(data)
-    return time.perf_counter() - t0
+    marks.mark("end")
+    ctx.sync()
+    return marks.ms("start", "end") / 1e3
 
 
 def _device_name(ctx: DistContext) -> str:

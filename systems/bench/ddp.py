@@ -313,12 +313,15 @@ def _time_variant(name: str, model, opt, precision: str, tokens, targets, ctx: D
     issue_s0 = getattr(issue, "busy_seconds", None)
     samples = []
     for _ in range(cfg.steps):
-        marks = Marks(ctx.device)
-        t0 = time.perf_counter()
+        # the step by wall time, synchronised (its phases by the device's events): it includes
+        # the host work no event brackets, the agreement's round trip and the hooks
+        marks, wall = Marks(ctx.device), Marks(ctx.device, clock="host")
+        wall.mark("start")
         step(tokens, targets, marks=marks)
         ctx.sync()
+        wall.mark("end")
         synced = "grad_sync" if "grad_sync" in marks else "backward"
-        samples.append({"step_ms": (time.perf_counter() - t0) * 1e3,
+        samples.append({"step_ms": wall.ms("start", "end"),
                         "fwd_bwd_ms": marks.ms("start", "backward"),
                         "backward_ms": marks.ms("forward", "backward"),
                         "sync_wait_ms": marks.ms("backward", synced),

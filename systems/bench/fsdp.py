@@ -180,10 +180,13 @@ def _timed(s: _Setup, tokens, targets, ctx: DistContext, steps: int) -> list[flo
     ctx.barrier()
     samples = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        # wall time, synchronised: a step ends when this rank's device work has
+        wall = Marks(ctx.device, clock="host")
+        wall.mark("start")
         s.step(tokens, targets)
         ctx.sync()
-        samples.append((time.perf_counter() - t0) * 1e3)
+        wall.mark("end")
+        samples.append(wall.ms("start", "end"))
     return samples
 
 
