@@ -33,7 +33,7 @@ import torch
 
 from systems.analysis.attention_memory import attention_memory_accounting
 from systems.attention.naive import naive_attention
-from systems.bench.budget import SKIPPED as SKIPPED_BUDGET
+from systems.bench.budget import SKIPPED
 from systems.measure.devices import catch_oom, dtype_of, release_memory, resolve_device, sync
 from systems.measure.flops import attention_flops
 from systems.measure.memory import MemoryProbe, saved_tensors
@@ -284,7 +284,7 @@ def run_attention_sweep(cfg: AttentionSweepConfig, *, out_path: str | Path | Non
         base = {"batch_size": cfg.batch_size, "seq": seq, "d": d, "dtype": cfg.dtype, "compiled": cfg.compiled,
                 "device": str(device)}
         if cfg.deadline is not None and time.time() > cfg.deadline:
-            return emit({**base, "status": SKIPPED_BUDGET, "error": "the sweep's time budget was spent"})
+            return emit({**base, "status": SKIPPED, "error": "the sweep's time budget was spent"})
         bar.set_postfix_str(f"d={d} seq={seq}")
         return emit(run_attention_point(AttentionPoint(cfg.batch_size, seq, d, cfg.dtype, cfg.compiled), fn=fn,
                                         device=device, n_forward=cfg.n_forward, n_backward=cfg.n_backward,
@@ -302,7 +302,7 @@ def run_attention_sweep(cfg: AttentionSweepConfig, *, out_path: str | Path | Non
         while cfg.grow_until_oom and not hit_oom and seq <= cfg.max_seq_len:
             bar.total += 1
             row = point(seq, d)
-            hit_oom = row["status"] in ("oom", SKIPPED_BUDGET)
+            hit_oom = row["status"] in ("oom", SKIPPED)
             seq *= 2
     bar.close()
     return rows

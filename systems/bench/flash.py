@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from systems.attention import BACKENDS
 from systems.attention.naive import naive_attention
-from systems.bench.budget import SKIPPED as SKIPPED_BUDGET
+from systems.bench.budget import SKIPPED
 from systems.bench.config import DEFAULT_OUT_ROOT
 from systems.measure import flops as flop_count
 from systems.measure.devices import DTYPES, catch_oom, is_oom, release_memory
@@ -366,7 +366,7 @@ def flash_benchmarking(cfg: SweepConfig, *, writer: ResultWriter | None = None, 
         left = None if cfg.budget_s is None else cfg.budget_s - (clock() - start)
         if left is not None and (left <= 0 or (expected and estimate_point_s(expected, cfg) > left)):
             row = _add_rates(dict(impl=impl, **point, causal=cfg.is_causal, dot=dot_of(impl, dtype),
-                                  status=SKIPPED_BUDGET, error=f"estimated past the sweep's {cfg.budget_s:g} s budget"))
+                                  status=SKIPPED, error=f"estimated past the sweep's {cfg.budget_s:g} s budget"))
         else:
             row = time_attention(impl, **point, is_causal=cfg.is_causal, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms,
                                  min_reps=cfg.min_reps, expected_ms=expected, device=device)

@@ -141,10 +141,11 @@ def make_training(cfg: LeaderboardConfig, ctx: DistContext):
     torch.manual_seed(cfg.seed)
     with torch.device(device):
         model = TransformerLM(mcfg)
-    par = apply(model, cfg.plan(), device=device, loss=cfg.step_spec().loss)  # DDPBucketed broadcasts rank 0's weights
+    spec = cfg.step_spec()
+    par = apply(model, cfg.plan(), device=device, loss=spec.loss)  # DDPBucketed broadcasts rank 0's weights
     opt = build_optimizer(model, cfg.optimizer_spec())
     # the backend choice spans backward too: checkpointed blocks recompute attention there
-    train_step = TrainStep(model, spec=cfg.step_spec(), optimizer=opt, forward=par.forward,
+    train_step = TrainStep(model, spec=spec, optimizer=opt, forward=par.forward,
                            grad_sync=par.grad_sync, context=lambda: sdpa_backends(cfg.sdpa_backend))
     x, y = rank_batch(cfg, rank=ctx.rank, world_size=ctx.world_size, vocab_size=mcfg.vocab_size, device=device)
     losses: list[torch.Tensor] = []

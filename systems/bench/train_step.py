@@ -332,8 +332,9 @@ def build(cfg: StepConfig, *, device: torch.device) -> tuple[torch.nn.Module, ob
             model = TransformerLM(mcfg)
     # the optimizer first: master weights change the model's weight dtypes, which compiling sees
     opt = build_optimizer(model, variant.optimizer_spec(lr=cfg.lr))
-    par = apply(model, variant.plan(), device=device, loss=variant.step_spec().loss)
-    step = TrainStep(model, spec=variant.step_spec(), optimizer=opt, forward=par.forward)
+    spec = variant.step_spec()
+    par = apply(model, variant.plan(), device=device, loss=spec.loss)
+    step = TrainStep(model, spec=spec, optimizer=opt, forward=par.forward)
     return model, opt, (GraphedStep(step, eager_steps=GRAPH_EAGER_STEPS) if variant.graph_step else step)
 
 

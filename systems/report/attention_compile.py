@@ -12,7 +12,8 @@ import pandas as pd
 from systems.analysis.attention_memory import (attention_memory_accounting, flash_attention_accounting,
                                                peak_decomposition)
 from systems.analysis.fits import fit_power_law
-from systems.bench.attention import SKIPPED_BUDGET, smallest_oom
+from systems.bench.attention import smallest_oom
+from systems.bench.budget import SKIPPED
 from systems.config import size_label
 from systems.report.memory import fmt_bytes, table_unit
 
@@ -57,7 +58,7 @@ def timing_text(rows: Sequence[dict], *, max_seq_len: int) -> str:
                      f"TFLOP/s).")
     parts.append(f"The first configuration to run out of memory is **d = {oom['d']}, seq = {oom['seq']:,}** (in the "
                  f"`{oom['oom_phase']}` phase)." if oom else f"No point ran out of memory up to seq {max_seq_len:,}.")
-    skipped = [r for r in rows if r.get("status") == SKIPPED_BUDGET]
+    skipped = [r for r in rows if r.get("status") == SKIPPED]
     if skipped:
         parts.append(f"{len(skipped)} points were skipped for the time budget.")
     return " ".join(parts)

@@ -26,16 +26,12 @@ def _ok(summary: pd.DataFrame, mode: str | None = None) -> pd.DataFrame:
     return ok if mode is None else ok[ok["mode"] == mode]
 
 
-def _percent_range(values: pd.Series, digits: int = 1) -> str:
-    lo, hi = values.min(), values.max()
-    fmt = f"{{:.{digits}%}}"
-    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}–{fmt.format(hi)}"
-
-
-def _signed_range(values: pd.Series) -> str:
-    """A range of relative differences with their signs: "+0.3% to +9.0%", or "-12.0% to +40.5%"."""
-    lo, hi = f"{values.min():+.1%}", f"{values.max():+.1%}"
-    return lo if lo == hi else f"{lo} to {hi}"
+def _percent_range(values: pd.Series, digits: int = 1, *, signed: bool = False) -> str:
+    """"12.0%–40.5%"; ``signed`` for relative differences, "-12.0% to +40.5%" (a dash between
+    signed numbers would read as a minus)."""
+    fmt = f"{{:{'+' if signed else ''}.{digits}%}}"
+    lo, hi = fmt.format(values.min()), fmt.format(values.max())
+    return lo if lo == hi else f"{lo} to {hi}" if signed else f"{lo}–{hi}"
 
 
 def tool_note(*, nsys: bool, device: str) -> str:
@@ -128,12 +124,12 @@ def answer_a(table: pd.DataFrame, *, device: str, busy: float = 0.9) -> str:
     if len(dense):
         text += (f"Where {unit}s keep the device busy ({unit} time at least {busy:.0%} of the span, our cut: "
                  f"{len(dense)} of {len(fa)} forward-only configurations) the profiled span is "
-                 f"{_signed_range(dense['span vs harness'])} off the harness's time. ")
+                 f"{_percent_range(dense['span vs harness'], signed=True)} off the harness's time. ")
     if len(sparse):
         worst = sparse.loc[sparse["span vs harness"].abs().idxmax()]
         text += (f"Where they do not ({', '.join(f'{r.label} {r.context:.0f}' for r in sparse.itertuples())}) the "
                  f"forward is launch-bound, and the profiler's own cost per launch changes the same loop's time by "
-                 f"{_signed_range(sparse['profiler overhead'])} (the loop run with and without it): the profiled span "
+                 f"{_percent_range(sparse['profiler overhead'], signed=True)} (the loop run with and without it): the profiled span "
                  f"is up to {worst['span vs harness']:+.0%} off ({worst['label']} at {worst['context']:.0f} tokens, "
                  f"whose {unit}s run for {worst['kernel ms']:.2f} of the span's {worst['profiled span ms']:.2f} ms). ")
     return text + (f"Counting that overhead and two standard deviations of the timing noise, {n_agree} of {len(fa)} "

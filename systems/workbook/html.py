@@ -114,12 +114,10 @@ def deliverables_index(out_dir: Path, handout: str, *, failed: dict[str, str] | 
     for d in deliverables(handout):
         row = recorded.get(d.anchor)
         label = f"{d.problem} ({d.part})" if d.part else d.problem
-        if row is not None and row.get("status") == "answered" and row.get("measured_by"):
-            status, css = "answered from an earlier run's rows (not measured in this run)", "answered"
-            link = f'<a href="#{d.anchor}">{html.escape(label)}</a>'
-        elif row is not None and row.get("status") == "answered":
-            status, css = "answered" + (" (smoke profile)" if row.get("profile") == "smoke" else ""), "answered"
-            link = f'<a href="#{d.anchor}">{html.escape(label)}</a>'
+        if row is not None and row.get("status") == "answered":
+            status = ("answered from an earlier run's rows (not measured in this run)" if row.get("measured_by") else
+                      "answered" + (" (smoke profile)" if row.get("profile") == "smoke" else ""))
+            css, link = "answered", f'<a href="#{d.anchor}">{html.escape(label)}</a>'
         elif row is not None:
             status, css = f"not run here: {row.get('reason')}", "not-run"
             link = f'<a href="#{d.anchor}">{html.escape(label)}</a>'

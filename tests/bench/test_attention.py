@@ -11,9 +11,10 @@ import torch
 
 from systems.analysis.attention_memory import attention_memory_accounting
 from systems.attention.naive import naive_attention
-from systems.bench.attention import (SKIPPED_BUDGET, AttentionPoint, AttentionSweepConfig, run_attention_point,
+from systems.bench.attention import (AttentionPoint, AttentionSweepConfig, run_attention_point,
                                      run_attention_sweep, run_model_compile_sweep, sdpa_one_head,
                                      simulated_memory_limit, smallest_oom)
+from systems.bench.budget import SKIPPED
 from systems.measure.memory import saved_tensors
 from systems.measure.results import read_records
 from systems.report.attention_compile import model_compile_table, ratio_table, saved_memory_fits, sweep_table
@@ -241,4 +242,4 @@ def test_a_spent_budget_skips_the_remaining_points():
     cfg = AttentionSweepConfig(head_dims=(4,), seq_lens=(8, 16), max_seq_len=64, deadline=time.time() - 1, **TINY)
     rows = run_attention_sweep(cfg, progress=False)
     # no point starts after the deadline, and doubling stops at the first skipped point
-    assert [(r["seq"], r["status"]) for r in rows] == [(8, SKIPPED_BUDGET), (16, SKIPPED_BUDGET), (32, SKIPPED_BUDGET)]
+    assert [(r["seq"], r["status"]) for r in rows] == [(8, SKIPPED), (16, SKIPPED), (32, SKIPPED)]

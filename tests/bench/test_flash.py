@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from systems.bench import flash
+from systems.bench.budget import SKIPPED
 from systems.bench.flash import geomean_ratios, speed_ratios
 from systems.measure import flops
 
@@ -97,7 +98,7 @@ def test_budget_skips_what_it_cannot_afford(monkeypatch):
     cfg = flash.SweepConfig(seq_lens=(32, 64, 128), head_dims=(16,), dtypes=("fp32",), impls={"fp32": ("naive",)},
                             warmup_ms=1, rep_ms=2, budget_s=4.5)
     rows = flash.flash_benchmarking(cfg, device="cpu", progress=False, clock=lambda: float(next(ticks)))
-    assert list(rows["status"]) == ["ok", "ok", flash.SKIPPED_BUDGET]
+    assert list(rows["status"]) == ["ok", "ok", SKIPPED]
     assert "4.5 s budget" in rows["error"].iloc[-1] and pd.isna(rows["e2e_tflops"].iloc[-1])
 
 

@@ -193,6 +193,6 @@ def test_the_readmes_workbook_commands_name_real_notebooks_and_parameters():
     for command in commands:
         words = shlex.split(command)[3:]
         only = words[words.index("--only") + 1:] if "--only" in words else []
-        only = [w for w in itertools.takewhile(lambda w: not w.startswith("-"), only)]
+        only = list(itertools.takewhile(lambda w: not w.startswith("-"), only))
         params = {words[i + 1]: runner.parse_value(words[i + 2]) for i, w in enumerate(words) if w == "-p"}
         runner.check_parameters(runner.discover(only or None), params)  # raises on a name or value the notebooks refuse
