@@ -9,7 +9,9 @@
 
 A point starts only while the time spent since the budget was made is under its allowance, so a
 sweep overruns by at most its one longest point: sweeps order their points smallest first and
-the notebooks set each allowance that far below their own limit.
+the notebooks set each allowance that far below their own limit. A sweep that can estimate a
+point's time from an earlier one passes it (``allows(need_s=...)``), and then overruns by no more
+than its estimate's error.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ class Budget:
     def elapsed(self) -> float:
         return self.clock() - self.start
 
-    def allows(self) -> bool:
-        """Whether another point may start."""
-        return self.seconds is None or self.elapsed() < self.seconds
+    def allows(self, need_s: float = 0.0) -> bool:
+        """Whether another point, expected to take ``need_s`` seconds, may start."""
+        return self.seconds is None or self.elapsed() + need_s < self.seconds
 
     def skipped_row(self) -> dict:
         """The fields a row for a point the budget left out carries."""

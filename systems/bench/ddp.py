@@ -71,7 +71,7 @@ from pathlib import Path
 
 import torch
 
-from systems.bench.budget import SKIPPED
+from systems.bench.budget import SKIPPED, Budget
 from systems.bench.config import RunConfig, add_distributed_arguments
 from systems.measure.devices import release_memory
 from systems.measure.profiler import export_trace, profiler_activities
@@ -352,19 +352,16 @@ def _profile_variant(name: str, model, opt, precision: str, tokens, targets, ctx
     release_memory(ctx.device)
 
 
-class _Budget:
-    """Wall-clock budget of a run; rank 0's clock decides for every rank (the ranks must take the
-    same branches, or their collectives would pair wrongly)."""
+class _StepBudget:
+    """The run's ``Budget`` asked in steps of the last measured length; rank 0's answer holds for
+    every rank (the ranks must take the same branches, or their collectives would pair wrongly)."""
 
     def __init__(self, seconds: float | None):
-        self.seconds, self.start = seconds, time.perf_counter()
+        self.budget = Budget(seconds=seconds)
         self.step_s = 0.0  # the last measured step, for estimates
 
     def allows(self, n_steps: int, extra_s: float = 0.0) -> bool:
-        if self.seconds is None:
-            return True
-        left = self.seconds - (time.perf_counter() - self.start)
-        return bool(all_gather_objects(n_steps * self.step_s + extra_s <= left)[0])
+        return bool(all_gather_objects(self.budget.allows(need_s=n_steps * self.step_s + extra_s))[0])
 
 
 def _grad_bytes(model: torch.nn.Module) -> int:
@@ -398,7 +395,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
               "n_tensors": sum(1 for p in model.parameters() if p.requires_grad), "context_length": cfg.context_length,
               "global_batch": cfg.batch_size, "local_batch": local_batch, "tf32": cfg.tf32,
               "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
-    budget = _Budget(cfg.budget_s)
+    budget = _StepBudget(cfg.budget_s)
 
     compiled_yet = False
     for precision, compiled, master in cfg.settings():
@@ -482,7 +479,7 @@ def _fastest_of_ours(timed: dict[str, float]) -> str | None:
 
 
 def _paired_rounds(timed: dict[str, float], model, opt, precision: str, tokens, targets, ctx: DistContext,
-                   cfg: DDPBenchConfig, budget: _Budget, *, about: dict, writer, torch_ddp_left: bool) -> list[dict]:
+                   cfg: DDPBenchConfig, budget: _StepBudget, *, about: dict, writer, torch_ddp_left: bool) -> list[dict]:
     """``cfg.paired_rounds`` rounds of no sync and the fastest of our timed variants, in ABBA order
     (a drift that is linear in time cancels over two rounds); one row per round with both medians
     and the overhead within the round. Rows are written as each round ends; a round the budget has

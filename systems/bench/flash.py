@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from systems.attention import BACKENDS
 from systems.attention.naive import naive_attention
-from systems.bench.budget import SKIPPED
+from systems.bench.budget import SKIPPED, Budget
 from systems.bench.config import DEFAULT_OUT_ROOT
 from systems.measure import flops as flop_count
 from systems.measure.devices import DTYPES, catch_oom, is_oom, release_memory
@@ -356,15 +356,14 @@ def flash_benchmarking(cfg: SweepConfig, *, writer: ResultWriter | None = None, 
     FLOPs, estimate_point_s) would overrun the budget becomes a "skipped (budget)" row."""
     from tqdm.auto import tqdm
 
-    start = clock()
+    budget = Budget(seconds=cfg.budget_s, clock=clock)
     rows: list[dict] = []
     last: dict[tuple, dict] = {}  # (impl, dtype, d) -> its latest row
     for dtype, d, seq, impl in tqdm(cfg.points(), desc="flash_benchmarking", disable=not progress):
         series = (impl, dtype, d)
         expected = _scaled(last.get(series), seq=seq, cfg=cfg)
         point = dict(batch=cfg.batch, heads=cfg.heads, seq=seq, d=d, dtype=dtype)
-        left = None if cfg.budget_s is None else cfg.budget_s - (clock() - start)
-        if left is not None and (left <= 0 or (expected and estimate_point_s(expected, cfg) > left)):
+        if not budget.allows(need_s=estimate_point_s(expected, cfg) if expected else 0.0):
             row = _add_rates(dict(impl=impl, **point, causal=cfg.is_causal, dot=dot_of(impl, dtype),
                                   status=SKIPPED, error=f"estimated past the sweep's {cfg.budget_s:g} s budget"))
         else:

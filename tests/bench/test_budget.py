@@ -24,3 +24,12 @@ def test_no_limit_and_bad_input():
     for bad in (0, -5):
         with pytest.raises(ValueError, match="seconds must be > 0"):
             Budget(seconds=bad)
+
+
+def test_a_point_expected_to_overrun_does_not_start():
+    now = [0.0]
+    budget = Budget(seconds=10, clock=lambda: now[0])
+    now[0] = 6.0
+    # 4 s left: a point expected to take 3.9 s may start, one expected to take 4 s may not
+    assert budget.allows(need_s=3.9) and not budget.allows(need_s=4.0)
+    assert Budget(clock=lambda: now[0]).allows(need_s=1e9)  # no limit: any estimate
