@@ -142,7 +142,8 @@ def timeline_links(timelines: dict[str, tuple[dict, Timeline]], *, figures: Path
     for mode, (row, _) in timelines.items():
         png = (figures / f"{stem}_timeline_{mode}.png").relative_to(out_dir)
         html = png.with_suffix(".html")
-        lines.append(f"**{mode}**, context {row['context_length']}: ![]({png}) ([memory_viz page]({html}))")
+        alt = f"active memory over the {mode.replace('_', ' ')}, context {row['context_length']}, by allocation"
+        lines.append(f"**{mode}**, context {row['context_length']}: ![{alt}]({png}) ([memory_viz page]({html}))")
     return "\n\n".join(lines) or "No timeline: no mode ran in fp32 with a snapshot."
 
 

@@ -201,9 +201,34 @@ def show(df: pd.DataFrame, *, caption: str | None = None, formats: dict[str, str
     print(table.to_string())
 
 
+def figure_description(fig) -> str:
+    """The figure's titles and axis labels in words: its alternative text in the report."""
+    parts = [fig._suptitle.get_text()] if getattr(fig, "_suptitle", None) is not None else []
+    for ax in fig.get_axes():
+        axis = [ax.get_title()] + [f"{name}: {label}" for name, label in (("x", ax.get_xlabel()), ("y", ax.get_ylabel()))
+                                   if label]
+        parts.append("; ".join(a for a in axis if a))
+    return " | ".join(p for p in parts if p) or "a figure"
+
+
 def save_figure(fig, ctx: NotebookContext, stem: str, *, dpi: int = 120) -> None:
-    """figures/<notebook>_<stem>.png; the figure stays displayed inline.
+    """figures/<notebook>_<stem>.png, displayed as saved (the report shows the file's pixels, with
+    the figure's titles and axis labels as alternative text), then closed so it is not shown twice.
 
     Returns nothing, so a cell ending in this call shows the figure and no path repr.
     """
-    fig.savefig(ctx.figures / f"{ctx.name}_{stem}.png", dpi=dpi, bbox_inches="tight")
+    path = ctx.figures / f"{ctx.name}_{stem}.png"
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    if shell is not None:  # in a plain Python process there is nothing to show
+        from IPython.display import Image, display
+
+        display(Image(data=path.read_bytes(), format="png", metadata={"alt": figure_description(fig)}))
+    plt.close(fig)

@@ -181,6 +181,13 @@ def _clean_outputs(cell, out_dir: Path, report_dir: Path) -> None:
             continue
         if "text/markdown" in o.get("data", {}):
             o.data["text/markdown"] = _portable_links(o.data["text/markdown"], out_dir, report_dir)
+        alt = o.get("metadata", {}).get("image/png", {}).get("alt")
+        if "image/png" in o.get("data", {}) and alt:
+            # nbconvert's template has no alternative text for an image: write the tag ourselves
+            png = o.data["image/png"].replace("\n", "")
+            kept.append(nbformat.v4.new_output("display_data", data={
+                "text/html": f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{png}">'}))
+            continue
         kept.append(o)
     cell.outputs = kept
 

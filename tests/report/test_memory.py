@@ -127,3 +127,13 @@ def test_largest_answer_names_the_attention_scores_by_size(tmp_path):
     text = report.largest_answer(table, {"context_length": 2048, "precision": "fp32"})
     assert "**2,048.0 MiB**" in text and "(b, h, T, T) attention scores, fp32" in text
     assert "`attention/naive.py:21 naive_attention` ×64" in text and "systems/model.py:89 forward" in text
+
+
+def test_timeline_links_describe_each_picture(tmp_path):
+    figures = tmp_path / "figures"
+    timelines = {"train_step": ({"context_length": 128}, None)}
+    text = report.timeline_links(timelines, figures=figures, stem="04_memory", out_dir=tmp_path)
+    assert text == ("**train_step**, context 128: ![active memory over the train step, context 128, by allocation]"
+                    "(figures/04_memory_timeline_train_step.png) "
+                    "([memory_viz page](figures/04_memory_timeline_train_step.html))")
+    assert report.timeline_links({}, figures=figures, stem="04_memory", out_dir=tmp_path).startswith("No timeline")

@@ -94,3 +94,21 @@ def test_an_all_missing_numeric_column_is_dashes():
 def test_show_says_an_empty_table_is_empty(capsys):
     nb.show(pd.DataFrame(columns=["impl", "reason"]), caption="points that did not run")
     assert capsys.readouterr().out.strip() == "*points that did not run*: none."
+
+
+def test_a_saved_figure_is_described_by_its_titles_and_closed(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ctx = nb.setup(name="01_benchmarking", profile="smoke", out_dir=tmp_path, handout="2026", show_env=False)
+    fig, (left, right) = plt.subplots(1, 2)
+    fig.suptitle("Step time")
+    left.set(title="forward", xlabel="context", ylabel="ms")
+    right.set(xlabel="context")
+    assert nb.figure_description(fig) == "Step time | forward; x: context; y: ms | x: context"
+    nb.save_figure(fig, ctx, "phases")
+    assert (ctx.figures / "01_benchmarking_phases.png").read_bytes().startswith(b"\x89PNG")
+    assert not plt.fignum_exists(fig.number)  # closed: the inline backend will not show it a second time
+    assert nb.figure_description(plt.figure()) == "a figure"

@@ -42,6 +42,17 @@ def test_report_embeds_relative_images_and_repoints_links(tmp_path):
     assert "PosixPath" not in html and "progress 50%" not in html  # reprs and stderr stay in the notebook
 
 
+def test_a_figure_keeps_its_description_as_alternative_text(tmp_path):
+    cell = nbformat.v4.new_code_cell("")
+    cell.outputs = [nbformat.v4.new_output("display_data", data={"image/png": "aGVsbG8=\n"},
+                                           metadata={"image/png": {"alt": 'Step time | x: "context"'}})]
+    _executed(tmp_path, "01_x", [cell])
+    from bs4 import BeautifulSoup  # nbconvert's own dependency
+
+    images = BeautifulSoup(workbook.build_report(tmp_path).read_text(), features="html.parser").find_all("img")
+    assert [(i["alt"], i["src"]) for i in images] == [('Step time | x: "context"', "data:image/png;base64,aGVsbG8=")]
+
+
 def _answer_rows(tmp_path, notebook: str, handout: str, rows: list[tuple], **extra) -> None:
     env = {"git_commit": "0123456789ab", "gpu": None, "date": "2026-11-24T00:00:00+00:00"}
     (tmp_path / "results").mkdir(parents=True, exist_ok=True)
