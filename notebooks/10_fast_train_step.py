@@ -79,7 +79,8 @@ nb.save_figure(fig, ctx, "phases")
 
 # %%
 nb.md(report.step_answer(table, targets=ts.OUR_TARGETS_MS, target_gpu=ts.OUR_TARGETS_GPU, gpu=ctx.gpu,
-                          handout=ctx.handout))
+                          handout=ctx.handout,
+                          peak_label=f"{peak_tflops:.0f} TFLOP/s bf16 matmul peak measured above" if peak_tflops else None))
 
 # %% [markdown]
 # ## What each lever buys

@@ -396,6 +396,7 @@ def measure(cfg: StepConfig, *, peak_flops: float | None = None, trace_path: str
         row["achieved_tflops"] = flops / (row["step_ms"] * 1e-3) / 1e12
         if peak_flops:
             row["mfu"] = flops / (row["step_ms"] * 1e-3) / peak_flops
+            row["mfu_peak_tflops"] = peak_flops / 1e12  # what MFU divides by, named beside it
         if device.type == "cuda":
             row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
         if trace_path is not None:

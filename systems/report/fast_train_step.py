@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from systems.bench.train_step import LEVERS, PHASES
+from systems.report.notebook import faster_or_slower
 
 
 def step_table(rows, *, baseline: str = "hf_llama", handout: str | None = None):
@@ -125,9 +126,10 @@ def size_name(preset: str, handout: str) -> str:
 
 
 def step_answer(table, *, targets: dict[str, float], handout: str, target_gpu: str | None = None,
-                gpu: str | None = None) -> str:
-    """Per model: the fastest variant with its spread, rate and MFU, its speed-up over Hugging
+                gpu: str | None = None, peak_label: str | None = None) -> str:
+    """Per model: our fastest variant with its spread, rate and MFU, its speed-up over Hugging
     Face's Llama, against our target where we set one, and what changed from ``ours_eager``.
+    ``peak_label``: what the MFU divides by, in words (e.g. "731 TFLOP/s measured in this run").
     ``target_gpu``: the GPU the targets are set for; a run whose ``gpu`` does not name it is
     compared with them but not judged met or not (an H200's faster HBM alone moves the step)."""
     import pandas as pd
@@ -140,14 +142,19 @@ def step_answer(table, *, targets: dict[str, float], handout: str, target_gpu: s
             lines.append(f"- **{name}**: no variant ran.")
             continue
         part = ok.loc[model]
-        best = part["step_ms"].idxmin()
+        ours = part.drop(index="hf_llama", errors="ignore")
+        if ours.empty:
+            lines.append(f"- **{name}**: only Hugging Face Llama ran ({part.loc['hf_llama', 'step_ms']:.1f} ms).")
+            continue
+        best = ours["step_ms"].idxmin()
         b = part.loc[best]
-        text = (f"- **{name}**: the fastest variant is `{best}` at {b['step_ms']:.1f} ms per step "
+        text = (f"- **{name}**: our fastest variant is `{best}` at {b['step_ms']:.1f} ms per step "
                 f"(p10-p90 {b['step_ms_p10']:.1f}-{b['step_ms_p90']:.1f}), {b['achieved_tflops']:.3g} TFLOP/s")
         if "mfu" in b and b["mfu"] == b["mfu"]:
-            text += f", MFU {b['mfu']:.1%}"
+            text += f", MFU {b['mfu']:.1%}" + (f" of the {peak_label}" if peak_label else "")
         if "hf_llama" in part.index:
-            text += f"; {b['speedup_vs_hf_llama']:.2f}x Hugging Face Llama's {part.loc['hf_llama', 'step_ms']:.1f} ms"
+            text += (f"; {faster_or_slower(b['speedup_vs_hf_llama'])} than Hugging Face Llama's "
+                     f"{part.loc['hf_llama', 'step_ms']:.1f} ms")
         if model in targets:
             ratio = f"{b['step_ms'] / targets[model]:.2f}x the target"
             if target_gpu is not None and target_gpu not in (gpu or ""):

@@ -11,6 +11,7 @@ import pandas as pd
 
 from systems.bench.flash import ERROR_NAMES, LEADERBOARD, LEADERBOARD_TARGET, PASSES, SPEED_TARGETS
 from systems.measure import flops as flop_count
+from systems.report.notebook import faster_or_slower
 
 # Our bounds on the errors against float64 (each divided by max(1, max |reference|)), as the tests
 # hold them: fp32 is a few ulps times the tiles summed (1e-4 leaves room for the GPU's other
@@ -309,7 +310,7 @@ def leaderboard_answer(lb: pd.DataFrame, *, gpu: str) -> str:
             f"{LEADERBOARD['dtype']}, causal: our forward + backward takes **{ms['triton']:.2f} ms** on {gpu}")
     for base in ("sdpa_flash", "sdpa_cudnn"):
         if base in ms:
-            text += f"; {base} {ms[base]:.2f} ms ({ms[base] / ms['triton']:.2f}x our speed)"
+            text += f"; {base} {ms[base]:.2f} ms (ours is {faster_or_slower(ms[base] / ms['triton'])})"
     if "sdpa_cudnn" in ms:
         ratio = ms["triton"] / ms["sdpa_cudnn"]
         text += (f". Our time is {ratio:.3f}x cuDNN's; our own target (not the handout's) is at most "

@@ -128,6 +128,12 @@ def not_run(ctx: NotebookContext, problem: str, part: str, reason: str) -> None:
 # ----------------------------------------------------------------------------- tables
 
 
+def faster_or_slower(ratio: float) -> str:
+    """A time ratio (theirs / ours) in words that cannot be read the wrong way round:
+    "1.65x faster" for 1.65, "1.25x slower" for 0.8."""
+    return f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+
+
 def _column_formatter(values: pd.Series):
     """One format for a whole numeric column, chosen for reading: integers with thousands
     separators, ordinary magnitudes in fixed point with about three significant digits for the
