@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 
 import torch
 
@@ -93,8 +94,29 @@ class catch_oom:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is None or not isinstance(exc, (torch.OutOfMemoryError, RuntimeError)) or not is_oom(exc):
             return False
-        self.message = str(exc).splitlines()[0][:300]
+        self.message = str(exc).splitlines()[0][:600]  # CUDA's first line names every size (oom_sizes)
         return True
 
     def __bool__(self) -> bool:
         return self.message is not None
+
+
+_UNITS = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_OOM_SIZES = {
+    "requested_bytes": r"Tried to allocate ([\d.]+) (\w{2})?B",
+    "device_free_bytes": r"of which ([\d.]+) (\w{2})?B is free",
+    "allocated_bytes": r"([\d.]+) (\w{2})?B is allocated by PyTorch",
+    # "reserved but unallocated": in blocks that live tensors still partly occupy
+    "reserved_unallocated_bytes": r"([\d.]+) (\w{2})?B is reserved by PyTorch but unalloc",
+}
+
+
+def oom_sizes(message: str | None) -> dict[str, int]:
+    """The sizes a CUDA out-of-memory message states, in bytes: the request, the device's free
+    memory, what PyTorch had allocated and what it held reserved but unallocated (those present)."""
+    out = {}
+    for key, pattern in _OOM_SIZES.items():
+        m = re.search(pattern, message or "")
+        if m and (m.group(2) or "") in _UNITS:
+            out[key] = round(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    return out

@@ -15,6 +15,7 @@ from systems.analysis.fits import fit_power_law
 from systems.bench.attention import smallest_oom
 from systems.bench.budget import SKIPPED
 from systems.config import size_label
+from systems.measure.devices import oom_sizes
 from systems.report.memory import fmt_bytes, table_unit
 
 MODEL_MEASUREMENTS = ("forward (inference)", "forward (in train step)", "forward+backward", "train step")
@@ -73,7 +74,9 @@ def oom_accounting(rows: Sequence[dict], *, device: str, free_bytes: int | None)
                                        device=device, free_bytes=oom.get("cuda_free_bytes") or free_bytes)
 
 
-def accounting_text(acct: pd.DataFrame, *, oom_phase: str, free_note: str) -> str:
+def accounting_text(acct: pd.DataFrame, *, oom_phase: str, free_note: str, error: str | None = None) -> str:
+    """The accounting of the smallest point that ran out of memory in words; where its bytes fit
+    but the point failed, the allocator's state from the error (``error``) says why."""
     a = acct.attrs
     fits = lambda ok: "(no free-memory figure)" if ok is None else ("fits" if ok else "does **not** fit")  # noqa: E731
     free = "unknown free memory" if a.get("free_bytes") is None else f"{fmt_bytes(a['free_bytes'])} free ({free_note})"
@@ -85,7 +88,26 @@ def accounting_text(acct: pd.DataFrame, *, oom_phase: str, free_note: str) -> st
             f"backward). The backward needs {a['backward_score_tensors']} score-sized tensors at once (P, dP, "
             + ("the CUDA softmax kernel's dP·P temporary, " if a["backward_score_tensors"] == 4 else "")
             + f"dS): {fmt_bytes(a['backward_peak_bytes'])}, which {fits(a.get('backward_fits'))}. The "
-            f"measured failure was in the `{oom_phase}` phase.")
+            f"measured failure was in the `{oom_phase}` phase." + _fragmentation_text(a, error))
+
+
+def _fragmentation_text(a: dict, error: str | None) -> str:
+    """Why a point whose bytes fit still failed, where the error's sizes show it: the free memory
+    split between the allocator's partly used blocks and the device, each short of the request."""
+    sizes = oom_sizes(error)
+    keys = ("requested_bytes", "reserved_unallocated_bytes", "device_free_bytes")
+    if not (a.get("forward_fits") and a.get("backward_fits")) or not all(k in sizes for k in keys):
+        return ""
+    ask, held, free = (sizes[k] for k in keys)
+    if not (held < ask <= held + free and free < ask):
+        return ""
+    mat = a["score_matrix_bytes"]
+    # the message rounds to 0.01 GiB: too coarse to say how much the smaller tensors took
+    one_block = " (about one score-sized block, less what smaller tensors took of it)" if 0.95 * mat <= held < mat else ""
+    return (f" By bytes it fits; by the allocator's blocks it does not. Asked for {fmt_bytes(ask)} more, "
+            f"PyTorch held {fmt_bytes(held)} reserved but unallocated{one_block}, in blocks that live tensors "
+            f"still partly occupied, so neither usable for the request nor returnable to the device, which had "
+            f"{fmt_bytes(free)} left: together enough, apart too small (fragmentation).")
 
 
 def decomposition_text(rows: Sequence[dict], *, device: str) -> tuple[pd.DataFrame | None, str]:
@@ -200,7 +222,8 @@ def attention_answer(rows: Sequence[dict], *, acct: pd.DataFrame | None, check: 
     parts = [timing_text(rows, max_seq_len=max_seq_len)]
     oom = smallest_oom(rows)
     if acct is not None:
-        parts.append(accounting_text(acct, oom_phase=oom["oom_phase"], free_note=free_note) + " " + check)
+        parts.append(accounting_text(acct, oom_phase=oom["oom_phase"], free_note=free_note, error=oom.get("error"))
+                     + " " + check)
     parts.append(scaling_text(rows, fits))
     if oom:
         parts.append(fix_text(oom, sdpa))
@@ -327,13 +350,17 @@ def model_compile_text(table: pd.DataFrame, records: Sequence[dict], *, smoke: b
     for meas, g in done.groupby("measurement", sort=False):
         parts.append(f"{meas}: " + ", ".join(f"{s} {x:.2f}×" for s, x in zip(g["size"], g["speedup"])))
     if not done.empty:
-        fwd = done[done["measurement"] == "forward (inference)"]["speedup"]
-        step = done[done["measurement"] == "train step"]["speedup"]
-        if not fwd.empty and not step.empty:
+        # compared over the sizes both measurements ran, or a size only one ran would decide the medians
+        fwd = done[done["measurement"] == "forward (inference)"].set_index("size")["speedup"]
+        step = done[done["measurement"] == "train step"].set_index("size")["speedup"]
+        shared = [size for size in fwd.index if size in step.index]
+        if shared:
+            fwd, step = fwd[shared], step[shared]
             more = "more" if fwd.median() > step.median() else "no more"
-            parts.append(f"so compiling helps the inference forward {more} (median {fwd.median():.2f}×) than the "
-                         f"whole training step (median {step.median():.2f}×), whose matmuls and AdamW update it "
-                         f"leaves as they are")
+            over = f"the {len(shared)} sizes both ran" if len(shared) < len(done["size"].unique()) else "every size"
+            parts.append(f"so, over {over}, compiling helps the inference forward {more} (median "
+                         f"{fwd.median():.2f}×) than the whole training step (median {step.median():.2f}×), whose "
+                         f"matmuls and AdamW update it leaves as they are")
     skipped = [r for r in records if r["status"] == "skipped"]
     if skipped:
         parts.append("not compiled: " + ", ".join(f"{r['model']} {r['mode']} ({r['error']})" for r in skipped))

@@ -52,3 +52,39 @@ def test_model_compile_table_uses_the_handouts_size_names_and_the_text_compares_
     recs[1] = _rec("xl-2025", "forward", True, 0.3)  # no forward gain: the text must not claim one
     text = report.model_compile_text(report.model_compile_table(recs, handout="2025"), recs, smoke=False)
     assert "helps the inference forward no more" in text
+
+
+def test_forward_and_step_gains_are_compared_over_the_sizes_both_ran():
+    # small and medium ran both ways; large's step ran but its forward was not compiled. Over the
+    # shared sizes the step gains more (1.6×, 1.8×) than the forward (1.5×, 1.5×), though large's
+    # low step gain alone would pull the step's median under the forward's.
+    recs = []
+    for model, fwd_gain, step_gain in (("small", 1.5, 1.6), ("medium", 1.5, 1.8), ("large", None, 1.1)):
+        recs += [_rec(model, "train_step", False, 1.0), _rec(model, "train_step", True, 1.0 / step_gain),
+                 _rec(model, "forward", False, 0.3)]
+        if fwd_gain:
+            recs.append(_rec(model, "forward", True, 0.3 / fwd_gain))
+    text = report.model_compile_text(report.model_compile_table(recs, handout="2025"), recs, smoke=False)
+    assert "over the 2 sizes both ran, compiling helps the inference forward no more (median 1.50×)" in text
+    assert "(median 1.70×)" in text
+
+
+def test_a_point_whose_bytes_fit_but_failed_is_explained_by_the_allocators_blocks():
+    gib = 2**30
+    # d 16, seq 32,768, batch 8, fp32: a score-sized tensor is 32 GiB, the backward's four 128 GiB
+    acct = report.attention_memory_accounting(batch=8, seq=32768, d=16, dtype="fp32", device="cuda",
+                                              free_bytes=139 * gib)
+    error = ("CUDA out of memory. Tried to allocate 32.00 GiB. GPU 0 has a total capacity of 139.80 GiB of which "
+             "10.93 GiB is free. Of the allocated memory 96.16 GiB is allocated by PyTorch, and 31.98 GiB is "
+             "reserved by PyTorch but unallocat")
+    text = report.accounting_text(acct, oom_phase="warm-up backward", free_note="measured", error=error)
+    assert "128 GiB, which fits" in text
+    assert ("By bytes it fits; by the allocator's blocks it does not. Asked for 32.00 GiB more, PyTorch held "
+            "31.98 GiB reserved but unallocated (about one score-sized block") in text
+    assert "which had 10.93 GiB left" in text
+    # without the allocator's sizes, or where the bytes do not fit, nothing is claimed about blocks
+    assert "allocator's blocks" not in report.accounting_text(acct, oom_phase="warm-up backward", free_note="m")
+    tight = report.attention_memory_accounting(batch=8, seq=32768, d=16, dtype="fp32", device="cuda",
+                                               free_bytes=100 * gib)
+    assert "allocator's blocks" not in report.accounting_text(tight, oom_phase="warm-up backward", free_note="m",
+                                                              error=error)
