@@ -107,7 +107,7 @@ def memory_per_rank(n_params: int, world_size: int, bytes_per_param: int = FP32)
     """Persistent bytes per rank (no activations, no temporaries): fp32 params, grads, AdamW moments."""
     rows = []
     for scheme, label in (("ddp", "DDP"), ("ddp_sharded", "ShardedOptimizer"),
-                          ("zero1", "ZeRO-1 (grads freed after reduce-scatter)"), ("fsdp", "FSDP / ZeRO-3")):
+                          ("zero1", "ZeRO-1 (full gradients until the reduce-scatter)"), ("fsdp", "FSDP / ZeRO-3")):
         b = per_rank_bytes(n_params, world_size, scheme, bytes_per_value=bytes_per_param)
         rows.append({"scheme": label, "params": b.params, "grads": b.grads, "opt_state": b.optimizer_state})
     return rows

@@ -351,17 +351,25 @@ def flat_answer(ddp: pd.DataFrame, *, fit: dict | None) -> str:
         lines.append(f"- {setting}: flat {f['step_ms']:.4g} ms per step, communication {_comm(f)}; per-parameter "
                      f"{n['step_ms']:.4g} ms, {_comm(n)}: flat is {_compare(f['step_ms'], n['step_ms'])} per step and its "
                      f"communication {_compare(f['sync_wait_ms'], n['sync_wait_ms'])}.")
-    first = _row(ddp, next(iter(dict.fromkeys(_ok(ddp)["setting"]))), "naive")
+    setting = next(iter(dict.fromkeys(_ok(ddp)["setting"])))
+    first, flat = _row(ddp, setting, "naive"), _row(ddp, setting, "flat")
     why = "Both send the same bytes; batching removes the fixed cost of each call"
     if fit is not None and first is not None:
         calls = first["n_tensors"] * fit["per_call_overhead_s"] * 1e3
         data = first["grad_bytes"] / fit["bandwidth_bytes_per_s"] * 1e3
         why += (f": {int(first['n_tensors'])} calls at o = {fit['per_call_overhead_s'] * 1e6:.3g} us each (the all-reduce "
                 f"fit above) are {calls:.3g} ms, against {data:.3g} ms for the bytes at "
-                f"{fit['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s, so "
-                + ("the calls' fixed cost is most of naive DDP's communication and one call saves most of it"
-                   if calls > data else "the bytes dominate and one call can save little")
-                + "; flattening also copies every gradient twice (into the flat buffer and back)")
+                f"{fit['bandwidth_bytes_per_s'] / 1e9:.3g} GB/s, so the fit predicts that one call saves about "
+                f"{calls:.3g} ms")
+        if flat is not None:
+            saved = first["sync_wait_ms"] - flat["sync_wait_ms"]
+            why += f"; measured ({setting}), flat's communication is {_compare(flat['sync_wait_ms'], first['sync_wait_ms'])}"
+            if saved < calls / 2:
+                # the fit's o is a lone call timed to completion; DDP's calls are queued back to back
+                why += (". The fit's o comes from single calls, each timed until it finished; naive DDP queues its "
+                        "calls back to back without waiting, so their fixed costs overlap one another and most "
+                        "of o never shows in the step")
+        why += "; flattening also copies every gradient twice (into the flat buffer and back)"
     return "\n".join(lines) + f"\n\n{why}."
 
 
@@ -377,12 +385,16 @@ def overlap_answer(ddp: pd.DataFrame) -> str:
                 f"{_compare(o['step_ms'], f['step_ms'])} than flat ({f['step_ms']:.4g}); the wait after the backward "
                 f"is {o['sync_wait_ms']:.3g} ms against naive's {n['sync_wait_ms']:.3g} ms")
         if base is not None:
-            slowed = o["backward_ms"] - base["backward_ms"]
-            text += (f", and of its {o['step_ms'] - base['step_ms']:.3g} ms over the no-communication step, "
-                     f"{slowed:.3g} ms is a longer backward: the NCCL kernels running beside it take SMs and memory "
-                     "bandwidth" if o["device"] != "cpu" else
-                     f", and of its {o['step_ms'] - base['step_ms']:.3g} ms over the no-communication step, "
-                     f"{slowed:.3g} ms is a longer backward (gloo's threads share the CPU with it)")
+            slowed, over = o["backward_ms"] - base["backward_ms"], o["step_ms"] - base["step_ms"]
+            if 0 <= slowed <= over:
+                text += (f", and of its {over:.3g} ms over the no-communication step, {slowed:.3g} ms is a longer "
+                         + ("backward: the NCCL kernels running beside it take SMs and memory bandwidth"
+                            if o["device"] != "cpu" else "backward (gloo's threads share the CPU with it)"))
+            else:
+                # medians of different quantities: they need not add up, and here they do not
+                text += (f"; its backward's median is {slowed:.3g} ms longer than the no-communication step's and "
+                         f"its step's {over:.3g} ms longer, so these medians do not split the overhead (the "
+                         f"no-communication step spreads over {base['step_ms_p10']:.4g}-{base['step_ms_p90']:.4g} ms)")
         lines.append(text + ".")
     return "\n".join(lines)
 

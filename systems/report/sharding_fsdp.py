@@ -118,7 +118,7 @@ def sharding_memory_answer(opt: pd.DataFrame, *, model: str, world_size: int) ->
     rel, variant, phase, diff = max(worst)
     text += (("As expected: they follow" if rel < 0.05 else "Not as expected: they depart from")
              + " the accounting (weights + moments + the measured activations before the step; weights + gradients + "
-             f"moments + temporaries during it) by at most {rel:.1%}, the largest gap {diff / MiB:+,.0f} MiB "
+             f"moments + temporaries during it) by at most {rel:.1%}, the largest relative gap {diff / MiB:+,.0f} MiB "
              f"({variant}, {phase.replace('_', ' ')}). ")
     b_ddp, b_sh = breakdown(ddp, world_size=world_size), breakdown(sh, world_size=world_size)
     text += ("Breakdown (without / with): weights " + f"{_mib(b_ddp['params'][0])} / {_mib(b_sh['params'][0])}, gradients "

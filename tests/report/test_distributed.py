@@ -151,3 +151,34 @@ def test_answers_survive_variants_the_budget_skipped():
     assert "- bf16" not in report.overlap_answer(ddp) and "- bf16" not in report.flat_answer(ddp, fit=None)
     assert "- fp32: 130 ms per step" in report.naive_answer(ddp, model_label="xl")
     assert set(report.ddp_table(ddp)["status"]) == {"ok", "skipped (budget)"}
+
+
+def _ddp_rows(backward: dict[str, float], steps: dict[str, float], waits: dict[str, float]) -> pd.DataFrame:
+    common = dict(status="ok", n_params=1e9, grad_bytes=4e9, n_tensors=300, setting="fp32", device="NVIDIA H200",
+                  step_ms_p10=90.0, step_ms_p90=120.0)
+    return pd.DataFrame([dict(common, variant=v, step_ms=steps[v], backward_ms=backward[v], sync_wait_ms=waits[v])
+                         for v in steps])
+
+
+def test_overlap_answer_splits_the_overhead_only_where_the_medians_add_up():
+    steps = {"nosync": 100.0, "naive": 130.0, "flat": 125.0, "overlap": 110.0}
+    waits = {"nosync": 0.0, "naive": 30.0, "flat": 25.0, "overlap": 2.0}
+    backward = {"nosync": 60.0, "naive": 60.0, "flat": 60.0, "overlap": 66.0}
+    text = report.overlap_answer(_ddp_rows(backward, steps, waits))
+    assert "of its 10 ms over the no-communication step, 6 ms is a longer backward" in text
+    backward["overlap"] = 75.0  # a backward 15 ms longer inside a step only 10 ms longer: noise, not a split
+    text = report.overlap_answer(_ddp_rows(backward, steps, waits))
+    assert "is a longer backward" not in text
+    assert "its backward's median is 15 ms longer than the no-communication step's and its step's 10 ms longer" in text
+
+
+def test_flat_answer_sets_the_fits_prediction_against_the_measured_saving():
+    steps = {"nosync": 100.0, "naive": 130.0, "flat": 129.9}
+    waits = {"nosync": 0.0, "naive": 30.0, "flat": 29.9}
+    ddp = _ddp_rows(dict.fromkeys(steps, 60.0), steps, waits)
+    fit = {"per_call_overhead_s": 50e-6, "bandwidth_bytes_per_s": 200e9}  # 300 calls: 15 ms; 4 GB: 20 ms
+    text = report.flat_answer(ddp, fit=fit)
+    assert "the fit predicts that one call saves about 15 ms; measured (fp32), flat's communication is 0.1 ms faster" in text
+    assert "most of o never shows" in text
+    waits["flat"] = 20.0  # 10 ms saved: most of the prediction, so no explanation of a shortfall
+    assert "never shows" not in report.flat_answer(_ddp_rows(dict.fromkeys(steps, 60.0), steps, waits), fit=fit)
