@@ -24,7 +24,7 @@
 profile = "smoke"        # "smoke" and "full" give the same answers; "full" draws finer curves
 out_dir = "build/smoke"  # the runner injects this
 handout = "2026"         # "2025" or "2026": which handout's questions
-allreduce_results = None  # all-reduce rows to measure W from (glob); default: 07's and the committed runs
+allreduce_results = None  # committed all-reduce rows to measure W from (globs); None: 07's and 13_*; "": this run's only
 example_n = 8            # device count at which per-device FLOPs and communication times are evaluated
 
 # %%
@@ -40,7 +40,8 @@ from systems.report import parallelism_math as report
 ctx = nb.setup(name="09_parallelism_math", profile=profile, out_dir=out_dir, handout=handout, needs_gpu_for_full=False)
 n_points = 2000 if ctx.full else 300
 xxl, mesh, tpu, h100 = pm.XXL, pm.HANDOUT_MESH, pm.TPU_V5P, pm.H100
-paths = allreduce_report.archived(allreduce_results or "results/07_distributed_allreduce.jsonl results/13_allreduce_*.jsonl")
+paths = allreduce_report.archived("results/07_distributed_allreduce.jsonl results/13_allreduce_*.jsonl"
+                                  if allreduce_results is None else allreduce_results)
 rows = allreduce_report.read_allreduce([ctx.results / "07_distributed_allreduce.jsonl", *paths])
 link = report.measured_link(rows)
 measured = report.with_measured_link(h100, link)

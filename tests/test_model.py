@@ -26,6 +26,19 @@ def test_parameter_counts_match_reference(size):
     assert cfg.n_params == REFERENCE_PARAMS[size]  # the closed form agrees with the modules
 
 
+def test_the_readmes_parameter_counts_are_the_presets():
+    import re
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    stated = dict(re.findall(r"`([\w.-]+)`(?: has)? ([\d.]+[MB])(?= parameters|,| and| \()", readme))
+    assert set(stated) == set(PRESETS) - {"debug"}, "README.md lists the presets' parameter counts"
+    for size, text in stated.items():
+        number, unit = text[:-1], 1e6 if text.endswith("M") else 1e9
+        decimals = len(number.partition(".")[2])
+        assert f"{get_config(size).n_params / unit:.{decimals}f}" == number, (size, text)  # at the digits shown
+
+
 @pytest.mark.parametrize("size", sorted(PRESETS))
 def test_every_preset_builds_and_closed_form_agrees(size):
     cfg = get_config(size)

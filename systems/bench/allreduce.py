@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from systems.bench.config import run_cli
 from systems.config import check_choice
 from systems.measure.env import environment
 from systems.measure.results import ResultWriter, read_records
@@ -275,4 +276,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

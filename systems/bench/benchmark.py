@@ -28,7 +28,7 @@ from typing import Callable, ContextManager, Iterable, Sequence
 import torch
 
 from systems.bench.budget import Budget
-from systems.bench.config import RunConfig
+from systems.bench.config import DEFAULT_OUT_ROOT, RunConfig
 from systems.config import PRESETS, check_choice
 from systems.measure.devices import catch_oom, release_memory, sync
 from systems.measure.flops import model_flops
@@ -266,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("d-model", "d-ff", "n-layers", "n-heads", "vocab-size", "max-context"):
         p.add_argument(f"--{name}", type=int, default=None, help="override the size's hyperparameter")
     p.add_argument("--output", help="write a CUDA memory snapshot (.pickle) of the measured steps here")
-    p.add_argument("--jsonl", help="append the result records to this .jsonl file")
+    p.add_argument("--jsonl", default=None,
+                   help=f"append the result records to this .jsonl file (default {DEFAULT_JSONL})")
     p.add_argument("--json", action="store_true", help="print each record as one JSON line")
     p.add_argument("--config-json", help=argparse.SUPPRESS)
     return p
@@ -291,6 +292,9 @@ def configs_from_args(args: argparse.Namespace) -> list[BenchmarkConfig]:
             for size in args.model_size for ctx in args.context_length]
 
 
+DEFAULT_JSONL = f"{DEFAULT_OUT_ROOT}/benchmark/benchmark.jsonl"
+
+
 def _summary(r: dict) -> str:
     head = f"{r['model']:>6} ctx={r['context_length']:<5} {r['mode']:<16} {r['precision']:<5}"
     if r["status"] != "ok":
@@ -299,8 +303,8 @@ def _summary(r: dict) -> str:
                        for ph in PHASES if r.get(f"{ph}_mean_s") is not None)
     mfu = f"  MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
     mem = f"  peak {r['peak_memory_gib']:.2f} GiB" if r.get("peak_memory_gib") is not None else ""
-    return (f"{head} step {r['step_mean_s'] * 1e3:.2f}±{r['step_std_s'] * 1e3:.2f} ms ({phases})  "
-            f"{r['tokens_per_s']:,.0f} tok/s{mfu}{mem}")
+    return (f"{head} step median {r['step_median_s'] * 1e3:.2f} ms, mean {r['step_mean_s'] * 1e3:.2f}"
+            f"±{r['step_std_s'] * 1e3:.2f} ({phases})  {r['tokens_per_s']:,.0f} tok/s{mfu}{mem}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,7 +317,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.output and len(configs) > 1:
         print("error: --output (memory snapshot) takes a single configuration", file=sys.stderr)
         return 2
-    writer = ResultWriter(args.jsonl, overwrite=False) if args.jsonl else None
+    if args.output and configs[0].resolved_device().type != "cuda":
+        print("error: --output records a CUDA memory snapshot, and this run's device is a CPU: run it on a GPU "
+              "(notebook 04's smoke profile shows what a CPU can record)", file=sys.stderr)
+        return 2
+    # a point run in a child process (--config-json) hands its record back on stdout and writes nothing
+    jsonl = args.jsonl or (None if args.config_json else DEFAULT_JSONL)
+    writer = ResultWriter(jsonl, overwrite=False) if jsonl else None
     status = 0
     around = None
     if args.output:
@@ -327,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(record, default=str) if args.json else _summary(record), flush=True)
         if record["status"] == "oom":
             status = 3  # distinguishable from bad arguments (2)
+    if writer and not args.json:  # --json keeps stdout to the records alone
+        print(f"rows appended to {jsonl}")
     return status
 
 

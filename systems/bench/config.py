@@ -66,6 +66,20 @@ class RunConfig:
                              f"{world_size} ranks")
 
 
+def run_cli(main: Callable[[], int]) -> int:
+    """A distributed command's entry point: a failed rank ends it with its error (the rank's own
+    traceback included) and exit status 1, not with the launcher's traceback around it."""
+    import sys
+
+    from systems.parallel.launch import DistributedRunError
+
+    try:
+        return main()
+    except DistributedRunError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
 def model_argument(name: str) -> str:
     """An argparse ``type`` for a model preset: an unknown or ambiguous name is a one-line usage
     error, before anything is built or run."""

@@ -72,7 +72,7 @@ from pathlib import Path
 import torch
 
 from systems.bench.budget import SKIPPED, Budget
-from systems.bench.config import RunConfig, add_distributed_arguments
+from systems.bench.config import RunConfig, add_distributed_arguments, run_cli
 from systems.measure.devices import release_memory
 from systems.measure.profiler import export_trace, profiler_activities
 from systems.measure.results import ResultWriter
@@ -641,4 +641,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

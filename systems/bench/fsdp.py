@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from systems.bench.config import RunConfig, add_distributed_arguments
+from systems.bench.config import RunConfig, add_distributed_arguments, run_cli
 from systems.measure.devices import catch_oom, release_memory
 from systems.measure.profiler import export_trace, profiler_activities
 from systems.measure.results import ResultWriter
@@ -110,9 +110,15 @@ def _mib(x):
     return None if x is None else x / MiB
 
 
-def _peak_text(peak_bytes) -> str:
-    """The progress line's peak: measured on a GPU, unknown (None) on a CPU."""
-    return "peak n/a" if peak_bytes is None else f"peak {_mib(peak_bytes):,.0f} MiB"
+def _peak_text(row: dict) -> str:
+    """The progress line's peak: the step's highest, forward + backward or optimizer step, and
+    which it was; unknown on a CPU (no allocator statistics)."""
+    peaks = {phase: row[key] for phase, key in (("forward + backward", "peak_fwd_bwd"), ("optimizer step", "peak_opt_step"))
+             if row.get(key) is not None}
+    if not peaks:
+        return "peak n/a"
+    phase = max(peaks, key=peaks.get)
+    return f"peak {_mib(peaks[phase]):,.0f} MiB (in the {phase})"
 
 
 def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -341,7 +347,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
         emit("opt", row)
         if main:
             print(f"[opt] {variant:>12}: {row.get('step_ms', float('nan')):8.1f} ms/step, "
-                  f"{_peak_text(row.get('peak_fwd_bwd'))} ({row['status']})", flush=True)
+                  f"{_peak_text(row)} ({row['status']})", flush=True)
 
     # part 2: FSDP against FSDP2
     for precision in cfg.precisions:
@@ -357,7 +363,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             emit("fsdp", row)
             if main:
                 print(f"[{precision}] {variant:>6}: {row.get('step_ms', float('nan')):8.1f} ms/step, "
-                      f"{_peak_text(row.get('peak_fwd_bwd'))} ({row['status']})", flush=True)
+                      f"{_peak_text(row)} ({row['status']})", flush=True)
         if cfg.profile and "fsdp" in cfg.fsdp_variants:
             s = _build("fsdp", model_cfg, ctx, cfg, precision)
             for _ in range(cfg.warmup):
@@ -500,4 +506,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

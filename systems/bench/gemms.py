@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from systems.bench.config import model_argument
+from systems.bench.config import DEFAULT_OUT_ROOT, model_argument
 from systems.config import ModelConfig, get_config
 from systems.measure.flops import FLOPS_PER_MAC
 from systems.measure.results import ResultWriter
@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m systems.bench.gemms", description=__doc__.splitlines()[0])
     parser.add_argument("--model", nargs="+", type=model_argument, default=["xl-2025", "2.7B"])
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (batch x context)")
-    parser.add_argument("--out", default=None, help="JSON-lines results file")
+    parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/gemms/gemms.jsonl",
+                        help="JSON-lines results file (default %(default)s)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this times cuBLAS's bf16 GEMMs: it needs a CUDA GPU")
@@ -115,12 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bf16 matmul peak (8192^3): {peak:.0f} TFLOP/s")
     try:
         rows = run_gemms(args.model, tokens=args.tokens, device="cuda", peak_tflops=peak,
-                         writer=ResultWriter(args.out) if args.out else None)
+                         writer=ResultWriter(args.out))
     except (KeyError, ValueError) as exc:
         parser.error(str(exc))
     for r in rows:
         print(f"{r['model']:>8} {r['projection']:>12} {r['gemm']:>11}  {r['m']:>6} x {r['k']:>6} x {r['n']:>6}"
               f"  {r['median_ms'] * 1e3:7.1f} us  {r['tflops']:5.0f} TFLOP/s ({r['of_peak']:.0%})")
+    print(f"rows in {args.out}")
     return 0
 
 

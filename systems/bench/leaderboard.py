@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from systems.bench.config import RunConfig, model_argument
+from systems.bench.config import RunConfig, model_argument, run_cli
 from systems.config import check_choice
 from systems.measure.devices import release_memory
 from systems.measure.flops import train_step_flops
@@ -239,9 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="auto", help="nccl, gloo or auto")
     parser.add_argument("--attn-impl", default=d.attn_impl)
     parser.add_argument("--sdpa-backend", default=d.sdpa_backend, choices=tuple(SDPA_BACKENDS))
-    parser.add_argument("--checkpoint-group", type=int, default=d.checkpoint_group)
-    parser.add_argument("--checkpoint-save", default=d.checkpoint_save, choices=CHECKPOINT_SAVES,
-                        help="what each checkpointed group keeps besides its input (attention: the SDPA outputs)")
+    parser.add_argument("--checkpoint-group", type=int, default=d.checkpoint_group,
+                        help="blocks per checkpointed group; 0 turns activation checkpointing off")
+    parser.add_argument("--checkpoint-save", default=None, choices=CHECKPOINT_SAVES,
+                        help="what each checkpointed group keeps besides its input (attention: the SDPA outputs; "
+                             f"default {d.checkpoint_save!r} while checkpointing, 'none' without it)")
     parser.add_argument("--compile-blocks", action=argparse.BooleanOptionalAction, default=d.compile_blocks,
                         help="torch.compile every block")
     parser.add_argument("--bucket-size-mb", type=float, default=d.bucket_size_mb)
@@ -252,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = LeaderboardConfig(model=args.model, context_length=args.context_length, batch_size=args.batch_size,
                                 warmup=args.warmup, steps=args.steps,
                                 attn_impl=args.attn_impl, sdpa_backend=args.sdpa_backend,
-                                checkpoint_group=args.checkpoint_group, checkpoint_save=args.checkpoint_save,
+                                checkpoint_group=args.checkpoint_group,
+                                checkpoint_save=args.checkpoint_save or (d.checkpoint_save if args.checkpoint_group
+                                                                         else "none"),
                                 compile_blocks=args.compile_blocks,
                                 bucket_size_mb=args.bucket_size_mb, optimizer=args.optimizer, out_path=args.out)
         cfg.check_world_size(args.world_size)
@@ -260,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     row = run_leaderboard(cfg, world_size=args.world_size, backend=args.backend)
     print(f"{cfg.model}: {row['step_s']:.3f} s per step on {row['world_size']} ranks ({row['backend']}), "
-          f"{row['tflops_per_gpu']:.0f} TFLOP/s per GPU; peak memory per rank "
+          f"{row['tflops_per_gpu']:.3g} TFLOP/s per GPU; peak memory per rank "
           + ", ".join(f"{r['peak_memory_gib']:.1f} GiB" if r["peak_memory_gib"] else "n/a" for r in row["per_rank"]))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_cli(main))

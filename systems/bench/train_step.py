@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from systems.bench.config import RunConfig, model_argument
+from systems.bench.config import DEFAULT_OUT_ROOT, RunConfig, model_argument
 from systems.config import ModelConfig
 from systems.measure.devices import catch_oom, release_memory, sync
 from systems.measure.flops import train_step_flops
@@ -461,8 +461,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="bf16 matmul rate MFU is relative to (e.g. a measured ceiling)")
-    parser.add_argument("--out", default=None, help="JSON-lines results file")
+                        help="bf16 matmul rate MFU is relative to (e.g. a measured ceiling; default: the GPU's "
+                             "dense bf16 datasheet peak from systems.measure.hardware, where it is listed)")
+    parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/train_step/train_step.jsonl",
+                        help="JSON-lines results file (default %(default)s)")
     parser.add_argument("--trace-variant", default=None, choices=list(VARIANTS), metavar="VARIANT",
                         help="profile one more step of this variant (one of --variants), export its Chrome trace "
                              "to --trace and print its kernel time per category and its top kernels")
@@ -470,18 +472,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.trace_variant and args.trace_variant not in args.variants:
         parser.error(f"--trace-variant {args.trace_variant} is not among --variants {args.variants}")
+    peak_tflops = args.peak_tflops
+    if peak_tflops is None and torch.cuda.is_available():
+        from systems.measure.hardware import lookup_peak
+
+        sheet = lookup_peak(torch.cuda.get_device_name())
+        peak_tflops = sheet.bf16_tflops if sheet else None
     try:
         rows = run_variants(model=args.model, variants=args.variants,
-                            writer=ResultWriter(args.out) if args.out else None,
-                            peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+                            writer=ResultWriter(args.out),
+                            peak_flops=peak_tflops * 1e12 if peak_tflops else None,
                             trace_variant=args.trace_variant, trace_path=args.trace,
                             batch_size=args.batch_size, context_length=args.context_length,
                             steps=args.steps, warmup=args.warmup)
     except ValueError as exc:
         parser.error(str(exc))
     for r in rows:
-        extra = f"{r['step_ms']:.1f} ms/step" if r["status"] == "ok" else r["status"]
+        extra = r["status"]
+        if r["status"] == "ok":
+            extra = (f"{r['step_ms']:.1f} ms/step (p10-p90 {r['step_ms_p10']:.1f}-{r['step_ms_p90']:.1f}), "
+                     f"{r['achieved_tflops']:.3g} TFLOP/s"
+                     + (f", MFU {r['mfu']:.1%} of {r['mfu_peak_tflops']:.0f} TFLOP/s" if r.get("mfu") else "")
+                     + (f", peak {r['peak_memory_gib']:.1f} GiB" if r.get("peak_memory_gib") else ""))
         print(f"{r['model']:>6} {r['variant']:>14}: {extra}")
+    print(f"rows in {args.out}")
     traced = [r for r in rows if r.get("trace")]
     if traced:
         print(trace_summary(traced[0]["trace"]))

@@ -7,6 +7,7 @@ measured on the machine (systems.measure.hardware.measure_matmul_tflops).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from systems.measure.flops import FLOPS_PER_MAC
@@ -34,7 +35,7 @@ class GPUPeak:
         raise ValueError(f"unknown precision {precision!r}")
 
 
-# Order matters: the first key contained in the device name wins ("H100 PCIe" before "H100").
+# Order matters: the first key found in the device name as a whole word wins ("H100 PCIe" before "H100").
 # hbm_gb and nvlink_gb_s: NVIDIA's H100 and H200 datasheets (H100 SXM 80 GB, H200 SXM 141 GB HBM3e;
 # NVLink 4, 900 GB/s).
 GPU_PEAKS: dict[str, GPUPeak] = {
@@ -54,7 +55,9 @@ def lookup_peak(device_name: str | None) -> GPUPeak | None:
     if not device_name:
         return None
     for key, peak in GPU_PEAKS.items():
-        if key in device_name:
+        # a whole model name ("GH200" is not an H200), and an NVL card is none of these rows
+        # (its clocks and memory differ): no peak is better than another GPU's
+        if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", device_name) and ("NVL" in key or "NVL" not in device_name):
             return peak
     return None
 

@@ -88,7 +88,13 @@ def measured_link(rows: pd.DataFrame) -> dict | None:
 
 
 def with_measured_link(gpu: pm.Accelerator, link: dict | None) -> pm.Accelerator | None:
-    return None if link is None else gpu.with_link(link["W"], name=f"{gpu.name.split(' ')[0]} + measured NCCL W")
+    """``gpu`` with the measured W, named with the GPUs that measured it (they may be another model
+    with the same NVLink, e.g. H200s for an H100)."""
+    if link is None:
+        return None
+    # "2x NVIDIA H200, 8x NVIDIA H200" -> "H200"
+    models = sorted({m.split("x ", 1)[-1].removeprefix("NVIDIA ") for m in link["machines"].split(", ")})
+    return gpu.with_link(link["W"], name=f"{gpu.name.split(' ')[0]} with the NCCL W measured on {', '.join(models)}")
 
 
 def link_text(link: dict | None, gpu: pm.Accelerator) -> str:

@@ -209,3 +209,15 @@ def test_seed_tool_cli_options_parse():
     assert args.output == "snap.pickle"
     train = configs_from_args(build_parser().parse_args(["--model-size", "debug", "--context-length", "64", "--profile-type", "training"]))
     assert train[0].mode == "train_step" and train[0].precision == "fp32"
+
+
+def test_cli_writes_under_build_unless_told_where(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--model-size", "debug", "--context-length", "16", "--warmup-steps", "0", "--measure-steps", "2",
+                 "--mode", "forward", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "step median" in out and "rows appended to build/benchmark/benchmark.jsonl" in out
+    assert len(read_records(tmp_path / "build" / "benchmark" / "benchmark.jsonl")) == 1
+    # a snapshot needs CUDA: refused up front on a CPU, nothing run
+    assert main(["--model-size", "debug", "--context-length", "16", "--device", "cpu", "--output", "s.pickle"]) == 2
+    assert "CUDA memory snapshot" in capsys.readouterr().err

@@ -72,3 +72,21 @@ def test_an_unknown_model_is_a_one_line_usage_error_before_anything_runs(capsys)
     assert "unknown model size 'nosuch'; choose one of debug" in err
     assert "ours_graphs_overlap_split" not in err  # the usage line names VARIANT, not all the variants
     assert "'xl' names two sizes" in str(pytest.raises(argparse.ArgumentTypeError, model_argument, "xl").value)
+
+
+def test_run_cli_ends_a_failed_distributed_run_with_its_error_and_status_1(capsys):
+    from systems.bench.config import run_cli
+    from systems.parallel.launch import DistributedRunError
+
+    def failing() -> int:
+        raise DistributedRunError("rank 1 of 2 was killed by signal SIGKILL", rank=1)
+
+    assert run_cli(failing) == 1
+    assert capsys.readouterr().err == "error: rank 1 of 2 was killed by signal SIGKILL\n"
+    assert run_cli(lambda: 0) == 0
+
+    def other() -> int:
+        raise ValueError("not ours to catch")
+
+    with pytest.raises(ValueError):  # any other error keeps its traceback
+        run_cli(other)

@@ -107,3 +107,12 @@ def test_the_sharded_optimizer_is_bit_equal_and_fsdp_rounds(tmp_path):
     for r in rows:
         assert r["sharded_bit_equal"] and r["sharded_max_abs_diff"] == 0.0
         assert 0 <= r["fsdp_max_abs_diff"] < 1e-6
+
+
+def test_the_progress_line_names_the_steps_highest_peak_and_its_phase():
+    mib = 2**20
+    assert fsdp_bench._peak_text({"peak_fwd_bwd": 100 * mib, "peak_opt_step": 130 * mib}) == \
+        "peak 130 MiB (in the optimizer step)"
+    assert fsdp_bench._peak_text({"peak_fwd_bwd": 100 * mib, "peak_opt_step": None}) == \
+        "peak 100 MiB (in the forward + backward)"
+    assert fsdp_bench._peak_text({"status": "ok"}) == "peak n/a"  # a CPU keeps no allocator statistics

@@ -75,6 +75,21 @@ def test_cli_rejects_a_batch_that_does_not_split():
     assert exc.value.code == 2
 
 
+def test_cli_checkpoint_group_0_turns_checkpointing_off_without_a_second_flag(monkeypatch, capsys):
+    seen = []
+
+    def fake_run(cfg, *, world_size, backend):
+        seen.append(cfg)
+        return {"step_s": 0.5, "world_size": world_size, "backend": "gloo", "tflops_per_gpu": 0.00123,
+                "per_rank": [{"peak_memory_gib": None}]}
+
+    monkeypatch.setattr(lb, "run_leaderboard", fake_run)
+    assert lb.main(["--model", "debug", "--context-length", "64", "--checkpoint-group", "0"]) == 0
+    assert lb.main(["--model", "debug", "--context-length", "64"]) == 0
+    assert [(c.checkpoint_group, c.checkpoint_save) for c in seen] == [(0, "none"), (1, "attention")]
+    assert "0.00123 TFLOP/s per GPU" in capsys.readouterr().out  # a CPU's small rate is not printed as 0
+
+
 def test_sdpa_backend_is_validated_and_restricts_sdpa():
     with pytest.raises(ValueError, match="sdpa_backend"):
         lb.LeaderboardConfig(model="debug", context_length=64, sdpa_backend="fastest")

@@ -236,7 +236,8 @@ def test_measure_reports_phases_that_add_up(variant, tmp_path):
 def test_cli_traces_one_variant_and_prints_where_its_time_goes(tmp_path, capsys):
     trace = tmp_path / "t.json"
     argv = ["--model", "debug", "--variants", "ours_eager", "--batch-size", "2", "--context-length", "32",
-            "--steps", "2", "--warmup", "1", "--trace-variant", "ours_eager", "--trace", str(trace)]
+            "--steps", "2", "--warmup", "1", "--trace-variant", "ours_eager", "--trace", str(trace),
+            "--out", str(tmp_path / "steps.jsonl")]
     assert ts.main(argv) == 0
     out = capsys.readouterr().out
     assert trace.exists() and f"trace: {trace}" in out

@@ -10,6 +10,9 @@ def test_unknown_gpu_has_no_peak():
     assert lookup_peak("NVIDIA H100 80GB HBM3").name == "H100 SXM"
     assert lookup_peak("NVIDIA H100 PCIe").name == "H100 PCIe"
     assert lookup_peak("Mystery Accelerator 9000") is None
+    assert lookup_peak("NVIDIA A100-SXM4-80GB").name == "A100 SXM"
+    # another GPU whose name contains a listed one gets no peak rather than a wrong one
+    assert lookup_peak("NVIDIA GH200 480GB") is None and lookup_peak("NVIDIA H100 NVL") is None
 
 
 def test_peak_by_precision():

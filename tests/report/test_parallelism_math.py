@@ -46,4 +46,5 @@ def test_measured_accelerator_moves_only_the_bounds_that_depend_on_w():
     assert ratio == pytest.approx(link["W"] / pm.H100.link_bytes_per_s)
     answers = report.section8_answers(layer=layer, hws=[pm.H100, measured], example_n=8)
     assert f"{pm.dp_max_devices(layer, accelerator=measured):.1f}" in answers[("data_parallel_calcs", "c")]
-    assert "H100 + measured NCCL W" in answers[("fsdp_tp_calcs", "d")]
+    assert "H100 with the NCCL W measured on H200" in answers[("fsdp_tp_calcs", "d")]
+    assert measured.name == "H100 with the NCCL W measured on H200"  # the rows' machines: 8x H200 and 2x H200
