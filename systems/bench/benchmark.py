@@ -27,6 +27,7 @@ from typing import Callable, ContextManager, Iterable, Sequence
 
 import torch
 
+from systems.analysis.sharding import per_rank_bytes
 from systems.bench.budget import Budget
 from systems.bench.config import DEFAULT_OUT_ROOT, RunConfig
 from systems.config import PRESETS, check_choice
@@ -136,7 +137,7 @@ def run_benchmark(cfg: BenchmarkConfig, *, around_measure: Callable[[], ContextM
     model_cfg = cfg.model_config()
     record = {**asdict(cfg), "device": str(device), "status": "ok", "error": None,
               "d_model": model_cfg.d_model, "d_ff": model_cfg.d_ff, "n_layers": model_cfg.n_layers,
-              "n_heads": model_cfg.n_heads, "vocab_size": model_cfg.vocab_size}
+              "n_heads": model_cfg.n_heads, "vocab_size": model_cfg.vocab_size, "n_params": model_cfg.n_params}
     record["model_overrides"] = json.dumps(cfg.model_overrides) if cfg.model_overrides else None  # flat column
     prev_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
@@ -297,6 +298,11 @@ DEFAULT_JSONL = f"{DEFAULT_OUT_ROOT}/benchmark/benchmark.jsonl"
 
 def _summary(r: dict) -> str:
     head = f"{r['model']:>6} ctx={r['context_length']:<5} {r['mode']:<16} {r['precision']:<5}"
+    if r["status"] == "oom" and r["mode"] == "train_step":
+        state = per_rank_bytes(r["n_params"], 1, "ddp")
+        return (f"{head} OOM: {r.get('error')}\n  (its fp32 weights, gradients and AdamW state alone need about "
+                f"{(state.persistent + state.optimizer_temporaries) / 1e9:,.0f} GB; python -m systems.bench.sizing "
+                f"--model {r['model']} sizes a run that shards them)")
     if r["status"] != "ok":
         return f"{head} {r['status'].upper()}: {r.get('error')}"
     phases = "  ".join(f"{ph} {r[f'{ph}_mean_s'] * 1e3:.2f}±{r[f'{ph}_std_s'] * 1e3:.2f}"

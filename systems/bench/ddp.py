@@ -378,6 +378,9 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
     model_cfg = cfg.model_config()
+    if ctx.is_main:  # a large model takes a while to build, more so on a CPU
+        print(f"{cfg.model}: {model_cfg.n_params / 1e9:.3g}B parameters on {ctx.world_size} ranks ({ctx.backend}); "
+              "building the model", flush=True)
     torch.manual_seed(cfg.seed)  # same init everywhere; the wrappers broadcast rank 0's anyway
     model = TransformerLM(model_cfg, device=ctx.device)
     opt = build_optimizer(model, OptimizerSpec(kind="ours", lr=cfg.lr))

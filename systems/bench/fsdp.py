@@ -333,6 +333,9 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
               "context_length": cfg.context_length, "global_batch": cfg.batch_size, "local_batch": local,
               "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"}
     main = ctx.is_main
+    if main:  # a large model takes a while to build, more so on a CPU
+        print(f"{cfg.model}: {model_cfg.n_params / 1e9:.3g}B parameters on {ctx.world_size} ranks ({ctx.backend})",
+              flush=True)
     writers = {k: ResultWriter(p, overwrite=not cfg.append) for k, p in (
         ("opt", cfg.opt_path), ("fsdp", cfg.fsdp_path), ("gather", cfg.gather_path))} if main else {}
     out = {"opt": [], "fsdp": [], "gather": []}

@@ -221,3 +221,12 @@ def test_cli_writes_under_build_unless_told_where(tmp_path, monkeypatch, capsys)
     # a snapshot needs CUDA: refused up front on a CPU, nothing run
     assert main(["--model-size", "debug", "--context-length", "16", "--device", "cpu", "--output", "s.pickle"]) == 2
     assert "CUDA memory snapshot" in capsys.readouterr().err
+
+
+def test_an_out_of_memory_step_says_what_its_state_alone_needs():
+    from systems.bench.benchmark import _summary
+
+    line = _summary({"model": "10B", "context_length": 512, "mode": "train_step", "precision": "fp32",
+                     "status": "oom", "error": "CUDA out of memory.", "n_params": 10**10})
+    # 20 bytes a parameter: fp32 weights, gradients, two moments and AdamW's temporary
+    assert "alone need about 200 GB; python -m systems.bench.sizing --model 10B" in line
