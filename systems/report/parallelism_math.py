@@ -92,9 +92,11 @@ def with_measured_link(gpu: pm.Accelerator, link: dict | None) -> pm.Accelerator
     with the same NVLink, e.g. H200s for an H100)."""
     if link is None:
         return None
-    # "2x NVIDIA H200, 8x NVIDIA H200" -> "H200"
-    models = sorted({m.split("x ", 1)[-1].removeprefix("NVIDIA ") for m in link["machines"].split(", ")})
-    return gpu.with_link(link["W"], name=f"{gpu.name.split(' ')[0]} with the NCCL W measured on {', '.join(models)}")
+    # "2x NVIDIA H200, 8x NVIDIA H200" -> "H200"; rows without an environment name no GPU
+    models = sorted({m.split("x ", 1)[-1].removeprefix("NVIDIA ") for m in link["machines"].split(", ")
+                     if not m.startswith("CPU only")})
+    where = f"measured on {', '.join(models)}" if models else "measured (machine not recorded)"
+    return gpu.with_link(link["W"], name=f"{gpu.name.split(' ')[0]} with the NCCL W {where}")
 
 
 def link_text(link: dict | None, gpu: pm.Accelerator) -> str:
