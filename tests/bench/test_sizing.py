@@ -46,3 +46,15 @@ def test_cli_prints_the_table_and_names_what_does_not_fit(capsys):
     with pytest.raises(SystemExit) as exc:
         sizing.main(["--model", "xl"])  # ambiguous between the handouts: a usage error
     assert exc.value.code == 2
+
+
+def test_the_readmes_sizing_commands_run(capsys):
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    commands = [line for line in readme.splitlines() if line.startswith("python3 -m systems.bench.sizing ")]
+    assert len(commands) >= 2
+    for line in commands:
+        assert sizing.main(shlex.split(line)[3:]) == 0, line
+    assert "left_for_activations_GB" in capsys.readouterr().out
