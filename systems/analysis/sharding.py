@@ -41,6 +41,11 @@ class RankBytes:
     def persistent(self) -> float:
         return self.params + self.grads + self.optimizer_state
 
+    @property
+    def step_peak(self) -> float:
+        """Everything at once, as inside the optimizer step: the persistent parts and the update's temporaries."""
+        return self.persistent + self.optimizer_temporaries
+
 
 def per_rank_bytes(n_params: float, world_size: int, scheme: str, *, bytes_per_value: int = FP32) -> RankBytes:
     """What one rank holds of each part under ``scheme`` (see the module docstring)."""
@@ -69,7 +74,7 @@ def phase_bytes(parts: RankBytes, *, activations: float) -> dict[str, float]:
     """
     return {"after_init": parts.params,
             "before_step": parts.params + parts.optimizer_state + activations,
-            "optimizer_step": parts.persistent + parts.optimizer_temporaries,
+            "optimizer_step": parts.step_peak,
             "after_step": parts.persistent}
 
 
@@ -84,7 +89,8 @@ def expected_saving(n_params: float, world_size: int, *, frm: str, to: str, acti
 
 
 def communication_per_step(n_params: int, world_size: int, bytes_per_param: int = FP32) -> list[dict]:
-    """Bytes each rank sends per step (ring algorithms; (N-1)/N of the data per pass).
+    """Bytes each rank sends per step (ring algorithms; (N-1)/N of the data per pass), one row per
+    scheme in the order of ``SCHEMES``.
 
     - DDP: all-reduce of the gradients = reduce-scatter + all-gather = 2 (N-1)/N * G;
     - ours (DDP + ShardedOptimizer): that all-reduce, then each owner broadcasts its updated
@@ -122,7 +128,7 @@ def sizes_table(sizes: dict[str, int], world_size: int, *, device_bytes: float) 
         row = {"size": name, "params": n_params}
         for scheme in ("ddp", "ddp_sharded", "fsdp"):
             b = per_rank_bytes(n_params, world_size, scheme)
-            total = b.persistent + b.optimizer_temporaries
+            total = b.step_peak
             row[f"{scheme}_bytes"] = total
             row[f"{scheme}_fits"] = bool(total < device_bytes)
         rows.append(row)

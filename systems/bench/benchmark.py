@@ -42,6 +42,7 @@ from systems.parallel.plan import ParallelPlan, apply
 from systems.train import MODES, PRECISIONS, OptimizerSpec, StepSpec, TrainStep, build_optimizer, phase_ms
 
 PHASES = ("forward", "backward", "optimizer")
+DEFAULT_JSONL = f"{DEFAULT_OUT_ROOT}/benchmark/benchmark.jsonl"  # the CLI's records, unless --jsonl names a file
 
 
 @dataclass
@@ -293,15 +294,11 @@ def configs_from_args(args: argparse.Namespace) -> list[BenchmarkConfig]:
             for size in args.model_size for ctx in args.context_length]
 
 
-DEFAULT_JSONL = f"{DEFAULT_OUT_ROOT}/benchmark/benchmark.jsonl"
-
-
 def _summary(r: dict) -> str:
     head = f"{r['model']:>6} ctx={r['context_length']:<5} {r['mode']:<16} {r['precision']:<5}"
     if r["status"] == "oom" and r["mode"] == "train_step":
-        state = per_rank_bytes(r["n_params"], 1, "ddp")
         return (f"{head} OOM: {r.get('error')}\n  (its fp32 weights, gradients and AdamW state alone need about "
-                f"{(state.persistent + state.optimizer_temporaries) / 1e9:,.0f} GB; python -m systems.bench.sizing "
+                f"{per_rank_bytes(r['n_params'], 1, 'ddp').step_peak / 1e9:,.0f} GB; python -m systems.bench.sizing "
                 f"--model {r['model']} sizes a run that shards them)")
     if r["status"] != "ok":
         return f"{head} {r['status'].upper()}: {r.get('error')}"

@@ -58,7 +58,7 @@ def size_run(*, model: str, world_size: int, gpu: str, context_length: int, glob
     rows = []
     for scheme in SCHEMES if world_size > 1 else ("ddp",):  # on one GPU every scheme is the same
         b = per_rank_bytes(cfg.n_params, world_size, scheme)
-        total = b.persistent + b.optimizer_temporaries
+        total = b.step_peak
         sent = comm[scheme]["bytes_per_rank"]
         rows.append({"model": model, "params_B": cfg.n_params / 1e9, "gpus": world_size,
                      "scheme": SCHEME_NAMES[scheme] if world_size > 1 else "one GPU", "weights_GB": b.params / GB, "grads_GB": b.grads / GB,

@@ -44,7 +44,7 @@ def _labelled(records: list[dict], source: str) -> pd.DataFrame:
     for r in records:
         env = r.get("env") or {}
         rows.append({**{k: v for k, v in r.items() if k != "env"}, "source": source, "machine": machine_of(env),
-                     "commit": env.get("git_commit"), "date": (env.get("date") or "")[:10]})
+                     "gpu": env.get("gpu"), "commit": env.get("git_commit"), "date": (env.get("date") or "")[:10]})
     return pd.DataFrame(rows)
 
 
@@ -66,7 +66,7 @@ def read_allreduce(paths, *, this_run: str | Path | None = None, root: Path = RE
         frames.append(_labelled(read_records(path), THIS_RUN if mine else _name(path, root)))
     frames = [f for f in frames if len(f)]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
-        columns=["backend", "world_size", "size_bytes", "status", "source", "machine", "commit", "date"])
+        columns=["backend", "world_size", "size_bytes", "status", "source", "machine", "gpu", "commit", "date"])
 
 
 def archived(patterns: str | None, *, root: Path = REPO_ROOT) -> list[Path]:

@@ -82,7 +82,9 @@ def measured_link(rows: pd.DataFrame) -> dict | None:
     return {"W": float(largest["busbw_GBps"].median() * GB), "W_min": float(largest["busbw_GBps"].min() * GB),
             "W_max": float(largest["busbw_GBps"].max() * GB), "W_size_mb": float(largest["size_bytes"].iloc[0] / 1e6),
             "W_rows": len(largest), "W_sources": ", ".join(sorted(set(largest["source"]))),
-            "machines": ", ".join(sorted(set(largest["machine"]))), "o": o, "w": w, "fit_source": source,
+            "machines": ", ".join(sorted(set(largest["machine"]))),
+            "gpus": sorted(set(largest["gpu"].dropna())) if "gpu" in largest else [],  # as the rows' environments name them
+            "o": o, "w": w, "fit_source": source,
             "fit_machine": series["machine"].iloc[0], "fit_commit": series["commit"].iloc[0],
             "fit_sizes": int(series["size_bytes"].nunique())}
 
@@ -92,9 +94,7 @@ def with_measured_link(gpu: pm.Accelerator, link: dict | None) -> pm.Accelerator
     with the same NVLink, e.g. H200s for an H100)."""
     if link is None:
         return None
-    # "2x NVIDIA H200, 8x NVIDIA H200" -> "H200"; rows without an environment name no GPU
-    models = sorted({m.split("x ", 1)[-1].removeprefix("NVIDIA ") for m in link["machines"].split(", ")
-                     if not m.startswith("CPU only")})
+    models = sorted({name.removeprefix("NVIDIA ") for name in link["gpus"]})
     where = f"measured on {', '.join(models)}" if models else "measured (machine not recorded)"
     return gpu.with_link(link["W"], name=f"{gpu.name.split(' ')[0]} with the NCCL W {where}")
 

@@ -249,7 +249,7 @@ def fsdp_saving_answer(opt: pd.DataFrame, fsdp: pd.DataFrame, *, model: str, wor
             full = per_rank_bytes(n, world_size, "ddp")
             text += (f"Against plain DDP the step's peak falls by {_mib(ddp['peak_opt_step'] - ours['peak_opt_step'])}, "
                      f"expected {_mib(vs_ddp['optimizer_step'])}: the "
-                     f"{(full.persistent + full.optimizer_temporaries) / n:.0f} bytes per parameter of weights, gradients, "
+                     f"{full.step_peak / n:.0f} bytes per parameter of weights, gradients, "
                      "moments and the foreach update's temporary all shrink to 1/N. ")
     if large:
         text += large_model_answer(opt, fsdp, model=large, world_size=world_size)
@@ -273,8 +273,8 @@ def large_model_answer(opt: pd.DataFrame, fsdp: pd.DataFrame, *, model: str, wor
     need = {s: per_rank_bytes(n, world_size, s) for s in ("ddp_sharded", "fsdp")}
     return (f"The {model} model ({_params(n)} parameters) on {world_size} ranks: " + "; ".join(parts) + ". Its weights, "
             f"gradients, moments and step temporaries alone take "
-            f"{(need['ddp_sharded'].persistent + need['ddp_sharded'].optimizer_temporaries) / GB:.0f} GB per rank with "
-            f"sharded optimizer state and {(need['fsdp'].persistent + need['fsdp'].optimizer_temporaries) / GB:.0f} GB "
+            f"{need['ddp_sharded'].step_peak / GB:.0f} GB per rank with "
+            f"sharded optimizer state and {need['fsdp'].step_peak / GB:.0f} GB "
             "with FSDP, before any activation.")
 
 

@@ -18,6 +18,7 @@ def _rows():
             t = o + mb * 1e6 / algbw
             rows.append(dict(backend="nccl", status="ok", world_size=ws, size_bytes=mb * 10**6, time_ms=t * 1e3,
                              busbw_GBps=mb * 1e6 / t * 2 * (ws - 1) / ws / 1e9, source=source, machine=machine,
+                             gpu=machine.split("x ", 1)[1],  # as read_allreduce labels a row: its env's GPU
                              commit="abc"))
     rows.append(dict(backend="gloo", status="ok", world_size=2, size_bytes=10**9, time_ms=600.0, busbw_GBps=1.7,
                      source="c.jsonl", machine="CPU", commit="def"))
