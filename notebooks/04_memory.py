@@ -67,7 +67,7 @@ rows = bench.run_peak_sweep(model=MODEL, contexts=CONTEXTS, batch_size=BATCH, de
 # %%
 timelines = report.draw_timelines(rows, figures=ctx.figures, stem=ctx.name, label=label)
 nb.md(report.timeline_links(timelines, figures=ctx.figures, stem=ctx.name, out_dir=ctx.out_dir))
-nb.answer(ctx, "memory_profiling", "a", report.timeline_answer(timelines))
+nb.answer(ctx, "memory_profiling", "a", report.timeline_answer(timelines, cfg=cfg))
 
 # %% [markdown]
 # ## (b) Peak memory per context length (fp32)

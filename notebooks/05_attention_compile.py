@@ -146,4 +146,5 @@ nb.show(model_table, caption=f"whole model, eager against torch.compile (scope: 
 nb.save_figure(report.model_compile_figure(model_table, title=f"Whole Transformer, context 512, batch 4 ({ctx.gpu})"
                                            if ctx.full else "debug model, eager only (smoke)"), ctx, "model_compile")
 plt.show()
-nb.answer(ctx, "torch_compile", "b", report.model_compile_text(model_table, model_rows, smoke=not ctx.full))
+nb.answer(ctx, "torch_compile", "b", report.model_compile_text(model_table, model_rows, handout=ctx.handout,
+                                                             smoke=not ctx.full))

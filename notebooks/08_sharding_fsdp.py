@@ -29,7 +29,7 @@ large_model = "auto"     # a size that may not fit 2 GPUs, tried after the rest;
 
 # %%
 from systems.bench import fsdp as fsdp_bench
-from systems.config import get_config, handout_sizes
+from systems.config import get_config, handout_sizes, size_label
 from systems.measure.results import read_results
 from systems.report import notebook as nb
 from systems.report import sharding_fsdp as report
@@ -46,7 +46,9 @@ for large_config in fsdp_bench.large_model_configs(config, model=large) if large
     fsdp_bench.attempt(large_config, world_size=world, backend=backend)
 opt, fsdp = read_results(config.opt_path), read_results(config.fsdp_path)
 gathers, check = read_results(config.gather_path), read_results(ctx.result_path("check"))
-nb.md(f"Model **{config.model}** ({get_config(config.model).n_params:,} parameters), context "
+label = size_label(config.model, ctx.handout)
+nb.md(f"Model **{label}**" + (f" (the `{config.model}` preset below)" if label != config.model else "")
+      + f" ({get_config(config.model).n_params:,} parameters), context "
       f"{config.context_length}, global batch {config.batch_size} over {world} ranks (`{backend}`, {ctx.gpu}), "
       f"{config.warmup} warm-up and {config.steps} timed steps per variant; our FSDP prefetches {config.prefetch} unit."
       + ("" if report.measured(opt) else " On a CPU torch keeps no allocator statistics: memory columns are empty."))

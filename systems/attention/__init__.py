@@ -21,11 +21,12 @@ AttentionFn = Callable[..., torch.Tensor]
 
 
 def flash_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-    """The Triton FlashAttention-2 backend; imported on first use so a machine without triton
-    can still import systems.attention (and use the other backends)."""
-    from systems.attention.flash_triton import flash_attention_triton as impl
+    """The Triton FlashAttention-2 backend, through its custom ops (flash_triton/op.py: opaque to
+    torch.compile, and nameable by a selective checkpoint); imported on first use so a machine
+    without triton can still import systems.attention (and use the other backends)."""
+    from systems.attention.flash_triton.op import flash_attention_op
 
-    return impl(q, k, v, is_causal=is_causal)
+    return flash_attention_op(q, k, v, is_causal=is_causal)
 
 
 __all__ = ["BACKENDS", "AttentionFn", "FlashAttentionPytorch", "attention", "check_inputs",

@@ -9,11 +9,12 @@ group's forward again in the backward.
 
 - ``apply_activation_checkpointing(model, group_size, save="none")``: one level, ``group_size``
   consecutive blocks per checkpointed group. ``save="attention"`` makes it selective: the outputs
-  of the SDPA attention kernels are kept from the forward (``SAVED_OPS``), so the backward
+  of the attention kernels (SDPA's, and our Triton op's) are kept from the forward (``SAVED_OPS``),
+  so the backward
   recomputes everything in the group except attention, the most expensive op per byte it
   produces (the 8B leaderboard block, context 32,768: 256 MiB of bf16 output for 8.8 of the
-  block's 22 forward TFLOP, the rest its GEMMs). Attention that is not one SDPA op (naive, our Triton
-  kernels) is recomputed as before.
+  block's 22 forward TFLOP, the rest its GEMMs). Attention that is not one op (naive, the
+  FlashAttentionTriton autograd.Function called directly) is recomputed as before.
 - ``apply_nested_checkpointing(model, branching=2, leaf_size=1)``: recursive: the blocks split
   into ``branching`` checkpointed chunks, each split again, down to ``leaf_size`` blocks:
   O(log N) stored boundaries for O(N log N) block forwards (branching 2).
@@ -39,27 +40,23 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 
 from systems.config import check_choice
 
-# the ops whose outputs a selective checkpoint keeps, by name. "attention":
+# the ops whose outputs a selective checkpoint keeps, by qualified name. "attention":
 # F.scaled_dot_product_attention's kernels, by backend (cuDNN, flash, memory-efficient, and the
-# CPU's flash kernel that the tests run); each returns the output and the log-sum-exp its
-# backward needs
-SAVED_OPS = {"attention": ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
-                           "_scaled_dot_product_efficient_attention",
-                           "_scaled_dot_product_flash_attention_for_cpu")}
+# CPU's flash kernel that the tests run), and our Triton FlashAttention-2's forward op
+# (attention/flash_triton/op.py); each returns the output and the log-sum-exp its backward needs.
+# Names, not op objects: matching needs neither triton imported nor every kernel in this build
+SAVED_OPS = {"attention": frozenset({"aten::_scaled_dot_product_cudnn_attention",
+                                     "aten::_scaled_dot_product_flash_attention",
+                                     "aten::_scaled_dot_product_efficient_attention",
+                                     "aten::_scaled_dot_product_flash_attention_for_cpu",
+                                     "systems::flash_attention_forward"})}
 # what a checkpointed group keeps from its forward besides its input: "none" (full recompute) or
 # one of SAVED_OPS
 CHECKPOINT_SAVES = ("none", *SAVED_OPS)
 
 
-@functools.cache
-def _saved_overloads(save: str) -> frozenset:
-    # looked up on first use, not at import; a kernel this torch build lacks is skipped
-    return frozenset(getattr(torch.ops.aten, name).default for name in SAVED_OPS[save]
-                     if hasattr(torch.ops.aten, name))
-
-
 def _policy(save: str, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _saved_overloads(save) else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op.name() in SAVED_OPS[save] else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _context_fn(save: str):

@@ -193,7 +193,8 @@ def allreduce_answer(df: pd.DataFrame) -> str:
     not_run = df[(df["status"] != "ok") & (df["source"] == THIS_RUN)]
     if len(not_run):
         parts.append(f"Not run here ({len(not_run)} cases): "
-                     + "; ".join(f"{n} x {r}" for r, n in not_run["reason"].value_counts().items()) + ".")
+                     + "; ".join(f"{r} ({n} {'case' if n == 1 else 'cases'})"
+                                 for r, n in not_run["reason"].value_counts().items()) + ".")
     return " ".join(parts)
 
 

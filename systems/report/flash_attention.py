@@ -9,7 +9,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from systems.bench.flash import ERROR_NAMES, LEADERBOARD, LEADERBOARD_TARGET, PASSES, SPEED_TARGETS
+from systems.bench.budget import SKIPPED
+from systems.bench.flash import (ERROR_NAMES, LEADERBOARD, LEADERBOARD_TARGET, PASSES, SKIPPED_MEMORY,
+                                 SPEED_TARGETS)
 from systems.measure import flops as flop_count
 from systems.report.notebook import faster_or_slower
 
@@ -217,12 +219,45 @@ def benchmark_answer(sweep: pd.DataFrame, *, ours: str, baseline: str = "naive",
             seqs = slower.index.get_level_values("seq")
             text += (f"; ours is slower at {len(slower)} points, seq {seqs.min()}-{seqs.max()}, where it takes "
                      f"{_fmt_ms(wide.loc[slower.index, ours].min())}-{_fmt_ms(wide.loc[slower.index, ours].max())}")
-        missing = sweep[(sweep.impl == baseline) & (sweep.dtype == dtype) & (sweep.status != "ok")]
-        if len(missing):
-            text += (f". `{baseline}` did not run at {len(missing)} points from seq {missing.seq.min()} "
-                     f"({', '.join(sorted(set(missing.status)))}: its n x n matrices)")
+        text += _unlike_dots(sweep, wide, dtype=dtype, ours=ours, baseline=baseline)
+        for impl in (ours, baseline):
+            text += _missing_points(sweep, impl=impl, dtype=dtype)
         parts.append(text + ".")
     return " ".join(parts)
+
+
+# why a point did not run, by its status (systems.bench.flash's statuses); others show their error
+MISSING_REASONS = {SKIPPED: "the sweep's time budget ran out before them",
+                   SKIPPED_MEMORY: "its n x n matrices would not fit in memory",
+                   "oom": "out of memory", "unsupported": "no kernel for these inputs"}
+
+
+def _missing_points(sweep: pd.DataFrame, *, impl: str, dtype: str) -> str:
+    """'. `impl` did not run at N points ...' per status, or '' when every point of ``impl`` ran."""
+    missing = sweep[(sweep.impl == impl) & (sweep.dtype == dtype) & (sweep.status != "ok")]
+    text = ""
+    for status, part in missing.groupby("status", sort=False):
+        seqs = sorted(set(part.seq))
+        where = f"seq {seqs[0]}" if len(seqs) == 1 else f"seq {seqs[0]}-{seqs[-1]}"
+        text += (f". `{impl}` did not run at {len(part)} points ({where}, {status}: "
+                 f"{MISSING_REASONS.get(status, part.error.iloc[0])})")
+    return text
+
+
+def _unlike_dots(sweep: pd.DataFrame, wide: pd.DataFrame, *, dtype: str, ours: str, baseline: str) -> str:
+    """Where ours and the baseline multiply at different precisions (fp32: our tf32x3 against
+    IEEE), the comparison with our variant whose dots match the baseline's, if one ran."""
+    dots = sweep[(sweep.dtype == dtype) & (sweep.status == "ok")].groupby("impl")["dot"].first()
+    if ours not in dots or baseline not in dots or dots[ours] == dots[baseline]:
+        return ""
+    text = f" (ours multiplies in {dots[ours]}, `{baseline}` in {dots[baseline]}"
+    alike = [i for i in dots.index if i != ours and i.startswith(ours.split("_")[0]) and dots[i] == dots[baseline]]
+    if alike and alike[0] in wide:
+        ratio = (wide.xs(dtype, level="dtype")[baseline] / wide.xs(dtype, level="dtype")[alike[0]]).dropna()
+        if len(ratio):
+            text += (f"; like for like, `{alike[0]}` ({dots[baseline]}) is faster at {int((ratio > 1).sum())} of "
+                     f"{len(ratio)} points, {baseline}'s time over its {_ratio(ratio.min())}-{_ratio(ratio.max())}")
+    return text + ")"
 
 
 def fp32_answer(sweep: pd.DataFrame, *, ceilings: list[dict], kernels: pd.DataFrame | None, long_from: int = 2048

@@ -23,6 +23,10 @@ from systems.report.deliverables import deliverables
 GIB = 2**30
 MIB = 2**20
 SIGNIFICANT = 0.10  # our threshold for calling a change in peak memory significant (not the handout's)
+# a change on the timeline is read as a known amount (the gradients, one parameter-sized buffer) when
+# it is within 1% of it: the traced sizes are exact requests, and what else moves with them at the
+# same moments (the loss, a few small temporaries) is KiB against the GiB of the model's tensors
+BYTES_MATCH = 0.01
 PHASE_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868", "other": "#8c8c8c"}
 
 
@@ -151,31 +155,123 @@ def _level(tl: Timeline, x: int) -> int:
     return int(tl.total[min(max(x, 0), len(tl.total) - 1)])
 
 
-def _stage_verdict(tl: Timeline) -> str:
-    """Whether each phase of a training step has the shape that gives it away, checked on the curve."""
-    first: dict[str, tuple[int, int, int]] = {}  # name -> (level before, level after, peak) of its first span
+def _first_spans(tl: Timeline) -> dict[str, tuple[int, int, int]]:
+    """name -> (level before, level after, peak) of each phase's first span."""
+    first: dict[str, tuple[int, int, int]] = {}
     for p in tl.phases:
         first.setdefault(p.name, (_level(tl, p.start - 1), _level(tl, p.end), p.peak_bytes))
-    checks = {"forward": ("a ramp: it ends higher than it starts, as saved activations pile up",
+    return first
+
+
+def _matches(measured: float, expected: float) -> bool:
+    """Whether a measured change is ``expected`` bytes, within ``BYTES_MATCH``."""
+    return expected > 0 and abs(measured - expected) <= BYTES_MATCH * expected
+
+
+def _move(before: int, after: int) -> str:
+    return (f"stays at {fmt_bytes(after)}" if fmt_bytes(after) == fmt_bytes(before) else
+            f"{'rises' if after > before else 'falls'} from {fmt_bytes(before)} to {fmt_bytes(after)}")
+
+
+def _step_phases(tl: Timeline, *, grad_bytes: int) -> list[str]:
+    """One sentence per stretch of the training step's curve, each move read off the curve and
+    explained only where the bytes add up: the drop at the start (the previous step's gradients),
+    the forward's rise (what it keeps for the backward), the backward (gradients written against
+    that freed) and the optimizer's spike (one parameter-sized temporary)."""
+    first = _first_spans(tl)
+    out = []
+    kept = None  # what the forward leaves for the backward
+    if "forward" in first:
+        f_before, f_after, f_peak = first["forward"]
+        drop = tl.baseline_bytes - f_before
+        if _matches(drop, grad_bytes):
+            out.append(f"Before the forward allocates anything it drops {fmt_bytes(drop)} to {fmt_bytes(f_before)}: "
+                       f"the step opens with `optimizer.zero_grad(set_to_none=True)`, which frees the previous "
+                       f"step's gradients ({fmt_bytes(grad_bytes)}, one fp32 value per parameter).")
+        text = f"The forward {_move(f_before, f_after)} (peak {fmt_bytes(f_peak)})"
+        if f_after > f_before:
+            kept = f_after - f_before
+            text += f": the {fmt_bytes(kept)} it adds are the activations autograd saves for the backward"
+        out.append(text + ".")
+    if "backward" in first:
+        b_before, b_after, b_peak = first["backward"]
+        text = f"The backward {_move(b_before, b_after)} (peak {fmt_bytes(b_peak)})"
+        # the backward writes the gradients and frees what the forward kept; say so only where that
+        # accounts for where it ends
+        if kept is not None and _matches(b_after - b_before + kept, grad_bytes):
+            larger = ("the gradients outweigh what it frees, so memory climbs"
+                      if b_after > b_before and grad_bytes > kept else
+                      "what it frees outweighs the gradients, so memory falls"
+                      if b_after < b_before and kept > grad_bytes else "the two about cancel")
+            text += (f": it writes {fmt_bytes(grad_bytes)} of gradients while freeing the {fmt_bytes(kept)} the "
+                     f"forward kept ({fmt_bytes(b_before)} + {fmt_bytes(grad_bytes)} − {fmt_bytes(kept)} = "
+                     f"{fmt_bytes(b_after)}), and {larger}")
+        out.append(text + ".")
+    if "optimizer" in first:
+        o_before, o_after, o_peak = first["optimizer"]
+        text = f"The optimizer step {_move(o_before, o_after)} (peak {fmt_bytes(o_peak)})"
+        if _matches(o_peak - max(o_before, o_after), grad_bytes):
+            text += (f": its spike of {fmt_bytes(o_peak - max(o_before, o_after))} is one more parameter-sized "
+                     f"fp32 buffer, the square roots of all second moments that `adamw_foreach_` takes at once "
+                     f"(`torch._foreach_sqrt`) and frees when the update is done")
+        out.append(text + ".")
+    return out
+
+
+def _stage_verdict(tl: Timeline) -> str:
+    """Whether the peaks give each stage of a training step away, decided on the curve: the forward
+    by ending higher than it starts, the backward by falling from where the forward ended (which
+    puts a peak between them), the optimizer by a spike above where it starts and ends."""
+    first = _first_spans(tl)
+    checks = {"forward": ("the forward is a ramp, ending higher than it starts",
+                          "the forward does not end higher than it starts",
                           lambda b, a, pk: a > b),
-              "backward": ("a descent from its peak: saved activations are freed faster than gradients appear",
-                           lambda b, a, pk: a < pk),
-              "optimizer": ("a short spike: it rises above both where it starts and where it ends",
+              "backward": ("the backward falls from where the forward ended, so a peak marks the boundary between "
+                           "them",
+                           "the backward does not fall from where the forward ended, so no peak separates the two "
+                           "(the boundary here comes from the allocations' stack frames, not from the curve)",
+                           lambda b, a, pk: a < b),
+              "optimizer": ("the optimizer is a short spike above both where it starts and where it ends",
+                            "the optimizer rises no higher than where it starts or ends",
                             lambda b, a, pk: pk > max(b, a))}
     seen = [name for name in checks if name in first]
-    holds = [name for name in seen if checks[name][1](*first[name])]
-    text = "; ".join(f"the {name} is {checks[name][0]}" for name in holds)
-    if len(holds) == len(seen) == len(checks):
-        return f"So yes, each stage can be told by its shape: {text}."
-    missing = [name for name in checks if name not in holds]
-    return (f"The shapes tell the stages apart only in part: {text or 'none has its usual shape'}; not so for the "
-            f"{', '.join(missing)} here (phases were found from the allocations' stack frames instead).")
+    holds = [name for name in seen if checks[name][2](*first[name])]
+    fails = [name for name in seen if name not in holds]
+    if len(holds) == len(checks):
+        return "So yes, the peaks tell each stage: " + "; ".join(checks[n][0] for n in holds) + "."
+    missing = [name for name in checks if name not in seen]
+    return ("So the peaks tell the stages apart only in part: "
+            + "; ".join([checks[n][0] for n in holds] + [checks[n][1] for n in fails]
+                        + [f"no {n} phase was found" for n in missing]) + ".")
 
 
-def timeline_answer(timelines: dict[str, tuple[dict, Timeline]]) -> str:
+def _peak_note(timelines: dict[str, tuple[dict, Timeline]]) -> str:
+    """Why a timeline's peak differs from the same step's peak in the tables of (b) and (c), where it does."""
+    differ = [(mode, _peak(row), tl.peak_bytes) for mode, (row, tl) in timelines.items()
+              if row.get("peak_source") == "allocator" and _peak(row) is not None
+              and fmt_bytes(_peak(row)) != fmt_bytes(tl.peak_bytes)]
+    if not differ:
+        return ""
+    names = {"forward": "forward", "train_step": "training step"}
+    above = all(table > timeline for _, table, timeline in differ)
+    text = (f"These timeline peaks ({', '.join(f'{fmt_bytes(t)} {names.get(m, m)}' for m, _, t in differ)}) are "
+            f"{'below' if above else 'different from'} the peaks in the tables of (b) and (c) "
+            f"({', '.join(fmt_bytes(p) for _, p, _ in differ)}), though both are read from the same measured step")
+    if not above:
+        return text + "."
+    # a CUDA snapshot's trace records each request's size (orig_size), the allocated-bytes counter
+    # each block's size; the two were checked on an H200 at the step's end (50.87 vs 51.37 GiB)
+    return (text + ": the timeline adds up the bytes each allocation asked for, as the allocator's history "
+            "records them, while the tables read `torch.cuda.max_memory_allocated`, which counts the blocks the "
+            "caching allocator handed out, each request rounded up to a multiple of 512 bytes and a block kept "
+            "whole when what would be left over is 1 MiB or less.")
+
+
+def timeline_answer(timelines: dict[str, tuple[dict, Timeline]], *, cfg: ModelConfig) -> str:
     """(a): what each timeline shows, read off its phases (found from the allocations' frames)."""
     if not timelines:
         return "No mode ran in fp32 with a snapshot, so there is no timeline to read."
+    param_bytes = cfg.n_params * 4  # fp32 parameters; their gradients and each AdamW moment are as large
     parts = []
     if "forward" in timelines:
         row, tl = timelines["forward"]
@@ -186,19 +282,18 @@ def timeline_answer(timelines: dict[str, tuple[dict, Timeline]]) -> str:
                      f"next block has read them and the climb is the few tensors alive at once.")
     if "train_step" in timelines:
         row, tl = timelines["train_step"]
-        spans = []
-        for p in tl.phases:
-            before, after = _level(tl, p.start - 1), _level(tl, p.end)
-            move = (f"stays at {fmt_bytes(after)}" if fmt_bytes(after) == fmt_bytes(before) else
-                    f"{'rises' if after > before else 'falls'} from {fmt_bytes(before)} to {fmt_bytes(after)}")
-            spans.append(f"the {p.name} ({move}, peak {fmt_bytes(p.peak_bytes)})")
+        stories = _step_phases(tl, grad_bytes=param_bytes)
+        f_before = _first_spans(tl).get("forward", (tl.baseline_bytes,))[0]
+        held = ("the weights, AdamW's two moments and the previous step's gradients"
+                if _matches(tl.baseline_bytes - f_before, param_bytes) else "the weights and AdamW's state")
         peak_phase = next((p.name for p in tl.phases if p.start <= tl.peak_index <= p.end), "unlabelled")
-        parts.append(f"The training step (context {row['context_length']}) starts from {fmt_bytes(tl.baseline_bytes)} "
-                     f"(parameters, gradients and AdamW state) and shows " + ", then ".join(spans)
-                     + f". Its peak, {fmt_bytes(tl.peak_bytes)}, falls in the **{peak_phase}** phase.")
-    if "train_step" in timelines:
-        parts.append(_stage_verdict(timelines["train_step"][1]))
-    return " ".join(parts)
+        parts.append(f"The training step (context {row['context_length']}) starts from {fmt_bytes(tl.baseline_bytes)}, "
+                     f"{tl.baseline_bytes / param_bytes:.2f}× the {fmt_bytes(param_bytes)} of fp32 parameters: {held}, "
+                     f"all allocated before recording began. " + " ".join(stories)
+                     + f" The step's peak, {fmt_bytes(tl.peak_bytes)}, falls in the **{peak_phase}** phase.")
+        parts.append(_stage_verdict(tl))
+    note = _peak_note(timelines)
+    return " ".join(parts + ([note] if note else []))
 
 
 # ----------------------------------------------------------------------------- (b), (c) peaks
@@ -474,14 +569,17 @@ def plan_answer(rows: list[dict]) -> str:
     growth = ", ".join(f"{at[s]['rise_bytes'] / first[s]['rise_bytes']:.2f}× ({at[s]['label'].split(',')[0]})"
                        for s in at)
     return (
-        "Ignoring compute, keep only the model's input: checkpoint the whole stack, and inside it checkpoint "
-        "everything but the last block, recursively. The backward of block i then recomputes blocks 1..i from "
-        "the input, runs block i's backward with its residuals, and frees them before the region of blocks "
-        "1..i−1 is recomputed in turn. At any time one block's residuals, the gradient flowing between blocks "
-        "and the input are alive: peak activation memory **O(1)** in N (one block's residuals, which dominate), "
-        "for N + N(N+1)/2 block forwards, **O(N²)** compute. Nothing goes lower, since a block's backward needs "
-        "its own residuals. Binary nesting keeps a boundary per level, O(log N) memory for O(N log N) compute, "
-        "the better trade once compute counts; one level of √N groups gives O(√N) for one extra forward. The "
+        "Ignoring compute, the floor is one block's residuals: a block's backward needs its own, so nothing goes "
+        "lower, and nested checkpoints reach it for any N: peak activation memory **O(1)** in N, with the "
+        "per-checkpoint bookkeeping (the stored block boundaries) negligible, as the handout assumes. Recursive "
+        "bisection gets there: checkpoint each half of the stack, each half's halves inside it, down to single "
+        "blocks; in the backward one block's residuals are alive at a time, beside one stored boundary per nesting "
+        "level (O(log N) boundaries, the bookkeeping), for O(N log N) block forwards. Counting the boundaries too, "
+        "the chain goes lowest: checkpoint the whole stack and, inside it, everything but the last block, "
+        "recursively; the backward of block i recomputes blocks 1..i from the input, so only the input, one "
+        "block's residuals and the gradient between blocks are alive, O(1) boundaries included, for "
+        "N + N(N+1)/2 block forwards, **O(N²)** compute. One level of √N groups (no nesting) gives O(√N) for one "
+        "extra forward. The chain's "
         "runner (`systems.parallel.checkpoint`):\n\n"
         f"```python\n{chain_sketch()}```\n\n"
         f"Measured on the debug model from N = {n_lo} to {n_hi} blocks, the activation peak grows {growth}; at "

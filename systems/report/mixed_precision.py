@@ -20,6 +20,10 @@ from systems.config import size_label
 from systems.measure.devices import dtype_of
 from systems.measure.timer import median_p10_p90
 
+# our threshold for "not bound by its FLOPs": with time = fixed + FLOPs / rate, a next size doing r× the
+# FLOPs in T× the time puts a share (r − T) / (r − 1) of this step in the fixed part (at least that if the
+# fixed part grows with size too), over half once T < r / 2
+FLOP_BOUND_SHARE = 0.5
 
 # ----------------------------------------------------------------------------- accumulation
 
@@ -229,21 +233,22 @@ def layernorm_answer(s: dict) -> str:
 
 def speedup_table(records: pd.DataFrame | list[dict], *, baseline: str = "fp32", candidate: str = "bf16",
                   handout: str | None = None) -> pd.DataFrame:
-    """One row per (size, mode): both step times (median, 10th and 90th percentile), tokens/s, and
-    the speedup baseline_time / candidate_time of the medians; NaN where either side did not run
+    """One row per (size, mode): both step times (median, 10th and 90th percentile), tokens/s, the
+    FLOPs of one step, and the speedup baseline_time / candidate_time of the medians; NaN where either side did not run
     (its status is kept).
     ``size`` is the handout's name for the preset in ``model`` (2026's "xl" for 2.7B)."""
     df = pd.DataFrame(records)
     if df.empty:
         return df
-    for col in ("step_mean_s", "step_times_s", "tokens_per_s", "n_params", "peak_memory_gib", "mfu"):
+    for col in ("step_mean_s", "step_times_s", "tokens_per_s", "n_params", "peak_memory_gib", "mfu",
+                "flops_per_step"):
         if col not in df.columns:
             df[col] = np.nan
     keys = ["model", "mode"]
     out = []
     for (model, mode), grp in df.groupby(keys, sort=False):
         row = {"size": size_label(model, handout) if handout else model, "model": model, "mode": mode,
-               "n_params": grp["n_params"].dropna().max()}
+               "n_params": grp["n_params"].dropna().max(), "flops_per_step": grp["flops_per_step"].dropna().max()}
         for prec in (baseline, candidate):
             r = grp[grp.precision == prec]
             r = r.iloc[-1] if len(r) else None
@@ -289,36 +294,107 @@ def plot_speedup(table: pd.DataFrame, *, title: str | None = None):
     return fig
 
 
+def noise_side(row, *, baseline: str = "fp32", candidate: str = "bf16") -> str | None:
+    """Which precision's p10–p90 range of step times holds the other's median, or None: a point's
+    speedup is within the run-to-run noise when either median falls inside the other side's spread
+    (a side without a spread, NaN, holds nothing)."""
+    for inside, spread in ((baseline, candidate), (candidate, baseline)):
+        if row[f"{spread}_p10_ms"] <= row[f"{inside}_ms"] <= row[f"{spread}_p90_ms"]:
+            return inside
+    return None
+
+
+def _point(r: dict) -> str:
+    """'small 55.7 → 57.0 ms (0.98×)', saying so where the speedup is within noise."""
+    inside = noise_side(r)
+    other = "bf16" if inside == "fp32" else "fp32"
+    noise = (f", within noise: {inside}'s median lies inside {other}'s p10–p90 range, "
+             f"{r[f'{other}_p10_ms']:,.1f}–{r[f'{other}_p90_ms']:,.1f} ms" if inside else "")
+    return f"{r['size']} {r['fp32_ms']:,.1f} → {r['bf16_ms']:,.1f} ms ({r['speedup']:.2f}×{noise})"
+
+
+def _direction(ran: pd.DataFrame) -> str:
+    """Faster, slower or within noise, counted over the points that ran in both precisions."""
+    noise = ran.apply(lambda r: noise_side(r) is not None, axis=1)
+    faster, slower = (ran.speedup > 1) & ~noise, (ran.speedup < 1) & ~noise
+    if faster.all():
+        return "bf16 autocast is faster everywhere"
+    if slower.all():
+        return "bf16 autocast is slower everywhere"
+    if noise.all():
+        return "bf16 autocast is neither faster nor slower beyond the noise anywhere"
+    counts = [f"{name} at {int(k.sum())}" for name, k in (("faster", faster), ("slower", slower),
+                                                           ("within noise", noise)) if k.any()]
+    return "bf16 autocast is " + ", ".join(counts[:-1]) + f" and {counts[-1]} of the points"
+
+
+def _fixed_cost_bound(grp: pd.DataFrame) -> list[str]:
+    """For each point within noise, whether most of its bf16 step is a cost that does not grow with
+    the FLOPs (``FLOP_BOUND_SHARE``), from the next size up in the same mode. What that cost is (kernel
+    launches, host overhead, memory-bound work) these rows cannot say, so the answer does not name it."""
+    out = []
+    points = grp.sort_values("n_params").to_dict("records")
+    for this, nxt in zip(points, points[1:]):
+        if noise_side(this) is None or not (this["flops_per_step"] > 0 and nxt["flops_per_step"] > 0):
+            continue  # NaN FLOPs (a record without them) fail the test too
+        flops, time = nxt["flops_per_step"] / this["flops_per_step"], nxt["bf16_ms"] / this["bf16_ms"]
+        if time < FLOP_BOUND_SHARE * flops:
+            out.append(f"For {this['size']}, {this['mode']} is not bound by its FLOPs: {nxt['size']} does "
+                       f"{flops:.2f}× its FLOPs in only {time:.2f}× its bf16 time, so most of {this['size']}'s bf16 "
+                       f"step goes to costs that do not grow with the FLOPs, and bf16, which speeds up only the "
+                       f"matmuls, has little to gain there.")
+    return out
+
+
+def _out_of_order(ran: pd.DataFrame) -> list[str]:
+    """Sizes where a precision's train step came out shorter than its forward + backward alone, though
+    it runs both and an optimizer step on top: their times move by more than their spread says."""
+    out = []
+    for size, grp in ran.groupby("size", sort=False):
+        modes = grp.set_index("mode")
+        if not {"train_step", "forward_backward"} <= set(modes.index):
+            continue
+        for prec in ("fp32", "bf16"):
+            step, fb = modes.loc["train_step", f"{prec}_ms"], modes.loc["forward_backward", f"{prec}_ms"]
+            if step < fb:
+                out.append(f"For {size}, the {prec} train step (median {step:,.1f} ms) came out shorter than the "
+                           f"{prec} forward_backward ({fb:,.1f} ms), though the train step runs that forward and "
+                           f"backward and an optimizer step on top: {size}'s times move by more than their p10–p90 "
+                           f"shows.")
+    return out
+
+
 def speedup_answer(speed: pd.DataFrame, records: pd.DataFrame, *, device: str, gpu: str, handout: str) -> str:
-    """(c): the timings with and without bf16 autocast and how the gap moves with size."""
+    """(c): the timings with and without bf16 autocast and how the gap moves with size; a speedup
+    whose medians lie within each other's p10–p90 spread is reported as noise, not as faster or slower."""
     ran = speed.dropna(subset=["speedup"])
     if ran.empty:
         return "No size ran in both precisions, so there is no comparison."
-    parts = []
+    parts, notes = [], []
     for mode, grp in ran.groupby("mode", sort=False):
         grp = grp.sort_values("n_params")
-        times = ", ".join(f"{r.size} {r.fp32_ms:,.1f} → {r.bf16_ms:,.1f} ms ({r.speedup:.2f}×)"
-                          for r in grp.itertuples())
+        times = ", ".join(_point(r) for r in grp.to_dict("records"))
         trend = ""
         if len(grp) > 1:
             first, last = grp.iloc[0], grp.iloc[-1]
             trend = (f"; {'rising' if last.speedup > first.speedup else 'falling'} with size, "
                      f"{first.speedup:.2f}× → {last.speedup:.2f}×")
         parts.append(f"- **{mode}** (fp32 → bf16): {times}{trend}.")
+        if device == "cuda":
+            notes += _fixed_cost_bound(grp)
+    notes += _out_of_order(ran)
     missing = records[records.status != "ok"]
     fit = ("Points that did not run: " + "; ".join(
         f"{size_label(r.model, handout)} {r.mode} {r.precision}: {r.status}" for r in missing.itertuples()) + "."
            if len(missing) else "Every size ran in both precisions.")
     overall = ran.speedup
-    direction = ("bf16 autocast is faster everywhere" if (overall > 1).all() else
-                 "bf16 autocast is slower everywhere" if (overall < 1).all() else
-                 "bf16 autocast is faster at some points and slower at others")
     why = ("On the GPU the matmuls move to bf16 tensor cores, and more of the step is matmul as the model grows, "
            "while the casts, the fp32 softmax/norm/loss and (for the train step) the fp32 AdamW update do not "
            "speed up." if device == "cuda" else
            "This is a CPU smoke run of the tiny `debug` size for a few steps: the times are dominated by "
            "framework overhead and noise, and CPU bf16 kernels are not tensor cores, so these numbers say nothing "
            "about a GPU; the full profile answers the question.")
-    return (f"Speedup of bf16 autocast over fp32 (fp32 time / bf16 time, median step) on {gpu}: {direction} "
-            f"(range {overall.min():.2f}×–{overall.max():.2f}× over {len(ran)} size × mode points):\n\n"
-            + "\n".join(parts) + f"\n\n{fit} {why}")
+    return (f"Speedup of bf16 autocast over fp32 (fp32 time / bf16 time, median step) on {gpu}: {_direction(ran)} "
+            f"(range {overall.min():.2f}×–{overall.max():.2f}× over {len(ran)} size × mode points; a speedup is "
+            f"within noise when either precision's median lies inside the other's p10–p90 range of step times):\n\n"
+            + "\n".join(parts) + "\n\n" + " ".join(notes + [fit, why]))

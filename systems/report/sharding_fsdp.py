@@ -162,9 +162,13 @@ def zero1_answer(n_params: float, world_size: int) -> str:
     c = [r["bytes_per_rank"] for r in communication_per_step(n_params, world_size)]
     m = [r["params"] + r["grads"] + r["opt_state"] for r in memory_per_rank(n_params, world_size)]
     ours, zero1 = c[1], c[2]
-    return (f"Memory is ZeRO-1's: full fp32 weights and gradients and 1/N of the moments ({_mib(m[1])} per rank here, "
-            f"against {_mib(m[0])} for DDP); ZeRO-1 can also free the gradients outside its shard after the "
-            f"reduce-scatter. Communication differs: we all-reduce every gradient ({_mib(c[0])} sent per rank) and then "
+    return (f"Memory is ZeRO stage 1's (P_os) in fp32 training: full fp32 weights and gradients and 1/N of the moments "
+            f"({_mib(m[1])} per rank here, against {_mib(m[0])} for DDP). In the ZeRO paper's mixed-precision setting "
+            "the optimizer state also holds the fp32 master weights (12 bytes per parameter), which P_os shards too; "
+            "with fp32 weights there is no separate master, so only the moments' 8 bytes are sharded. Freeing the "
+            "gradients outside a rank's shard after a reduce-scatter is stage 2 (P_os+g). Ours gives each rank whole "
+            "parameters (assigned greedily by size), where ZeRO splits the flattened state evenly, so our shards are "
+            f"only as even as the parameter sizes allow. Communication differs: we all-reduce every gradient ({_mib(c[0])} sent per rank) and then "
             f"broadcast the updated parameters (+{_mib(ours - c[0])}), {_mib(ours)} in all, while ZeRO-1 "
             f"reduce-scatters the gradients (each rank needs only its shard's) and all-gathers the parameters, "
             f"{_mib(zero1)}, what plain DDP sends: ours sends {ours / zero1:.2f}x ZeRO-1's volume.")

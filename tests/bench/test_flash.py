@@ -102,6 +102,16 @@ def test_budget_skips_what_it_cannot_afford(monkeypatch):
     assert "4.5 s budget" in rows["error"].iloc[-1] and pd.isna(rows["e2e_tflops"].iloc[-1])
 
 
+def test_our_points_run_before_the_baselines():
+    # a budget cut takes the last points: the baselines' longest, never the whole of ours first
+    cfg = flash.SweepConfig(seq_lens=(256, 128), head_dims=(16,), dtypes=("bf16",),
+                            impls={"bf16": ("naive", "triton")}, first=("triton",))
+    assert cfg.points() == [("bf16", 16, 128, "triton"), ("bf16", 16, 256, "triton"),
+                            ("bf16", 16, 128, "naive"), ("bf16", 16, 256, "naive")]
+    assert flash.SweepConfig(seq_lens=(128,), head_dims=(16,), dtypes=("bf16",), impls={"bf16": ("naive", "triton")},
+                             first=()).points() == [("bf16", 16, 128, "naive"), ("bf16", 16, 128, "triton")]
+
+
 def test_estimate_counts_do_benchs_calls():
     cfg = flash.SweepConfig(warmup_ms=10, rep_ms=50, min_reps=3)
     # 100 ms per call: 6 untimed + 1 warm-up + 3 timed calls; 1 ms: 6 + 10 + 50

@@ -36,10 +36,11 @@ def test_sweep_table_picks_one_memory_unit():
     assert table.loc[0, "peak rise MiB"] == 5 and pd.isna(table.loc[1, "saved MiB"])
 
 
-def _rec(model, mode, compiled, step):
+def _rec(model, mode, compiled, step, **extra):
     return {"model": model, "mode": mode, "compile": "blocks" if compiled else "none", "status": "ok",
-            "batch_size": 4, "context_length": 512, "step_median_s": step, "forward_median_s": step / 3,
-            "backward_median_s": step / 2, "first_step_s": step + 5, "first_step_overhead_s": 5.0}
+            "precision": "fp32", "tf32": True, "batch_size": 4, "context_length": 512, "step_median_s": step,
+            "forward_median_s": step / 3, "backward_median_s": step / 2, "first_step_s": step + 5,
+            "first_step_overhead_s": 5.0, **extra}
 
 
 def test_model_compile_table_uses_the_handouts_size_names_and_the_text_compares_forward_and_step():
@@ -47,10 +48,11 @@ def test_model_compile_table_uses_the_handouts_size_names_and_the_text_compares_
             _rec("xl-2025", "train_step", False, 1.0), _rec("xl-2025", "train_step", True, 0.8)]
     table = report.model_compile_table(recs, handout="2025")
     assert set(table["size"]) == {"xl"}
-    text = report.model_compile_text(table, recs, smoke=False)
+    text = report.model_compile_text(table, recs, handout="2025", smoke=False)
     assert "forward (inference): xl 3.00×" in text and "helps the inference forward more" in text
     recs[1] = _rec("xl-2025", "forward", True, 0.3)  # no forward gain: the text must not claim one
-    text = report.model_compile_text(report.model_compile_table(recs, handout="2025"), recs, smoke=False)
+    text = report.model_compile_text(report.model_compile_table(recs, handout="2025"), recs, handout="2025",
+                                     smoke=False)
     assert "helps the inference forward no more" in text
 
 
@@ -64,8 +66,10 @@ def test_forward_and_step_gains_are_compared_over_the_sizes_both_ran():
                  _rec(model, "forward", False, 0.3)]
         if fwd_gain:
             recs.append(_rec(model, "forward", True, 0.3 / fwd_gain))
-    text = report.model_compile_text(report.model_compile_table(recs, handout="2025"), recs, smoke=False)
-    assert "over the 2 sizes both ran, compiling helps the inference forward no more (median 1.50×)" in text
+    text = report.model_compile_text(report.model_compile_table(recs, handout="2025"), recs, handout="2025",
+                                     smoke=False)
+    assert ("Over the 2 sizes compiled in both modes, compiling helps the inference forward no more "
+            "(median 1.50×)") in text
     assert "(median 1.70×)" in text
 
 
@@ -88,3 +92,93 @@ def test_a_point_whose_bytes_fit_but_failed_is_explained_by_the_allocators_block
                                                free_bytes=100 * gib)
     assert "allocator's blocks" not in report.accounting_text(tight, oom_phase="warm-up backward", free_note="m",
                                                               error=error)
+
+
+def _point(d, seq, status="ok", **extra):
+    return {"d": d, "seq": seq, "batch_size": 2, "dtype": "fp32", "device": "cuda", "status": status, **extra}
+
+
+def test_out_of_memory_lengths_are_compared_per_head_dim_in_plain_words():
+    eager = [_point(16, 1024), _point(16, 2048, "oom"), _point(32, 1024), _point(32, 2048, "oom")]
+    # compiled: d 16 fails one doubling later; d 32 ran 2048, then the budget stopped it
+    compiled = [_point(16, 2048), _point(16, 4096, "oom"), _point(32, 2048),
+                _point(32, 4096, "skipped (budget)", error="the sweep's time budget was spent")]
+    assert report.oom_comparison_text(eager, compiled) == (
+        "Eager attention first runs out of memory at seq 2,048 for every head dim; compiled attention first runs "
+        "out of memory at seq 4,096 for d = 16 (d = 32 ran up to seq 2,048, then the sweep's time budget was "
+        "spent), 2× the length at which eager does.")
+    same = [_point(16, 1024), _point(16, 2048, "oom"), _point(32, 1024), _point(32, 2048, "oom")]
+    assert report.oom_comparison_text(eager, same).endswith("for every head dim, the same length as eager.")
+    mixed = [_point(16, 2048, "oom"), _point(32, 4096, "oom")]
+    assert ("compiled attention first runs out of memory at seq 2,048 for d = 16, seq 4,096 for d = 32, against "
+            "eager's: 1× at d = 16, 2× at d = 32.") in report.oom_comparison_text(eager, mixed)
+
+
+def test_peaks_are_compared_at_the_longest_length_both_ran_in_score_sized_tensors():
+    # batch 2, seq 1024, fp32: a score-sized tensor is 2 * 1024² * 4 B = 8 MiB; the six (batch, seq, d)
+    # tensors at d 16 are 6 * 2 * 1024 * 16 * 4 B = 0.75 MiB. Eager's rise holds 4 score tensors, compiled's 2;
+    # with 1 MiB allocated before, the peaks are 33.75 and 17.75 MiB: eager / compiled 1.90×.
+    mib, vectors, score = 2**20, 786432, 8 * 2**20
+    def ran(seq, n_score):
+        rise = n_score * score + vectors
+        return _point(16, seq, start_bytes=mib, peak_rise_bytes=rise, peak_bytes=mib + rise)
+    eager = [ran(512, 4), ran(1024, 4), _point(16, 2048, "oom")]
+    compiled = [ran(512, 2), ran(1024, 2), _point(16, 2048, start_bytes=mib, peak_rise_bytes=1, peak_bytes=mib + 1)]
+    text = report.peak_comparison_text(eager, compiled)
+    assert text.startswith("At seq 1,024, the longest length both ran,")
+    assert "is 17.75 MiB compiled against 33.75 MiB eager at d = 16 (eager / compiled 1.90×)" in text
+    assert ("that is 2.0 score-sized tensors (batch × seq × seq in fp32, 8.00 MiB each) compiled against "
+            "4.0 eager") in text
+    assert "holds 2." in text
+    # the same count both ways: no claim that compiling dropped any
+    assert "holds" not in report.peak_comparison_text(eager, eager)
+    assert report.peak_comparison_text(eager, [_point(16, 1024, "oom")]) == ""
+
+
+def test_quadratic_is_decided_by_the_fitted_exponent():
+    # batch 2, fp32: a score-sized tensor is 8 seq² bytes, so saved = 8 seq² is one of them (P)
+    quad = [_point(16, s, saved_bytes=8 * s * s) for s in (256, 512, 1024)]
+    text = report.quadratic_text(quad, quad)
+    assert "grows as seq^2.00" in text and "eager's saved memory: seq^2.00" in text
+    assert "is 1.00 score-sized tensors at d = 16, seq = 1,024" in text and "stays quadratic in seq" in text
+    # P plus a linear term as large as P at seq 512: the fit lands between 1 and 2
+    mixed = [_point(16, s, saved_bytes=8 * s * s + 4096 * s) for s in (256, 512, 1024)]
+    text = report.quadratic_text(quad, mixed)
+    assert "between linear and quadratic" in text and "stays quadratic" not in text
+    linear = [_point(16, s, saved_bytes=3 * s) for s in (256, 512, 1024)]
+    text = report.quadratic_text(quad, linear)
+    assert "seq^1.00" in text and "not the growth of a saved seq × seq matrix" in text
+    assert report.quadratic_text(quad, quad[:1]) == ""
+
+
+def test_model_compile_text_names_the_setting_the_uncompiled_sizes_and_why_the_largest_gain():
+    # 2026: preset 2.7B is the handout's xl. small's eager forward runs at 20 TFLOP/s, large's at 60: the
+    # largest gain (small, 0.3 / 0.1 = 3.00×) is at the lowest eager rate, so the text says why.
+    recs = [_rec("small", "forward", False, 0.3, achieved_tflops=20.0, n_params=128_000_000),
+            _rec("small", "forward", True, 0.1, achieved_tflops=60.0),
+            _rec("large", "forward", False, 0.3, achieved_tflops=60.0),
+            _rec("large", "forward", True, 0.2, achieved_tflops=90.0),
+            _rec("2.7B", "forward", False, 0.5, n_params=3_406_809_600),
+            {**_rec("2.7B", "forward", True, 0.5), "status": "skipped",
+             "error": "compile-time budget: 37 s spent + ~2 s predicted > 39 s"}]
+    text = report.model_compile_text(report.model_compile_table(recs, handout="2026"), recs, handout="2026",
+                                     smoke=False)
+    assert text.startswith("Setting: fp32 with TF32 matmuls, context 512, batch 4; compiled means each Transformer "
+                           "block compiled on its own")
+    assert ("Not compiled: xl (3.41 B parameters): inference forward (compile-time budget: 37 s spent + ~2 s "
+            "predicted > 39 s). So the table has compiled timings for small, large only.") in text
+    assert "2.7B" not in text and "The compile-time budget is the share" in text
+    assert ("The largest gain, small's inference forward (3.00×), is where eager is least efficient: it runs its "
+            "matmul FLOPs at 20 TFLOP/s against 60 for large") in text
+    # where the largest gain is not at the lowest eager rate, no reason is given
+    recs[2]["achieved_tflops"] = 10.0
+    text = report.model_compile_text(report.model_compile_table(recs, handout="2026"), recs, handout="2026",
+                                     smoke=False)
+    assert "The largest gain" not in text
+
+
+def test_a_run_without_compiled_points_says_nothing_was_compiled():
+    recs = [_rec("debug", "forward", False, 0.01, tf32=False)]
+    text = report.model_compile_text(report.model_compile_table(recs, handout="2026"), recs, handout="2026",
+                                     smoke=True)
+    assert text.startswith("Setting: fp32 with TF32 off, context 512, batch 4; nothing compiled.")

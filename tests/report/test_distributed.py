@@ -110,6 +110,13 @@ def test_allreduce_rows_name_each_source_machine_and_commit(tmp_path):
     assert "2 ranks 333 GB/s (3 ms), 8 ranks 333 GB/s (5.25 ms)" in text and "stays within 0%" in text
     assert "gloo on CPU is 40x to 200x slower" in text  # 2 against 0.05 ms at 1 MB, 600 against 3.0 ms at 1 GB
     assert "This run's NCCL times are 1.10x to 1.10x" in text  # 3.3 against the archive's 3.0
+    # cases this run could not measure, counted per reason
+    skipped = [dict(backend="nccl", world_size=4, size_mb=mb, status="not_run", reason="needs 4 GPUs")
+               for mb in (1, 10)] + [dict(backend="nccl", world_size=6, size_mb=1, status="not_run",
+                                          reason="needs 6 GPUs")]
+    mine.write_text("\n".join(json.dumps(r) for r in [*map(json.loads, mine.read_text().splitlines()), *skipped]))
+    text = report.allreduce_answer(report.allreduce_rows(mine, archives="results/13_allreduce_*.jsonl", root=tmp_path))
+    assert "Not run here (3 cases): needs 4 GPUs (2 cases); needs 6 GPUs (1 case)." in text
 
 
 def test_bucket_frame_compares_the_wait_after_backward_with_the_models():

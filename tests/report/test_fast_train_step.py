@@ -52,15 +52,24 @@ def test_lever_answer_names_the_largest_lever():
 
 def test_leaderboard_answer_states_where_and_against_what():
     row = dict(step_s=6.85, world_size=2, tflops_per_gpu=346.2, per_rank=[dict(peak_memory_gib=118.2)] * 2,
+               attn_impl="flash_triton", sdpa_backend="cudnn",
                env=dict(gpu="NVIDIA H200", git_commit="abc123", hostname="vm", date="2026-11-22"))
     text = report.leaderboard_answer(row, source="read from `results/12_leaderboard_8b.jsonl`")
     assert "**6.85 s per step**" in text and "2 x NVIDIA H200 (the handout times two B200s)" in text
     assert "commit abc123 on host vm" in text and "read from `results/12_leaderboard_8b.jsonl`" in text
     assert "naive baseline of 10 s: 1.46x faster" in text and "our own target (the project's) of <= 6 s: **not met**" in text
     faster = report.leaderboard_answer({**row, "step_s": 5.5}, source="in this run")
-    assert "1.82x faster" in faster and "of <= 6 s: **met**" in faster
+    assert "1.82x faster" in faster and "of <= 6 s: **met**." in faster
+    assert "Attention ran our own Triton FlashAttention-2" in faster
     table = report.leaderboard_table({**row, "model": "8B"})
     assert table.loc[0, "gpu"] == "NVIDIA H200" and table.loc[0, "model"] == "8B"
+    assert table.loc[0, "attention"] == "ours (Triton FlashAttention-2)"
+    # torch's kernel: the handout's rule (the implementation must be one's own) is named, the target's
+    # verdict holds for that attention only
+    cudnn = report.leaderboard_answer({**row, "step_s": 5.5, "attn_impl": "sdpa"}, source="in this run")
+    assert "Attention ran SDPA (cudnn), not our own kernel" in cudnn and "not a valid entry" in cudnn
+    assert "of <= 6 s: **met** with that attention (with ours: not measured)." in cudnn
+    assert report.leaderboard_table({**row, "attn_impl": "sdpa"}).loc[0, "attention"] == "SDPA (cudnn)"
 
 
 def test_leaderboard_row_skips_other_configurations(tmp_path):

@@ -72,9 +72,15 @@ def test_benchmark_answer_reads_the_rows(sweep):
     assert "one B200" in text and "on NVIDIA H100" in text
     # bf16: ours 3x faster than naive at every common point; naive ran out of memory at 65536
     assert "faster than `naive` end to end at 4 of 4 points" in text and "3x (d = 64)" in text
-    assert "did not run at 1 points from seq 65536 (oom" in text
+    # the reason of each missing point from its status; ours ran everywhere, so it is not listed
+    assert "`naive` did not run at 1 points (seq 65536, oom: out of memory)" in text
+    assert "`triton` did not run" not in text
     # fp32, our default (tf32x3): naive / ours = 2 everywhere; with IEEE dots 0.5: slower everywhere
     assert text.count("faster than `naive` end to end at 4 of 4 points") == 2 and "2x (d = 128)" in text
+    # the dots differ (tf32x3 against IEEE), so the like-for-like variant is named: naive / triton_ieee = 0.5
+    assert ("(ours multiplies in tf32x3, `naive` in ieee; like for like, `triton_ieee` (ieee) is faster at 0 of 4 "
+            "points, naive's time over its 0.5x-0.5x)") in text
+    assert text.count("like for like") == 1  # bf16's dots are alike
     ieee = report.benchmark_answer(sweep, ours="triton_ieee", device="NVIDIA H100", handout="2026")
     assert "at 0 of 4 points" in ieee and "ours is slower at 4 points, seq 1024-4096" in ieee
     assert "one H100" in report.benchmark_answer(sweep, ours="triton", device="x", handout="2025")
@@ -132,3 +138,15 @@ def test_prewarm_line_states_the_run_and_its_first_failure():
     bad = {**ok, "failed": [dict(calls=[], error="Traceback ...\nRuntimeError: out of resources\n")]}
     assert "1 job(s) failed" in report.prewarm_line(bad)
     assert report.prewarm_line(bad).endswith("RuntimeError: out of resources")
+
+
+def test_benchmark_answer_names_our_own_missing_points(sweep):
+    skipped = pd.DataFrame([_row("triton", "bf16", 128, 65536, 0, status="skipped (budget)", error="past it"),
+                            _row("triton", "bf16", 64, 131072, 0, status="skipped (budget)", error="past it")])
+    text = report.benchmark_answer(pd.concat([sweep, skipped]), ours="triton", device="x", handout="2026")
+    assert ("`triton` did not run at 2 points (seq 65536-131072, skipped (budget): the sweep's time budget ran out "
+            "before them)") in text
+    # a status without a stated reason shows its row's error
+    odd = pd.DataFrame([_row("naive", "fp32", 64, 65536, 0, status="error", error="RuntimeError: boom")])
+    assert "(seq 65536, error: RuntimeError: boom)" in report.benchmark_answer(
+        pd.concat([sweep, odd]), ours="triton", device="x", handout="2026")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from systems.config import get_config
@@ -23,12 +25,85 @@ def test_timeline_answer_checks_each_stage_on_the_curve():
     from systems.measure.memory import build_timeline
 
     tl = build_timeline(_synthetic_snapshot())
-    text = report.timeline_answer({"train_step": ({"context_length": 128}, tl)})
-    # forward 3 -> 7 MiB (a ramp), backward peaks at 9.25 and ends at 5 (a descent); the optimizer
-    # only allocates (5 -> 5.5 MiB, never above where it ends): not a spike
-    assert "the forward (rises from 3.00 MiB to 7.00 MiB, peak 8.00 MiB)" in text
+    text = report.timeline_answer({"train_step": ({"context_length": 128}, tl)}, cfg=get_config("debug"))
+    # forward 3 -> 7 MiB (a ramp), backward 7 -> 5 MiB (falls from where the forward ended); the
+    # optimizer only allocates (5 -> 5.5 MiB, never above where it ends): not a spike
+    assert "The forward rises from 3.00 MiB to 7.00 MiB (peak 8.00 MiB)" in text
+    assert "The backward falls from 7.00 MiB to 5.00 MiB (peak 9.25 MiB)" in text
     assert "falls in the **backward** phase" in text
-    assert "only in part" in text and "not so for the optimizer" in text
+    assert "only in part" in text and "the optimizer rises no higher than where it starts or ends" in text
+    # the debug model's gradients are not what moved here, so no drop or backward is explained by them
+    assert "zero_grad" not in text and "of gradients while freeing" not in text
+
+
+def _timeline(levels_gib: list[float], spans: list[tuple[str, int, int]]):
+    """A Timeline drawn by hand: the live bytes at each event and the phases' (name, first, last) events."""
+    import numpy as np
+
+    from systems.measure.memory import PhaseSpan, Timeline
+
+    total = (np.asarray(levels_gib) * GIB).astype(np.int64)
+    phases = [PhaseSpan(name, a, b, int(total[a:b + 1].max())) for name, a, b in spans]
+    return Timeline(x=np.arange(len(total)), total=total, allocations=[], phases=phases, steps=[], device=0)
+
+
+# a model of 2**28 fp32 parameters: 1 GiB of weights, and as much of gradients and of each AdamW moment
+ONE_GIB_MODEL = SimpleNamespace(n_params=2**28)
+SPANS = [("forward", 2, 3), ("backward", 4, 5), ("optimizer", 6, 7)]
+
+
+def test_timeline_answer_short_context_backward_climbs():
+    # start 4 GiB (weights, moments, old gradients); zero_grad frees the 1 GiB of gradients; the forward
+    # keeps 0.5 GiB; the backward writes 1 GiB of gradients and frees those 0.5 GiB: 3.5 + 1 - 0.5 = 4
+    tl = _timeline([4, 3, 3.25, 3.5, 4.5, 4, 5, 4], SPANS)
+    text = report.timeline_answer({"train_step": ({"context_length": 128}, tl)}, cfg=ONE_GIB_MODEL)
+    assert "starts from 4.00 GiB, 4.00× the 1.00 GiB of fp32 parameters" in text
+    assert ("previous step's gradients, all allocated before recording began. Before the forward allocates anything "
+            "it drops 1.00 GiB to 3.00 GiB") in text
+    assert "`optimizer.zero_grad(set_to_none=True)`" in text
+    assert ("The forward rises from 3.00 GiB to 3.50 GiB (peak 3.50 GiB): the 512 MiB it adds are the activations "
+            "autograd saves") in text
+    assert ("The backward rises from 3.50 GiB to 4.00 GiB (peak 4.50 GiB): it writes 1.00 GiB of gradients while "
+            "freeing the 512 MiB the forward kept (3.50 GiB + 1.00 GiB − 512 MiB = 4.00 GiB), and the gradients "
+            "outweigh what it frees, so memory climbs") in text
+    assert "its spike of 1.00 GiB is one more parameter-sized fp32 buffer" in text
+    assert "falls in the **optimizer** phase" in text
+    # the backward climbs on from the forward: no peak between them, and the answer says so
+    assert "only in part" in text and "the backward does not fall from where the forward ended" in text
+    assert "a peak marks the boundary" not in text and "the optimizer is a short spike" in text
+
+
+def test_timeline_answer_long_context_backward_falls():
+    # the forward keeps 1.5 GiB, more than the 1 GiB of gradients: 4.5 + 1 - 1.5 = 4, a fall
+    tl = _timeline([4, 3, 3.75, 4.5, 5.5, 4, 5, 4], SPANS)
+    text = report.timeline_answer({"train_step": ({"context_length": 2048}, tl)}, cfg=ONE_GIB_MODEL)
+    assert "The backward falls from 4.50 GiB to 4.00 GiB" in text
+    assert "(4.50 GiB + 1.00 GiB − 1.50 GiB = 4.00 GiB), and what it frees outweighs the gradients" in text
+    assert "So yes, the peaks tell each stage" in text and "a peak marks the boundary" in text
+
+
+def test_timeline_answer_without_a_drop_names_no_gradients_freed():
+    # a CPU profiler snapshot does not see the old gradients freed: the step starts where the forward does
+    tl = _timeline([3, 3, 3.25, 3.5, 4.5, 4, 5, 4], SPANS)
+    text = report.timeline_answer({"train_step": ({"context_length": 128}, tl)}, cfg=ONE_GIB_MODEL)
+    assert "3.00× the 1.00 GiB of fp32 parameters" in text and "the weights and AdamW's state, all allocated" in text
+    assert "zero_grad" not in text and "drops" not in text
+
+
+def test_timeline_answer_says_why_the_table_peak_is_higher():
+    fwd = _timeline([12.75, 17.25, 12.75], [("forward", 1, 2)])
+    step = _timeline([4, 3, 3.25, 3.5, 4.5, 4, 5, 4], SPANS)
+    rows = {"forward": {"context_length": 2048, "peak_gib": 17.5, "peak_source": "allocator", "status": "ok"},
+            "train_step": {"context_length": 128, "peak_gib": 5.5, "peak_source": "allocator", "status": "ok"}}
+    text = report.timeline_answer({"forward": (rows["forward"], fwd), "train_step": (rows["train_step"], step)},
+                                  cfg=ONE_GIB_MODEL)
+    assert ("These timeline peaks (17.25 GiB forward, 5.00 GiB training step) are below the peaks in the tables of "
+            "(b) and (c) (17.50 GiB, 5.50 GiB), though both are read from the same measured step: the timeline adds up the bytes each allocation "
+            "asked for") in text
+    assert "`torch.cuda.max_memory_allocated`" in text and "multiple of 512 bytes" in text
+    # on a CPU the table's peak is the timeline's own: nothing to explain
+    same = {**rows["forward"], "peak_gib": 17.25, "peak_source": "profiler snapshot"}
+    assert "timeline peaks" not in report.timeline_answer({"forward": (same, fwd)}, cfg=ONE_GIB_MODEL)
 
 
 def test_fmt_bytes_picks_a_unit():
@@ -111,6 +186,8 @@ def test_plan_answer_shows_the_runner_and_the_measured_strategies():
     text = report.plan_answer(rows)
     assert "def _run_chain" in text and "ChainCheckpointing.__call__" in text
     assert "**O(1)**" in text and "**O(N²)**" in text
+    # under the handout's assumption bisection reaches the same floor at less compute: both are named
+    assert "Recursive bisection gets there" in text and "O(N log N) block forwards" in text
     assert "2.00× (none)" in text and "1.00× (chain)" in text
     assert len(report.strategies_table(rows)) == 8
 

@@ -76,6 +76,47 @@ def test_speedup_table_and_answer():
     assert list(named["size"]) == ["xl"]
 
 
+def _timed(model, mode, precision, ms, *, n_params, flops):
+    return {"model": model, "mode": mode, "precision": precision, "status": "ok", "n_params": n_params,
+            "flops_per_step": flops, "step_times_s": [t / 1e3 for t in ms], "batch_size": 4, "context_length": 8}
+
+
+def test_speedup_answer_calls_a_difference_inside_the_spread_noise():
+    records = [
+        # s, forward_backward: fp32 50 ms flat; bf16's median 52 ms, its p10-p90 42-63 ms (inclusive
+        # quantiles of five times) holds fp32's 50: 0.96x, but within noise, not slower
+        _timed("s", "forward_backward", "fp32", [50] * 5, n_params=100, flops=1e12),
+        _timed("s", "forward_backward", "bf16", [40, 45, 52, 60, 65], n_params=100, flops=1e12),
+        # m does 5x s's FLOPs in 100 / 52 = 1.92x the bf16 time: under half of 5x
+        _timed("m", "forward_backward", "fp32", [400] * 5, n_params=1000, flops=5e12),
+        _timed("m", "forward_backward", "bf16", [100] * 5, n_params=1000, flops=5e12),
+        # s's bf16 train step (45 ms) shorter than its bf16 forward + backward (52 ms): impossible but for noise
+        _timed("s", "train_step", "fp32", [60] * 5, n_params=100, flops=1e12),
+        _timed("s", "train_step", "bf16", [45] * 5, n_params=100, flops=1e12),
+    ]
+    speed = report.speedup_table(records)
+    row = speed.set_index(["model", "mode"]).loc[("s", "forward_backward")]
+    assert (row["bf16_p10_ms"], row["bf16_p90_ms"]) == pytest.approx((42.0, 63.0))
+    assert report.noise_side(row) == "fp32"
+    text = report.speedup_answer(speed, pd.DataFrame(records), device="cuda", gpu="X", handout="2026")
+    assert "bf16 autocast is faster at 2 and within noise at 1 of the points" in text and "slower" not in text
+    assert ("s 50.0 → 52.0 ms (0.96×, within noise: fp32's median lies inside bf16's p10–p90 range, "
+            "42.0–63.0 ms)") in text
+    assert "m 400.0 → 100.0 ms (4.00×)" in text  # outside each other's spread: a real speedup
+    assert ("For s, forward_backward is not bound by its FLOPs: m does 5.00× its FLOPs in only "
+            f"{100 / 52:.2f}× its bf16 time") in text
+    assert ("For s, the bf16 train step (median 45.0 ms) came out shorter than the bf16 forward_backward "
+            "(52.0 ms)") in text
+    # the FLOP scaling is a GPU argument: a CPU smoke run does not make it
+    cpu = report.speedup_answer(speed, pd.DataFrame(records), device="cpu", gpu="X", handout="2026")
+    assert "not bound by its FLOPs" not in cpu and "within noise at 1" in cpu
+    # bf16's median inside fp32's spread counts too; medians outside both spreads do not
+    assert report.noise_side({"fp32_ms": 50, "fp32_p10_ms": 40, "fp32_p90_ms": 60,
+                              "bf16_ms": 55, "bf16_p10_ms": 54, "bf16_p90_ms": 56}) == "bf16"
+    assert report.noise_side({"fp32_ms": 50, "fp32_p10_ms": 49, "fp32_p90_ms": 51,
+                              "bf16_ms": 45, "bf16_p10_ms": 44, "bf16_p90_ms": 46}) is None
+
+
 def test_harness_bf16_sweep_runs_on_cpu(tmp_path):
     from systems.bench.benchmark import run_sweep
 

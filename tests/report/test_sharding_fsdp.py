@@ -55,3 +55,14 @@ def test_the_large_model_answer_says_what_happened_to_each_run():
     assert "`fsdp` (bf16) failed (distributed run did not finish)" in text
     # 16 bytes per parameter + 4 of temporaries on half: 4+4+4+2 = 14 B/param sharded-state, 10 B/param FSDP
     assert "180 GB per rank with sharded optimizer state and 128 GB with FSDP" in text
+
+
+def test_zero1_answer_places_our_sharding_among_the_zero_stages():
+    # 2**23 fp32 parameters (32 MiB per tensor) on 2 ranks: DDP holds weights + grads + 2 moments = 128 MiB;
+    # sharded, the moments halve: 32 + 32 + 32 = 96 MiB. DDP sends 2 x 1/2 x 32 = 32 MiB, ours + 1/2 x 32 =
+    # 48 MiB, ZeRO-1 1/2 x 32 + 1/2 x 32 = 32 MiB: 1.50x
+    text = report.zero1_answer(2**23, 2)
+    assert "(96 MiB per rank here, against 128 MiB for DDP)" in text
+    assert "fp32 master weights (12 bytes per parameter)" in text and "stage 2 (P_os+g)" in text
+    assert "every gradient (32 MiB sent per rank)" in text and "(+16 MiB), 48 MiB in all" in text
+    assert "ours sends 1.50x ZeRO-1's volume" in text and "{" not in text

@@ -8,7 +8,9 @@ The package reads in this order:
   that persists their choices across processes;
 - launch.py: the variant choice (FlashVariant), the plan cache and the direct launch of compiled
   kernels, the launchers, and the forward and backward passes;
-- function.py: the autograd.Function, FlashAttentionTriton.
+- function.py: the autograd.Function, FlashAttentionTriton;
+- op.py: the same passes as torch.library custom ops, which models call (torch.compile and
+  selective checkpointing see an op, not a Function's launches).
 
 ``flash_attention_triton`` is the entry point; the other names are for the tools and tests that
 time or check the kernels one by one (systems.bench.flash_tuning).

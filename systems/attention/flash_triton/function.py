@@ -13,7 +13,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 
 
-def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
+def validate_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> None:
     check_inputs(q, k, v, is_causal, dtypes=SUPPORTED_DTYPES)
     if not q.is_cuda and not INTERPRETING:
         raise ValueError(f"FlashAttentionTriton needs CUDA tensors, got device {q.device}; "
@@ -36,7 +36,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
                 variant: FlashVariant | None = None) -> torch.Tensor:
-        _validate(q, k, v, is_causal)
+        validate_inputs(q, k, v, is_causal)
         variant = DEFAULT_VARIANT if variant is None else variant
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # copies only what is strided
         o, lse = flash_forward_triton(q, k, v, bool(is_causal), variant=variant)
