@@ -59,6 +59,14 @@ def timing_text(rows: Sequence[dict], *, max_seq_len: int) -> str:
                      f"TFLOP/s).")
     parts.append(f"The first configuration to run out of memory is **d = {oom['d']}, seq = {oom['seq']:,}** (in the "
                  f"`{oom['oom_phase']}` phase)." if oom else f"No point ran out of memory up to seq {max_seq_len:,}.")
+    if oom:
+        at = [r for r in rows if r["seq"] == oom["seq"]]
+        failed = [r for r in at if r.get("status") == "oom"]
+        whole = sorted({r["seq"] for r in rows if r["seq"] < oom["seq"]})
+        ran = [s for s in whole if all(r.get("status") == "ok" for r in rows if r["seq"] == s)]
+        parts.append(f"At seq {oom['seq']:,} " + ("every head dim ran out of memory" if len(failed) == len(at) else
+                                                   f"{len(failed)} of {len(at)} head dims ran out of memory")
+                     + (f"; every point up to seq {ran[-1]:,} ran." if ran and ran == whole else "."))
     skipped = [r for r in rows if r.get("status") == SKIPPED]
     if skipped:
         parts.append(f"{len(skipped)} points were skipped for the time budget.")

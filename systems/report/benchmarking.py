@@ -223,7 +223,14 @@ def warmup_answer(table: pd.DataFrame, *, device: str) -> str:
             continue
         top = max(ratios, key=ratios.get)
         text += (f"With {w} warm-up step{'s' if w > 1 else ''} the first measured step is {_span(ratios, '{:.2f}×')} "
-                 f"the median" + (f" (still above it for {top})" if ratios[top] > 1.2 else "") + ". ")
+                 f"the median" + (f" (still above it for {top})" if ratios[top] > 1.2 else ""))
+        if w < most:
+            # the whole run, not only its first step: each process's steady state can differ too
+            medians = {s: by[w].loc[s, "median ms"] / warm.loc[s, "median ms"] for s in ratios}
+            far = max(medians, key=lambda s: abs(medians[s] - 1))
+            text += (f", and the run's median is {_span(medians, '{:.2f}×')} the {most}-warm-up run's"
+                     + (f" (furthest: {far})" if len(medians) > 1 else ""))
+        text += ". "
     text += ("One or two warm-up steps can leave a difference because some costs come later or repeat: the "
              "allocator keeps growing its pool until the step's peak has been reached once, autograd and the "
              "optimizer meet some code paths only on their second pass, " + (

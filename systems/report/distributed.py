@@ -164,8 +164,10 @@ def allreduce_answer(df: pd.DataFrame) -> str:
         text = (f"With {name} ({where}) at {ws} ranks, {small / 1e6:g} MB takes {a_ws['time_ms']:.3g} ms "
                 f"({a_ws['busbw_GBps']:.3g} GB/s bus bandwidth) and {large / 1e6:g} MB {b_ws['time_ms']:.3g} ms "
                 f"({b_ws['busbw_GBps']:.3g} GB/s): {large / small:,.0f}x the data costs "
-                f"{b_ws['time_ms'] / a_ws['time_ms']:,.0f}x the time, since a small message pays a fixed per-call "
-                "latency and only a large one fills the links.")
+                f"{b_ws['time_ms'] / a_ws['time_ms']:,.0f}x the time"
+                # the reason once, with the first backend: it is the same for both
+                + (", since a small message pays a fixed per-call latency and only a large one fills the links."
+                   if not parts else "."))
         if b["world_size"].nunique() > 1:
             by_ws = ", ".join(f"{int(r.world_size)} ranks {r.busbw_GBps:.3g} GB/s ({r.time_ms:.3g} ms)"
                               for r in b.itertuples())

@@ -182,3 +182,18 @@ def test_a_run_without_compiled_points_says_nothing_was_compiled():
     text = report.model_compile_text(report.model_compile_table(recs, handout="2026"), recs, handout="2026",
                                      smoke=True)
     assert text.startswith("Setting: fp32 with TF32 off, context 512, batch 4; nothing compiled.")
+
+
+def test_timing_text_says_how_much_of_the_grid_ran_and_which_dims_failed():
+    def row(d, seq, status="ok"):
+        return {"d": d, "seq": seq, "status": status, "batch_size": 8, "oom_phase": "warm-up backward",
+                "forward_ms_median": 1.0, "backward_ms_median": 2.0, "n_forward": 10, "forward_tflops": 1.0,
+                "backward_tflops": 1.0}
+
+    rows = [row(d, s) for d in (16, 32) for s in (256, 1024)] + [row(16, 4096, "oom"), row(32, 4096, "oom")]
+    text = report.timing_text(rows, max_seq_len=8192)
+    assert "**d = 16, seq = 4,096**" in text
+    assert "At seq 4,096 every head dim ran out of memory; every point up to seq 1,024 ran." in text
+    rows[-1] = row(32, 4096)  # d = 32 fits at 4096: only one of the two fails
+    assert "At seq 4,096 1 of 2 head dims ran out of memory; every point up to" in report.timing_text(
+        rows, max_seq_len=8192)

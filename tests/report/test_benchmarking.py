@@ -83,6 +83,10 @@ def test_warmup_answer_follows_the_data():
     text = report.warmup_answer(table, device="cuda")
     assert "takes 50.0× (small) the median" in text and "slower, noisier step" in text
     assert "With 1 warm-up step the first measured step is 1.20× (small)" in text
+    # medians: 10 (1 warm-up) against 10 (2 warm-ups): the whole run is compared too
+    assert "the median, and the run's median is 1.00× (small) the 2-warm-up run's." in text
+    slow = report.warmup_table([*rows[:1], run(1, [12, 11, 11, 12, 11]), *rows[2:]], handout="2026")
+    assert "the run's median is 1.10× (small) the 2-warm-up run's" in report.warmup_answer(slow, device="cuda")
     assert "cuBLAS" in text
     # a "cold" run that is not slower: the answer must not claim it is
     rows[0] = run(0, [10, 10, 10, 10, 10])

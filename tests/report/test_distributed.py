@@ -109,6 +109,7 @@ def test_allreduce_rows_name_each_source_machine_and_commit(tmp_path):
     assert "With NCCL (8x NVIDIA H200, results/13_allreduce_nccl_8xH200.jsonl, commit 7a244ec) at 2 ranks" in text
     assert "2 ranks 333 GB/s (3 ms), 8 ranks 333 GB/s (5.25 ms)" in text and "stays within 0%" in text
     assert "gloo on CPU is 40x to 200x slower" in text  # 2 against 0.05 ms at 1 MB, 600 against 3.0 ms at 1 GB
+    assert text.count("fixed per-call latency") == 1  # the reason once, not per backend
     assert "This run's NCCL times are 1.10x to 1.10x" in text  # 3.3 against the archive's 3.0
     # cases this run could not measure, counted per reason
     skipped = [dict(backend="nccl", world_size=4, size_mb=mb, status="not_run", reason="needs 4 GPUs")
