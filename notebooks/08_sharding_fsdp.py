@@ -85,8 +85,9 @@ if ctx.handout == "2026":
 nb.show(report.memory_table(opt, model=config.model, world_size=world), caption="allocated MiB per rank: measured and expected")
 nb.show(report.breakdown_table(opt, model=config.model, world_size=world), caption="what the memory is made of (MiB)")
 nb.answer(ctx, "optimizer_state_sharding_accounting", "a",
-          report.sharding_memory_answer(opt, model=config.model, world_size=world))
-nb.answer(ctx, "optimizer_state_sharding_accounting", "b", report.sharding_time_answer(opt, model=config.model))
+          report.sharding_memory_answer(opt, model=config.model, world_size=world, handout=ctx.handout))
+nb.answer(ctx, "optimizer_state_sharding_accounting", "b",
+          report.sharding_time_answer(opt, model=config.model, handout=ctx.handout))
 comm, mem = report.zero1_tables(get_config(config.model).n_params, world)
 nb.show(comm, caption="communication per step (MiB sent per rank, ring collectives)")
 nb.show(mem, caption="persistent memory per rank (MiB)")
@@ -110,7 +111,8 @@ nb.show(report.sizes_frame(sizes, world_size=world, device_bytes=device_bytes),
         caption=f"GB per rank before activations on {world} ranks; fits: below {device_name}")
 if ctx.handout == "2026":
     nb.answer(ctx, "fsdp_accounting", "a",
-              report.fsdp_saving_answer(opt, fsdp, model=config.model, world_size=world, large=large))
+              report.fsdp_saving_answer(opt, fsdp, model=config.model, world_size=world, large=large,
+                                        handout=ctx.handout))
 
 # %% [markdown]
 # ## Do the all-gathers finish before the layer needs them?
@@ -127,4 +129,4 @@ if len(gathers):
     nb.save_figure(report.plot_gathers(fsdp_bench.trace_timeline(trace), precision=first), ctx, "gather_timeline")
     nb.save_figure(report.plot_slack(gathers), ctx, "gather_slack")
 if ctx.handout == "2026":
-    nb.answer(ctx, "fsdp_accounting", "b", report.gather_answer(gathers, model=config.model))
+    nb.answer(ctx, "fsdp_accounting", "b", report.gather_answer(gathers, model=config.model, handout=ctx.handout))

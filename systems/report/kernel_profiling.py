@@ -104,10 +104,9 @@ def coverage_text(summary: pd.DataFrame, *, longest: bool) -> str:
 
 # (a) a forward pass "agrees" with the harness when the profiled span is within this fraction of
 # the harness's time. Fixed beforehand, not derived from the gap it judges (allowing the profiler's
-# own measured slow-down, as the sweep's `agrees_within_overhead` does, lets every gap agree). Why
-# 5%: where kernels fill the span, a profile at most 5% longer added at most 5% to their time, which
-# moves no category's share by more than 5 points: the shares (c)-(e) read still describe the
-# unprofiled run.
+# own measured slow-down lets every gap agree). Why 5%: where kernels fill the span, a profile at
+# most 5% longer added at most 5% to their time, which moves no category's share by more than 5
+# points: the shares (c)-(e) read still describe the unprofiled run.
 AGREE_TOLERANCE = 0.05
 # kernels running for at least this fraction of the forward span keep the GPU busy; below it the
 # GPU waits on the CPU's launches, whose cost the profiler raises (our cut)

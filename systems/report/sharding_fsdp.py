@@ -12,7 +12,7 @@ import pandas as pd
 
 from systems.analysis.sharding import (communication_per_step, expected_saving, memory_per_rank, per_rank_bytes,
                                        phase_bytes, sizes_table)
-from systems.config import get_config
+from systems.config import get_config, size_label
 from systems.measure.hardware import GPU_PEAKS
 
 MiB = 2**20
@@ -90,7 +90,7 @@ def _params(n: float) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.3g} M"
 
 
-def sharding_memory_answer(opt: pd.DataFrame, *, model: str, world_size: int) -> str:
+def sharding_memory_answer(opt: pd.DataFrame, *, model: str, world_size: int, handout: str) -> str:
     """optimizer_state_sharding_accounting (a): the peaks at the three points with and without
     sharding, against the accounting, and the breakdown."""
     ddp, sh = _pick(_ok(opt), "ddp", model=model), _pick(_ok(opt), "ddp_sharded", model=model)
@@ -98,7 +98,7 @@ def sharding_memory_answer(opt: pd.DataFrame, *, model: str, world_size: int) ->
         return "Not measured: " + "; ".join(f"{r['variant']} {r['status']}" for _, r in opt.iterrows()) + "."
     n = ddp["n_params"]
     p = per_rank_bytes(n, world_size, "ddp")
-    text = (f"{model}: {_params(n)} parameters, so fp32 weights and gradients take {_mib(p.params)} each, AdamW's "
+    text = (f"{size_label(model, handout)}: {_params(n)} parameters, so fp32 weights and gradients take {_mib(p.params)} each, AdamW's "
             f"two moments {_mib(p.optimizer_state)}, and torch AdamW's foreach step one more fp32 temporary "
             f"({_mib(p.optimizer_temporaries)}) for the parameters a rank updates. ")
     if not measured(opt):
@@ -133,13 +133,13 @@ def sharding_memory_answer(opt: pd.DataFrame, *, model: str, world_size: int) ->
     return text
 
 
-def sharding_time_answer(opt: pd.DataFrame, *, model: str) -> str:
+def sharding_time_answer(opt: pd.DataFrame, *, model: str, handout: str) -> str:
     """optimizer_state_sharding_accounting (b)."""
     ddp, sh = _pick(_ok(opt), "ddp", model=model), _pick(_ok(opt), "ddp_sharded", model=model)
     if ddp is None or sh is None:
         return "Not measured (a variant did not run)."
     ratio = sh["step_ms"] / ddp["step_ms"]
-    return (f"{model}, fp32, per step (median of the slowest rank, p10-p90): {ddp['step_ms']:.4g} ms "
+    return (f"{size_label(model, handout)}, fp32, per step (median of the slowest rank, p10-p90): {ddp['step_ms']:.4g} ms "
             f"({ddp['step_ms_p10']:.4g}-{ddp['step_ms_p90']:.4g}) without and {sh['step_ms']:.4g} ms "
             f"({sh['step_ms_p10']:.4g}-{sh['step_ms_p90']:.4g}) with sharding, x{ratio:.3f}. Each rank updates only the "
             "parameters it owns, but then every owner broadcasts them, "
@@ -218,7 +218,7 @@ def plot_fsdp(fsdp: pd.DataFrame, *, model: str, title: str = ""):
 
 
 def fsdp_saving_answer(opt: pd.DataFrame, fsdp: pd.DataFrame, *, model: str, world_size: int,
-                       large: str | None = None) -> str:
+                       large: str | None = None, handout: str) -> str:
     """fsdp_accounting (a): the saving expected from the peak over optimizer-state sharding (and
     over DDP), against the measured one, with what the gap is made of; and the large model."""
     sh, ddp = _pick(_ok(opt), "ddp_sharded", model=model), _pick(_ok(opt), "ddp", model=model)
@@ -233,7 +233,7 @@ def fsdp_saving_answer(opt: pd.DataFrame, fsdp: pd.DataFrame, *, model: str, wor
             f"{world_size - 1}/{world_size} of {_mib(2 * 4 * n)}) but only {_mib(exp['before_step'])} at the forward's "
             "end, where no gradient exists yet. The saving from the peak is the difference of the two schemes' peaks "
             f"(each the larger of its forward + backward and its step peak): expected {_mib(exp['peak'])} per rank "
-            f"({model}, fp32, ignoring the gathered layers). ")
+            f"({size_label(model, handout)}, fp32, ignoring the gathered layers). ")
     if measured(opt):
         peak = lambda r: max(r["peak_fwd_bwd"], r["peak_opt_step"])  # noqa: E731
         saved = peak(sh) - peak(ours)
@@ -256,16 +256,17 @@ def fsdp_saving_answer(opt: pd.DataFrame, fsdp: pd.DataFrame, *, model: str, wor
                      f"{full.step_peak / n:.0f} bytes per parameter of weights, gradients, "
                      "moments and the foreach update's temporary all shrink to 1/N. ")
     if large:
-        text += large_model_answer(opt, fsdp, model=large, world_size=world_size)
+        text += large_model_answer(opt, fsdp, model=large, world_size=world_size, handout=handout)
     return text
 
 
-def large_model_answer(opt: pd.DataFrame, fsdp: pd.DataFrame, *, model: str, world_size: int) -> str:
+def large_model_answer(opt: pd.DataFrame, fsdp: pd.DataFrame, *, model: str, world_size: int,
+                       handout: str) -> str:
     """What happened to the large model (e.g. 2026's 10B) under each variant, with its accounting."""
     rows = pd.concat([opt[opt["model"] == model], fsdp[fsdp["model"] == model]], ignore_index=True) \
         if "model" in fsdp.columns else opt[opt["model"] == model]
     if not len(rows):
-        return f"The {model} model was not attempted in this run."
+        return f"The {size_label(model, handout)} model was not attempted in this run."
     n = get_config(model).n_params
     parts = []
     for _, r in rows.iterrows():
@@ -275,7 +276,7 @@ def large_model_answer(opt: pd.DataFrame, fsdp: pd.DataFrame, *, model: str, wor
                 "ran out of memory" if r["status"] == "oom" else f"failed ({r.get('error', r['status'])})")
         parts.append(f"`{r['variant']}` ({r['precision'] if pd.notna(r.get('precision')) else 'bf16'}) {what}")
     need = {s: per_rank_bytes(n, world_size, s) for s in ("ddp_sharded", "fsdp")}
-    return (f"The {model} model ({_params(n)} parameters) on {world_size} ranks: " + "; ".join(parts) + ". Its weights, "
+    return (f"The {size_label(model, handout)} model ({_params(n)} parameters) on {world_size} ranks: " + "; ".join(parts) + ". Its weights, "
             f"gradients, moments and step temporaries alone take "
             f"{need['ddp_sharded'].step_peak / GB:.0f} GB per rank with "
             f"sharded optimizer state and {need['fsdp'].step_peak / GB:.0f} GB "
@@ -354,7 +355,7 @@ def gather_summary(gathers: pd.DataFrame) -> pd.DataFrame:
         slack_ms_median=("slack_ms", "median"), stall_ms_total=("stall_ms", "sum"))
 
 
-def gather_answer(gathers: pd.DataFrame, *, model: str) -> str:
+def gather_answer(gathers: pd.DataFrame, *, model: str, handout: str) -> str:
     """fsdp_accounting (b): did each forward all-gather finish before its layer needed it?"""
     if not len(gathers):
         return "No trace was recorded (profiling off)."
@@ -366,6 +367,6 @@ def gather_answer(gathers: pd.DataFrame, *, model: str) -> str:
                      f"{r['stall_ms_total']:.3f} ms in all over the forward")
     first = gathers[(gathers["order"] == 0) & ~gathers["in_time"].astype(bool)]
     late = ", ".join(f"{r['precision']} ({r['stall_ms']:.3f} ms stall)" for _, r in first.iterrows())
-    return (f"{model}, one profiled step of our FSDP per precision (rank 0): " + "; ".join(lines) + "."
+    return (f"{size_label(model, handout)}, one profiled step of our FSDP per precision (rank 0): " + "; ".join(lines) + "."
             + (f" The first unit's gather is late in {late}: it is issued when the step starts, with no earlier "
                "layer to hide behind." if late else ""))

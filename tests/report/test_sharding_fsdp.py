@@ -22,8 +22,9 @@ def _row(variant, *, state, temps, params=4 * N, grads=4 * N, acts=11_600 * MiB,
 def test_sharding_answer_attributes_every_part_and_matches_the_accounting():
     opt = pd.DataFrame([_row("ddp", state=8 * N, temps=4 * N, other=500 * MiB),
                         _row("ddp_sharded", state=4 * N, temps=2 * N, other=300 * MiB)])
-    text = report.sharding_memory_answer(opt, model="xl-2025", world_size=2)
+    text = report.sharding_memory_answer(opt, model="xl-2025", world_size=2, handout="2025")
     assert "during the step 38,613 MiB / 26,979 MiB" in text  # 20 and 16 bytes per parameter, plus other
+    assert text.startswith("xl: ")  # the handout's name for the preset, not "xl-2025"
     assert "other 500 MiB / 300 MiB" in text and "As expected: they follow the accounting" in text and "by at most 1.6%" in text
     assert "the moments are 50% and the temporaries 50% of DDP's" in text
     table = report.breakdown_table(opt, model="xl-2025", world_size=2)
@@ -37,7 +38,7 @@ def test_fsdp_saving_is_against_the_sharded_optimizer_and_counts_gathered_units(
     unit = 164 * 10**6
     fsdp = pd.DataFrame([_row("fsdp", params=2 * N, grads=2 * N, state=4 * N, temps=2 * N, other=2 * unit,
                               gathered_unit_bytes=unit, prefetch=1)])
-    text = report.fsdp_saving_answer(opt, fsdp, model="xl-2025", world_size=2)
+    text = report.fsdp_saving_answer(opt, fsdp, model="xl-2025", world_size=2, handout="2025")
     # at the peak (the forward's end) FSDP saves the other half of the weights, minus the units in flight
     assert "expected 3,811 MiB per rank" in text
     assert "3,499 MiB saved (92% of the expected)" in text
@@ -50,7 +51,7 @@ def test_the_large_model_answer_says_what_happened_to_each_run():
     hang past its deadline); the answer names both and the bytes the accounting needs."""
     opt = pd.DataFrame([dict(model="10B", variant="ddp_sharded", precision="fp32", status="oom", n_params=12_832_823_808)])
     fsdp = pd.DataFrame([dict(model="10B", variant="fsdp", status="error", error="distributed run did not finish")])
-    text = report.large_model_answer(opt, fsdp, model="10B", world_size=2)
+    text = report.large_model_answer(opt, fsdp, model="10B", world_size=2, handout="2026")
     assert "`ddp_sharded` (fp32) ran out of memory" in text
     assert "`fsdp` (bf16) failed (distributed run did not finish)" in text
     # 16 bytes per parameter + 4 of temporaries on half: 4+4+4+2 = 14 B/param sharded-state, 10 B/param FSDP
