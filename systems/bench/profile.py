@@ -162,7 +162,8 @@ def summarize(res: ProfileResult, harness: dict | None = None, *, label: str | N
     if harness is None:
         harness = {"harness_forward_s": res.timings.get("plain_forward_s"),
                    "harness_forward_std_s": res.timings.get("plain_forward_std_s")}
-    row = {"label": label or cfg.model, "model": cfg.model, "context_length": cfg.context_length,
+    row = {"label": label or cfg.model, "model": cfg.model, "model_overrides": dict(cfg.model_overrides),
+           "context_length": cfg.context_length,
            "batch_size": cfg.batch_size, "mode": cfg.mode, "precision": cfg.precision, "device": res.device,
            "status": "ok", "n_steps": res.n_steps, **harness}
     row.update(res.timings)

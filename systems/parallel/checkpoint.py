@@ -10,9 +10,8 @@ group's forward again in the backward.
 - ``apply_activation_checkpointing(model, group_size, save="none")``: one level, ``group_size``
   consecutive blocks per checkpointed group. ``save="attention"`` makes it selective: the outputs
   of the attention kernels (SDPA's, and our Triton op's) are kept from the forward (``SAVED_OPS``),
-  so the backward
-  recomputes everything in the group except attention, the most expensive op per byte it
-  produces (the 8B leaderboard block, context 32,768: 256 MiB of bf16 output for 8.8 of the
+  so the backward recomputes everything in the group except attention, the most expensive op per
+  byte it produces (the 8B leaderboard block, context 32,768: 256 MiB of bf16 output for 8.8 of the
   block's 22 forward TFLOP, the rest its GEMMs). Attention that is not one op (naive, the
   FlashAttentionTriton autograd.Function called directly) is recomputed as before.
 - ``apply_nested_checkpointing(model, branching=2, leaf_size=1)``: recursive: the blocks split
@@ -49,7 +48,7 @@ SAVED_OPS = {"attention": frozenset({"aten::_scaled_dot_product_cudnn_attention"
                                      "aten::_scaled_dot_product_flash_attention",
                                      "aten::_scaled_dot_product_efficient_attention",
                                      "aten::_scaled_dot_product_flash_attention_for_cpu",
-                                     "systems::flash_attention_forward"})}
+                                     "systems::flash_attention_forward"})}  # flash_triton/op.py's FORWARD_OP
 # what a checkpointed group keeps from its forward besides its input: "none" (full recompute) or
 # one of SAVED_OPS
 CHECKPOINT_SAVES = ("none", *SAVED_OPS)

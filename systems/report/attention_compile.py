@@ -60,13 +60,14 @@ def timing_text(rows: Sequence[dict], *, max_seq_len: int) -> str:
     parts.append(f"The first configuration to run out of memory is **d = {oom['d']}, seq = {oom['seq']:,}** (in the "
                  f"`{oom['oom_phase']}` phase)." if oom else f"No point ran out of memory up to seq {max_seq_len:,}.")
     if oom:
-        at = [r for r in rows if r["seq"] == oom["seq"]]
-        failed = [r for r in at if r.get("status") == "oom"]
-        whole = sorted({r["seq"] for r in rows if r["seq"] < oom["seq"]})
-        ran = [s for s in whole if all(r.get("status") == "ok" for r in rows if r["seq"] == s)]
-        parts.append(f"At seq {oom['seq']:,} " + ("every head dim ran out of memory" if len(failed) == len(at) else
-                                                   f"{len(failed)} of {len(at)} head dims ran out of memory")
-                     + (f"; every point up to seq {ran[-1]:,} ran." if ran and ran == whole else "."))
+        # only the points that were attempted at that length: a budget skip is neither a fit nor a failure
+        tried = [r for r in rows if r["seq"] == oom["seq"] and r.get("status") in ("ok", "oom")]
+        failed = [d for d, s in _first_oom_seq(rows).items() if s == oom["seq"]]
+        shorter = [r for r in rows if r["seq"] < oom["seq"]]
+        parts.append(f"At seq {oom['seq']:,} " + ("every head dim ran out of memory" if len(failed) == len(tried) else
+                                                   f"{len(failed)} of {len(tried)} head dims ran out of memory")
+                     + (f"; every point up to seq {max(r['seq'] for r in shorter):,} ran."
+                        if shorter and all(r.get("status") == "ok" for r in shorter) else "."))
     skipped = [r for r in rows if r.get("status") == SKIPPED]
     if skipped:
         parts.append(f"{len(skipped)} points were skipped for the time budget.")
@@ -188,7 +189,9 @@ def scaling_text(rows: Sequence[dict], fits: pd.DataFrame) -> str:
         return "Too few points ran to fit how saved memory grows."
     hooks = fits[fits["measure"].str.startswith("saved")]
     alloc = fits[fits["measure"].str.startswith("allocated")]
-    pooled = fit_power_law(*zip(*[(r["seq"], r["saved_bytes"]) for r in _ok(rows) if r.get("saved_bytes")]))
+    pooled = _pooled_saved_fit(rows)
+    if pooled is None:
+        return "Too few lengths ran to fit how saved memory grows."
     text = (f"The memory saved for backward grows as seq^{pooled.exponent:.3f} (log-log least squares over "
             f"{pooled.n} points, R² {pooled.r2:.5f}; per head dim "
             + ", ".join(f"d = {int(r.d)}: {r.exponent:.3f}" for r in hooks.itertuples())
@@ -302,7 +305,7 @@ def _oom_where(rows: Sequence[dict], *, label: str) -> str:
         text = f"{label} attention first runs out of memory at " + ", ".join(
             f"seq {seq:,} for d = {_dims(dl)}" for seq, dl in sorted(by_seq.items()))
     else:
-        text = f"{label} attention never runs out of memory"
+        text = f"{label} attention did not run out of memory at any length it ran"
     stops = []
     for d in (d for d in ds if d not in first):
         ran = [r["seq"] for r in _ok(rows) if r["d"] == d]
@@ -311,7 +314,7 @@ def _oom_where(rows: Sequence[dict], *, label: str) -> str:
         stops.append(f"d = {d} ran up to seq {max(ran):,}" if ran else f"d = {d} did not run")
         if after:
             stops[-1] += f", then {after[0].get('error') or after[0]['status']}"
-    return text + (f" ({'; '.join(stops)})" if stops and by_seq else "")
+    return text + (f" ({'; '.join(stops)})" if stops else "")
 
 
 def oom_comparison_text(eager: Sequence[dict], compiled: Sequence[dict]) -> str:
@@ -356,11 +359,15 @@ def peak_comparison_text(eager: Sequence[dict], compiled: Sequence[dict]) -> str
     return text + "."
 
 
-def _saved_exponent(rows: Sequence[dict]) -> float | None:
+def _pooled_saved_fit(rows: Sequence[dict]):
+    """The power law of saved memory against seq over every head dim's points (None below two lengths)."""
     pts = [(r["seq"], r["saved_bytes"]) for r in _ok(rows) if r.get("saved_bytes")]
-    if len({s for s, _ in pts}) < 2:
-        return None
-    return fit_power_law(*zip(*pts)).exponent
+    return fit_power_law(*zip(*pts)) if len({s for s, _ in pts}) >= 2 else None
+
+
+def _saved_exponent(rows: Sequence[dict]) -> float | None:
+    fit = _pooled_saved_fit(rows)
+    return None if fit is None else fit.exponent
 
 
 def quadratic_text(eager: Sequence[dict], compiled: Sequence[dict]) -> str:

@@ -28,7 +28,8 @@ def harness_answer(handout: str) -> str:
             f"{modes} (`--mode forward | forward_backward | train_step`), calling `torch.cuda.synchronize()` at the "
             f"end of every phase and reading `timeit.default_timer`. Each record holds the mean and standard "
             f"deviation of the step and of each phase, its median, and from the median step tokens/s, model "
-            f"FLOP/s and MFU against the GPU's named peak, and peak memory; a size that does not fit is a record with status `oom`. Example: `python -m "
+            f"FLOP/s and MFU against the GPU's named peak, and peak memory; a size that does not fit is a "
+            f"record with status `oom`. Example: `python -m "
             f"systems.bench.benchmark --model-size small medium --context-length 512 --mode train_step`; from "
             f"Python, `run_benchmark(BenchmarkConfig(...))` and `run_sweep([...])`, which this notebook calls.")
 

@@ -12,6 +12,7 @@ profiles.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from systems.config import ModelConfig, get_config
 from systems.measure.profiler import ATTENTION_RANGES, CATEGORIES, PHASE_RANGES, attribute, parse_trace
 from systems.measure.trace import STEP_RANGE
 from systems.model import Linear, TransformerLM
+from systems.report.notebook import join_words, value_range
 
 MS = 1e3
 
@@ -31,16 +33,8 @@ def _ok(summary: pd.DataFrame, mode: str | None = None) -> pd.DataFrame:
 
 
 def _percent_range(values: pd.Series, digits: int = 1, *, signed: bool = False) -> str:
-    """"12.0%–40.5%"; ``signed`` for relative differences, "-12.0% to +40.5%" (a dash between
-    signed numbers would read as a minus)."""
-    fmt = f"{{:{'+' if signed else ''}.{digits}%}}"
-    lo, hi = fmt.format(values.min()), fmt.format(values.max())
-    return lo if lo == hi else f"{lo} to {hi}" if signed else f"{lo}–{hi}"
-
-
-def _join(items: list[str]) -> str:
-    """'a', 'a and b', 'a, b and c'."""
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+    """"12.0%–40.5%"; ``signed`` for relative differences, "-12.0% to +40.5%"."""
+    return value_range(values, f"{{:{'+' if signed else ''}.{digits}%}}", signed=signed)
 
 
 def tool_note(*, nsys: bool, device: str) -> str:
@@ -130,7 +124,7 @@ def forward_table(summary: pd.DataFrame, *, tolerance: float = AGREE_TOLERANCE) 
 
 def _names(rows: pd.DataFrame) -> str:
     """'small at 256 tokens', 'small at 256 and large at 512 tokens'."""
-    return _join([f"{r.label} at {r.context:.0f}" for r in rows.itertuples()]) + " tokens"
+    return join_words([f"{r.label} at {r.context:.0f}" for r in rows.itertuples()]) + " tokens"
 
 
 def answer_a(table: pd.DataFrame, *, device: str, tolerance: float = AGREE_TOLERANCE,
@@ -159,7 +153,7 @@ def answer_a(table: pd.DataFrame, *, device: str, tolerance: float = AGREE_TOLER
         text += f", their profiled spans {_percent_range(agree['span vs harness'], signed=True)} off"
     gaps = [f"{r['label']} at {r['context']:.0f}" + (" tokens" if i == len(off) - 1 else "")
             + f" ({r['span vs harness']:+.1%})" for i, (_, r) in enumerate(off.iterrows())]
-    text += f"; {_join(gaps)} {'does' if len(off) == 1 else 'do'} not"
+    text += f"; {join_words(gaps)} {'does' if len(off) == 1 else 'do'} not"
     filled = off["kernel ms"] / off["profiled span ms"]
     bound = off[(filled < busy) & (off["profiler overhead"] > tolerance)]
     if bound.empty:
@@ -178,13 +172,13 @@ def answer_a(table: pd.DataFrame, *, device: str, tolerance: float = AGREE_TOLER
 # ----------------------------------------------------------------------------- (b)
 
 
-_LAYOUT = re.compile(r"(nn|nt|tn|tt)", re.IGNORECASE)  # cuBLAS/CUTLASS: which operands a GEMM reads transposed
+_LAYOUTS = {"nn", "nt", "tn", "tt"}  # cuBLAS/CUTLASS name tokens: which operands a GEMM reads transposed
 _TILE = re.compile(r"\d+x\d+")
 
 
 def kernel_layout(kernel: str) -> str | None:
     """A GEMM kernel's operand layout token ('tn', 'nt', 'nn', 'tt'), if its name carries one."""
-    return next((t.lower() for t in kernel.split("_") if _LAYOUT.fullmatch(t)), None)
+    return next((t.lower() for t in kernel.split("_") if t.lower() in _LAYOUTS), None)
 
 
 def kernel_family(kernel: str) -> str:
@@ -205,25 +199,29 @@ def kernel_family(kernel: str) -> str:
 
 def weight_matmuls(cfg: ModelConfig) -> tuple[list[str], list[str]]:
     """The model's weight matmuls (its Linear modules, one GEMM launch each per forward pass): the
-    names in one layer, and those outside the layers (the LM head). Counted on a one-layer model on
-    the meta device, so nothing is allocated and the count follows the config (fused projections
-    have fewer)."""
-    model = TransformerLM(cfg.with_(n_layers=1), device="meta")
+    names in one layer, and those outside the layers (the LM head). Which Linears a model has
+    depends only on whether its projections are fused, so each layout is counted once."""
+    return _linear_names(cfg.fused_projections)
+
+
+@functools.cache
+def _linear_names(fused_projections: bool) -> tuple[list[str], list[str]]:
+    # a one-layer model on the meta device: nothing allocated, the names as the model defines them
+    model = TransformerLM(get_config("debug", n_layers=1, fused_projections=fused_projections), device="meta")
     layer = [n for n, m in model.layers[0].named_modules() if isinstance(m, Linear)]
     outside = [n for n, m in model.named_modules() if isinstance(m, Linear) and not n.startswith("layers.")]
     return layer, outside
 
 
 def launch_split(n: float, cfg: ModelConfig) -> tuple[int, int, int] | None:
-    """``n`` launches per forward pass as (layers, k per layer, extra): every layer's weight
-    matmuls plus the ones outside the layers if n is that many, else k in each layer, plus the
-    outside ones or not; None when n is neither."""
-    layer, outside = weight_matmuls(cfg)
-    if n == cfg.n_layers * len(layer) + len(outside):
-        return cfg.n_layers, len(layer), len(outside)
-    for extra in (0, len(outside)):
+    """``n`` launches per forward pass as (layers, k per layer, extra): k in each layer plus the
+    weight matmuls outside the layers, else without them; None when n is neither (or missing)."""
+    if pd.isna(n) or not float(n).is_integer():
+        return None
+    outside = len(weight_matmuls(cfg)[1])
+    for extra in (outside, 0):
         k, rest = divmod(int(n) - extra, cfg.n_layers)
-        if n == int(n) and k >= 1 and rest == 0:
+        if k >= 1 and rest == 0:
             return cfg.n_layers, k, extra
     return None
 
@@ -237,30 +235,38 @@ def _split_text(split: tuple[int, int, int] | None, cfg: ModelConfig) -> str:
     return f"{n_layers} × {k}" + (f" + {extra}" if extra else "") + (" (every weight matmul)" if every else "")
 
 
-def _model_config(label: str, model: str, configs: dict[str, ModelConfig] | None) -> ModelConfig:
-    return configs[label] if configs and label in configs else get_config(model)
+def _row_config(row) -> ModelConfig:
+    """The model a summary row measured: its preset with the overrides the sweep recorded (rows
+    written before they were recorded: the preset alone)."""
+    overrides = getattr(row, "model_overrides", None)
+    return get_config(row.model, **(overrides if isinstance(overrides, dict) else {}))
 
 
 SPLIT = "per pass = layers × per layer + outside"
 
 
-def top_kernel_table(summary: pd.DataFrame, *, configs: dict[str, ModelConfig] | None = None) -> pd.DataFrame:
+def top_kernel_table(summary: pd.DataFrame) -> pd.DataFrame:
     """Per (size, context): the forward pass's top kernel (inference), its launches per pass and
     how they split over the layers, and the top kernel of the train step's forward+backward;
-    whether it is the same kernel (full name). ``configs``: label -> ModelConfig, by default the
-    preset each row names (``model``)."""
-    fwd = _ok(summary, "forward")[["label", "model", "context_length", "top_forward_kernel", "top_forward_category",
-                                   "top_forward_share", "top_forward_per_pass", "top_forward_name"]]
+    whether it is the same kernel (full name); and (``weight matmuls per pass``) what one launch per
+    weight matmul would count, from the row's model."""
+    ok = _ok(summary, "forward")
+    fwd = ok.assign(model_overrides=ok["model_overrides"] if "model_overrides" in ok else None)[
+        ["label", "model", "model_overrides", "context_length", "top_forward_kernel", "top_forward_category",
+         "top_forward_share", "top_forward_per_pass", "top_forward_name"]]
     train = _ok(summary, "train_step")
     cols = ["label", "context_length", "top_fwd_bwd_kernel", "top_fwd_bwd_category", "top_fwd_bwd_share",
             "top_fwd_bwd_name"]
     train = train[cols] if "top_fwd_bwd_kernel" in train.columns else pd.DataFrame(columns=cols)
     b = fwd.merge(train, on=["label", "context_length"], how="left")
-    cfgs = [_model_config(r.label, r.model, configs) for r in b.itertuples()]
+    cfgs = [_row_config(r) for r in b.itertuples()]
     b.insert(b.columns.get_loc("top_forward_per_pass") + 1, SPLIT,
              [_split_text(launch_split(r.top_forward_per_pass, c), c) for r, c in zip(b.itertuples(), cfgs)])
+    b["weight matmuls per pass"] = [c.n_layers * len(weight_matmuls(c)[0]) + len(weight_matmuls(c)[1]) for c in cfgs]
+    b["n_layers"] = [c.n_layers for c in cfgs]
+    b["fused_projections"] = [c.fused_projections for c in cfgs]
     b["same kernel leads fwd+bwd"] = b["top_fwd_bwd_name"] == b["top_forward_name"]
-    return b.reset_index(drop=True)
+    return b.drop(columns="model_overrides").reset_index(drop=True)
 
 
 def _launch_counts(table: pd.DataFrame) -> str:
@@ -269,12 +275,12 @@ def _launch_counts(table: pd.DataFrame) -> str:
     parts = []
     for label, grp in table.groupby("label", sort=False):
         by_count = grp.groupby("top_forward_per_pass", sort=False)["context_length"].agg(list)
-        items = [f"{n:g}× at {_join([str(c) for c in ctxs])}" for n, ctxs in by_count.items()]
+        items = [f"{n:g}× at {join_words([str(c) for c in ctxs])}" for n, ctxs in by_count.items()]
         parts.append(f"{label} " + items[0] + " tokens" + "".join(f", {i}" for i in items[1:]))
     return "; ".join(parts)
 
 
-def answer_b(table: pd.DataFrame, *, configs: dict[str, ModelConfig] | None = None) -> str:
+def answer_b(table: pd.DataFrame) -> str:
     """(b): the top forward kernel by family (full names in ``top_kernel_table``), its launches
     per pass for every (size, context), explained from the config where every weight matmul
     launches it once; then whether it also leads forward+backward."""
@@ -288,7 +294,7 @@ def answer_b(table: pd.DataFrame, *, configs: dict[str, ModelConfig] | None = No
             f"of forward kernel time; full names in the table)")
     if len(counts) > 1:
         text += ", elsewhere " + ", ".join(f"`{k}`" for k in counts.index[1:])
-    text += f", launched per forward pass: {_launch_counts(table)}. " + _per_weight_matmul(table, configs)
+    text += f", launched per forward pass: {_launch_counts(table)}. " + _per_weight_matmul(table)
     both = table.dropna(subset=["top_fwd_bwd_name"])
     if both.empty:
         return text + " No train step ran to compare with forward+backward."
@@ -314,23 +320,22 @@ def _other(n: int) -> str:
     return "other one" if n == 1 else f"other {n}"
 
 
-def _per_weight_matmul(table: pd.DataFrame, configs: dict[str, ModelConfig] | None) -> str:
-    """What one launch per weight matmul would count per size, from the config, and which
-    configurations reach it: those run every weight matmul on the top kernel; fewer launches leave
-    some matmul shapes to other kernels (cuBLAS picks a kernel per shape)."""
-    sizes = table.drop_duplicates("label")
-    cfgs = {r.label: _model_config(r.label, r.model, configs) for r in sizes.itertuples()}
-    split = {label: weight_matmuls(cfg) for label, cfg in cfgs.items()}
-    total = {label: cfgs[label].n_layers * len(layer) + len(out) for label, (layer, out) in split.items()}
+def _per_weight_matmul(table: pd.DataFrame) -> str:
+    """What one launch per weight matmul would count per size (``top_kernel_table``'s column), and
+    which configurations reach it: those run every weight matmul on the top kernel; fewer launches
+    leave some matmul shapes to other kernels (cuBLAS picks a kernel per shape)."""
+    sizes = table.drop_duplicates("label").set_index("label")
+    split = {label: _linear_names(bool(r.fused_projections)) for label, r in sizes.iterrows()}
     names = {(tuple(n.rsplit(".", 1)[-1] for n in layer), tuple(out)) for layer, out in split.values()}
     if len(names) == 1:  # the sizes share one layout: name its matmuls once
         (layer, out), = names
-        text = f"One launch per weight matmul is layers × {len(layer)} ({', '.join(layer)}) + {len(out)} ({', '.join(out)}): "
+        text = (f"One launch per weight matmul is layers × {len(layer)} ({', '.join(layer)}) + {len(out)} "
+                f"({', '.join(out)}): ")
     else:
         text = "One launch per weight matmul is layers × weight matmuls per layer + the ones outside the layers: "
-    text += ", ".join(f"{cfgs[label].n_layers} × {len(split[label][0])} + {len(split[label][1])} = {total[label]} for {label}"
-                      for label in cfgs)
-    need = table["label"].map(total)
+    text += ", ".join(f"{r.n_layers} × {len(split[label][0])} + {len(split[label][1])} = "
+                      f"{r['weight matmuls per pass']} for {label}" for label, r in sizes.iterrows())
+    need = table["weight matmuls per pass"]
     every, short = table[table["top_forward_per_pass"] == need], table[table["top_forward_per_pass"] < need]
     parts = []
     if len(every):
@@ -338,15 +343,18 @@ def _per_weight_matmul(table: pd.DataFrame, configs: dict[str, ModelConfig] | No
                       f"{_names_ctx(every)} run{'s' if len(every) == 1 else ''}")
                      + " every weight matmul on it")
     if len(short):
-        parts.append(("the other" if len(every) + len(short) == len(table) else f"{_names_ctx(short)}'s")
-                     + " counts fall short, leaving some matmul shapes to kernels with other tile sizes")
+        who = ("every configuration's count falls" if len(short) == len(table) else
+               "the other counts fall" if len(every) + len(short) == len(table) else
+               f"the counts of {_names_ctx(short)} fall")
+        parts.append(who + " short, leaving some matmul shapes to kernels with other tile sizes")
     return text + ("; " + " and ".join(parts) if parts else "") + "."
 
 
 def _names_ctx(rows: pd.DataFrame) -> str:
     """'small at 1024 and 4096 tokens', 'small at 1024 and large at 512 tokens'."""
-    per = [f"{label} at {_join([str(c) for c in grp['context_length']])}" for label, grp in rows.groupby("label", sort=False)]
-    return _join(per) + " tokens"
+    per = [f"{label} at {join_words([str(c) for c in grp['context_length']])}"
+           for label, grp in rows.groupby("label", sort=False)]
+    return join_words(per) + " tokens"
 
 
 # ----------------------------------------------------------------------------- (c)
@@ -421,11 +429,7 @@ def share_changes(shares: pd.DataFrame, *, unchanged: float = SHARE_CHANGE) -> p
 def _points(values: pd.Series, *, signed: bool = False) -> str:
     """Share changes in points: '6.7–8.7' (magnitudes, the direction said in words), or signed
     '-0.4 to -0.2'."""
-    if signed:
-        lo, hi = f"{values.min() * 100:+.1f}", f"{values.max() * 100:+.1f}"
-        return lo if lo == hi else f"{lo} to {hi}"
-    lo, hi = f"{values.abs().min() * 100:.1f}", f"{values.abs().max() * 100:.1f}"
-    return lo if lo == hi else f"{lo}–{hi}"
+    return value_range(values * 100, "{:+.1f}", signed=True) if signed else value_range(values.abs() * 100, "{:.1f}")
 
 
 def _context_groups(changes: pd.DataFrame) -> list[tuple[str, list[int]]]:
@@ -442,7 +446,7 @@ def _context_groups(changes: pd.DataFrame) -> list[tuple[str, list[int]]]:
 
 
 def _group_phrase(way: str, contexts: list[int], changes: pd.DataFrame, unchanged: float) -> str:
-    at = f"at {_join([str(c) for c in contexts])} tokens"
+    at = f"at {join_words([str(c) for c in contexts])} tokens"
     by = ", ".join(f"{_points(changes.loc[changes['context_length'] == c, 'matmul'])} at {c}" for c in contexts)
     moved = changes.loc[changes["context_length"].isin(contexts), "matmul"]
     if way == "holds":
@@ -502,9 +506,8 @@ def _mover(changes: pd.DataFrame) -> str:
     return max(others, key=lambda c: changes[c].abs().mean())
 
 
-def _rows_at(frame: pd.DataFrame, contexts: list[int], mode: str | None = None) -> pd.DataFrame:
-    rows = frame[frame["context_length"].isin(contexts)]
-    return rows if mode is None else rows[rows["mode"] == mode]
+def _rows_at(frame: pd.DataFrame, contexts: list[int]) -> pd.DataFrame:
+    return frame[frame["context_length"].isin(contexts)]
 
 
 def _falls_reason(changes, groups, summary, *, device: str) -> str:

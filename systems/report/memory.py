@@ -19,6 +19,7 @@ from systems.measure.memory import (Timeline, build_timeline, largest_allocation
                                     match_allocation_size, residual_stream_bytes)
 from systems.parallel import checkpoint as checkpointing
 from systems.report.deliverables import deliverables
+from systems.report.notebook import value_range
 
 GIB = 2**30
 MIB = 2**20
@@ -173,12 +174,11 @@ def _move(before: int, after: int) -> str:
             f"{'rises' if after > before else 'falls'} from {fmt_bytes(before)} to {fmt_bytes(after)}")
 
 
-def _step_phases(tl: Timeline, *, grad_bytes: int) -> list[str]:
+def _step_phases(tl: Timeline, first: dict[str, tuple[int, int, int]], *, grad_bytes: int) -> list[str]:
     """One sentence per stretch of the training step's curve, each move read off the curve and
     explained only where the bytes add up: the drop at the start (the previous step's gradients),
     the forward's rise (what it keeps for the backward), the backward (gradients written against
-    that freed) and the optimizer's spike (one parameter-sized temporary)."""
-    first = _first_spans(tl)
+    that freed) and the optimizer's spike (one parameter-sized temporary). ``first``: _first_spans(tl)."""
     out = []
     kept = None  # what the forward leaves for the backward
     if "forward" in first:
@@ -218,11 +218,11 @@ def _step_phases(tl: Timeline, *, grad_bytes: int) -> list[str]:
     return out
 
 
-def _stage_verdict(tl: Timeline) -> str:
+def _stage_verdict(first: dict[str, tuple[int, int, int]]) -> str:
     """Whether the peaks give each stage of a training step away, decided on the curve: the forward
     by ending higher than it starts, the backward by falling from where the forward ended (which
-    puts a peak between them), the optimizer by a spike above where it starts and ends."""
-    first = _first_spans(tl)
+    puts a peak between them), the optimizer by a spike above where it starts and ends; ``first``:
+    each phase's first span (_first_spans)."""
     checks = {"forward": ("the forward is a ramp, ending higher than it starts",
                           "the forward does not end higher than it starts",
                           lambda b, a, pk: a > b),
@@ -282,8 +282,9 @@ def timeline_answer(timelines: dict[str, tuple[dict, Timeline]], *, cfg: ModelCo
                      f"next block has read them and the climb is the few tensors alive at once.")
     if "train_step" in timelines:
         row, tl = timelines["train_step"]
-        stories = _step_phases(tl, grad_bytes=param_bytes)
-        f_before = _first_spans(tl).get("forward", (tl.baseline_bytes,))[0]
+        first = _first_spans(tl)
+        stories = _step_phases(tl, first, grad_bytes=param_bytes)
+        f_before = first.get("forward", (tl.baseline_bytes,))[0]
         held = ("the weights, AdamW's two moments and the previous step's gradients"
                 if _matches(tl.baseline_bytes - f_before, param_bytes) else "the weights and AdamW's state")
         peak_phase = next((p.name for p in tl.phases if p.start <= tl.peak_index <= p.end), "unlabelled")
@@ -291,7 +292,7 @@ def timeline_answer(timelines: dict[str, tuple[dict, Timeline]], *, cfg: ModelCo
                      f"{tl.baseline_bytes / param_bytes:.2f}× the {fmt_bytes(param_bytes)} of fp32 parameters: {held}, "
                      f"all allocated before recording began. " + " ".join(stories)
                      + f" The step's peak, {fmt_bytes(tl.peak_bytes)}, falls in the **{peak_phase}** phase.")
-        parts.append(_stage_verdict(tl))
+        parts.append(_stage_verdict(first))
     note = _peak_note(timelines)
     return " ".join(parts + ([note] if note else []))
 
@@ -345,12 +346,6 @@ def peak_phase(row: dict) -> str | None:
     return next(p for p, v in marks if v >= top)
 
 
-def _span(values: list[float], fmt: str) -> str:
-    """'0.99–1.04', or one value when they agree at that precision."""
-    lo, hi = fmt.format(min(values)), fmt.format(max(values))
-    return lo if lo == hi else f"{lo}–{hi}"
-
-
 def _pairs(rows: list[dict]) -> list[tuple[str, int, dict | None, dict | None]]:
     """(mode, context, fp32 row, bf16 row) for every mode and context swept."""
     by = {(r["mode"], r["context_length"], r["precision"]): r for r in rows}
@@ -387,7 +382,7 @@ def precision_answer(rows: list[dict], *, cfg: ModelConfig, label: str) -> str:
     if fwd:
         ratios = [pb / pa for _, pa, pb in fwd]
         c, pa, pb = max(fwd, key=lambda t: abs(t[2] / t[1] - 1))
-        parts.append(f"Forward pass: the bf16-autocast peak is {_span(ratios, '{:.2f}')}× the fp32 peak (largest "
+        parts.append(f"Forward pass: the bf16-autocast peak is {value_range(ratios, '{:.2f}')}× the fp32 peak (largest "
                      f"change at context {c}: {fmt_bytes(pa)} → {fmt_bytes(pb)}). Both hold the same "
                      f"{fmt_bytes(param_bytes)} of fp32 weights (autocast keeps them and casts a bf16 copy per use); "
                      f"only what sits above them differs, {fmt_bytes(pa - param_bytes)} → {fmt_bytes(pb - param_bytes)} "
@@ -398,7 +393,7 @@ def precision_answer(rows: list[dict], *, cfg: ModelConfig, label: str) -> str:
         ratios = [_peak(b) / _peak(a) for _, a, b in steps if _peak(a) and _peak(b)]
         phases = {peak_phase(r) for _, a, b in steps for r in (a, b) if _peak(r)}
         peaks = [_peak(r) for _, a, b in steps for r in (a, b) if _peak(r)]
-        text = (f"Training step: bf16 / fp32 = {_span(ratios, '{:.3f}')}. " if ratios else "Training step: ")
+        text = (f"Training step: bf16 / fp32 = {value_range(ratios, '{:.3f}')}. " if ratios else "Training step: ")
         text += (f"Every step that ran reached its peak ({fmt_bytes(min(peaks))}–{fmt_bytes(max(peaks))}) in the "
                  f"**{' / '.join(sorted(phases))}** phase")
         if phases == {"optimizer"}:

@@ -19,10 +19,11 @@ from systems.bench.precision import FP16_MAX, LN_METHODS
 from systems.config import size_label
 from systems.measure.devices import dtype_of
 from systems.measure.timer import median_p10_p90
+from systems.report.notebook import join_words
 
 # our threshold for "not bound by its FLOPs": with time = fixed + FLOPs / rate, a next size doing r× the
 # FLOPs in T× the time puts a share (r − T) / (r − 1) of this step in the fixed part (at least that if the
-# fixed part grows with size too), over half once T < r / 2
+# fixed part grows with size too); "not bound by its FLOPs" once that share is over this
 FLOP_BOUND_SHARE = 0.5
 
 # ----------------------------------------------------------------------------- accumulation
@@ -297,7 +298,7 @@ def plot_speedup(table: pd.DataFrame, *, title: str | None = None):
 def noise_side(row, *, baseline: str = "fp32", candidate: str = "bf16") -> str | None:
     """Which precision's p10–p90 range of step times holds the other's median, or None: a point's
     speedup is within the run-to-run noise when either median falls inside the other side's spread
-    (a side without a spread, NaN, holds nothing)."""
+    (``speedup_table`` gives a record without per-step times a spread of its mean alone)."""
     for inside, spread in ((baseline, candidate), (candidate, baseline)):
         if row[f"{spread}_p10_ms"] <= row[f"{inside}_ms"] <= row[f"{spread}_p90_ms"]:
             return inside
@@ -325,7 +326,7 @@ def _direction(ran: pd.DataFrame) -> str:
         return "bf16 autocast is neither faster nor slower beyond the noise anywhere"
     counts = [f"{name} at {int(k.sum())}" for name, k in (("faster", faster), ("slower", slower),
                                                            ("within noise", noise)) if k.any()]
-    return "bf16 autocast is " + ", ".join(counts[:-1]) + f" and {counts[-1]} of the points"
+    return "bf16 autocast is " + join_words(counts) + " of the points"
 
 
 def _fixed_cost_bound(grp: pd.DataFrame) -> list[str]:
@@ -338,11 +339,12 @@ def _fixed_cost_bound(grp: pd.DataFrame) -> list[str]:
         if noise_side(this) is None or not (this["flops_per_step"] > 0 and nxt["flops_per_step"] > 0):
             continue  # NaN FLOPs (a record without them) fail the test too
         flops, time = nxt["flops_per_step"] / this["flops_per_step"], nxt["bf16_ms"] / this["bf16_ms"]
-        if time < FLOP_BOUND_SHARE * flops:
+        fixed = (flops - time) / (flops - 1) if flops > 1 else 0.0  # the comment at FLOP_BOUND_SHARE
+        if fixed > FLOP_BOUND_SHARE:
             out.append(f"For {this['size']}, {this['mode']} is not bound by its FLOPs: {nxt['size']} does "
-                       f"{flops:.2f}× its FLOPs in only {time:.2f}× its bf16 time, so most of {this['size']}'s bf16 "
-                       f"step goes to costs that do not grow with the FLOPs, and bf16, which speeds up only the "
-                       f"matmuls, has little to gain there.")
+                       f"{flops:.2f}× its FLOPs in only {time:.2f}× its bf16 time, so about {fixed:.0%} of "
+                       f"{this['size']}'s bf16 step goes to costs that do not grow with the FLOPs, and bf16, which "
+                       f"speeds up only the matmuls, has little to gain there.")
     return out
 
 

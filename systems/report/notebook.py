@@ -128,6 +128,19 @@ def not_run(ctx: NotebookContext, problem: str, part: str, reason: str) -> None:
 # ----------------------------------------------------------------------------- tables
 
 
+def join_words(items: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def value_range(values, fmt: str, *, signed: bool = False) -> str:
+    """The smallest and largest of ``values`` formatted with ``fmt``: '0.99–1.04', or one value
+    when both read the same; ``signed``: '-12.0% to +40.5%' (a dash between signed numbers would
+    read as a minus)."""
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo} to {hi}" if signed else f"{lo}–{hi}"
+
+
 def faster_or_slower(ratio: float) -> str:
     """A time ratio (theirs / ours) in words that cannot be read the wrong way round:
     "1.65x faster" for 1.65, "1.25x slower" for 0.8."""

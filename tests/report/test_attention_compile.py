@@ -197,3 +197,20 @@ def test_timing_text_says_how_much_of_the_grid_ran_and_which_dims_failed():
     rows[-1] = row(32, 4096)  # d = 32 fits at 4096: only one of the two fails
     assert "At seq 4,096 1 of 2 head dims ran out of memory; every point up to" in report.timing_text(
         rows, max_seq_len=8192)
+
+
+def test_budget_skips_are_neither_fits_nor_failures():
+    def row(d, seq, status="ok", error=None):
+        return {"d": d, "seq": seq, "status": status, "error": error, "batch_size": 8, "oom_phase": "warm-up backward",
+                "forward_ms_median": 1.0, "backward_ms_median": 2.0, "n_forward": 10, "forward_tflops": 1.0,
+                "backward_tflops": 1.0}
+
+    # d = 32 was skipped for the budget at 4096: one head dim tried there, and it failed
+    rows = [row(16, 1024), row(32, 1024), row(16, 4096, "oom"), row(32, 4096, "skipped (budget)")]
+    assert "At seq 4,096 every head dim ran out of memory; every point up to seq 1,024 ran." in report.timing_text(
+        rows, max_seq_len=8192)
+    # a variant stopped by the budget before any failure is not said never to run out of memory
+    compiled = [row(16, 1024), row(16, 2048, "skipped (budget)", "the sweep's time budget")]
+    text = report.oom_comparison_text([row(16, 1024), row(16, 2048, "oom")], compiled)
+    assert "compiled attention did not run out of memory at any length it ran (d = 16 ran up to seq 1,024, then " \
+           "the sweep's time budget)" in text and "never" not in text

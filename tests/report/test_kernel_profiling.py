@@ -97,6 +97,8 @@ def test_top_kernel_and_answers_b_c(sweep):
     assert f"`{counts.index[0]}` family in {counts.iloc[0]} of {len(top)} configurations" in text
     # the debug model: 2 layers x 7 weight matmuls + the LM head = 15 launches of one per matmul
     assert "2 × 7 + 1 = 15 for debug" in text
+    # each size is counted from the model the sweep measured, overrides included
+    assert set(summary["model_overrides"].map(lambda o: o.get("d_model"))) >= {128}
     key = ("debug-wide", 32, "forward")
     non_mm = KP.non_matmul_table(results[key])
     assert "matmul" not in set(non_mm["category"]) and len(non_mm) > 0
@@ -129,6 +131,7 @@ def test_weight_matmuls_and_launch_split_follow_the_config():
     assert KP.launch_split(12 * 7 + 1, small) == (12, 7, 1)
     assert KP.launch_split(72, small) == (12, 6, 0) and KP.launch_split(61, small) == (12, 5, 1)
     assert KP.launch_split(50, small) is None  # 50 and 49 are no multiple of 12
+    assert KP.launch_split(float("nan"), small) is None  # a row without the count
     fused = small.with_(fused_projections=True)  # qkv_proj, output_proj, w13, w2
     assert len(KP.weight_matmuls(fused)[0]) == 4 and KP.launch_split(12 * 4 + 1, fused) == (12, 4, 1)
 
@@ -170,6 +173,17 @@ def test_answer_b_claims_no_shortfall_for_a_count_above_one_per_matmul():
     # a GEMM of the same layout leading fwd+bwd gets no transposed-operand reason
     top = KP.top_kernel_table(pd.DataFrame(_top_rows("small", "small", 256, XMMA_TN_64, 85, XMMA_TN_128)))
     assert KP.answer_b(top).endswith("in the other one another kernel leads (`sm80_xmma_gemm_…_tn`).")
+
+
+def test_answer_b_when_every_count_falls_short_and_counts_from_the_rows_model():
+    rows = (_top_rows("small", "small", 256, XMMA_TN_64, 72, XMMA_TN_64)
+            + _top_rows("small", "small", 512, XMMA_TN_64, 72, XMMA_TN_64))
+    text = KP.answer_b(KP.top_kernel_table(pd.DataFrame(rows)))
+    assert "= 85 for small; every configuration's count falls short" in text
+    # a size with overrides is counted as the model it was: 6 layers x 7 + 1 = 43
+    six = [{**r, "model_overrides": {"n_layers": 6}} for r in _top_rows("six", "small", 256, XMMA_TN_64, 43, XMMA_TN_64)]
+    top = KP.top_kernel_table(pd.DataFrame(six))
+    assert top.loc[0, "weight matmuls per pass"] == 43 and "every configuration runs every weight matmul" in KP.answer_b(top)
 
 
 def _d_rows(label, context, fwd, train, *, opt=0.0, phases=(0.35, 0.6), attention=None):

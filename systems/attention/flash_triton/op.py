@@ -17,6 +17,8 @@ import torch
 from systems.attention.flash_triton.function import validate_inputs
 from systems.attention.flash_triton.launch import flash_backward_triton, flash_forward_triton
 
+# systems.parallel.checkpoint.SAVED_OPS names it too (without importing triton); the checkpoint test
+# in tests/attention/test_flash_triton_op.py fails if the two part
 FORWARD_OP = "systems::flash_attention_forward"
 
 
