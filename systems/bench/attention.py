@@ -342,8 +342,9 @@ def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, 
     Forward+backward comes from the train step's separately synchronised forward and backward
     phases, so each size compiles twice (the inference graph and the training graph) instead of
     three times. Compilation dominates the cost; with ``budget_s`` a compiled point is skipped
-    (``status="skipped"``) once the time spent on compiled points plus a prediction for this one
-    (the last compiled point of the same mode) would exceed the budget. ``compile_scope=None`` runs
+    (``status=SKIPPED``, the budget's mark) once the time spent on compiled points plus a prediction for this one
+    (the last compiled point of the same mode) would exceed the budget; a compiled point whose eager
+    twin ran out of memory is ``status="skipped"``. ``compile_scope=None`` runs
     the eager points only. With ``compile_scope="model"`` the prediction scales with layer count,
     since the whole model is traced into one graph; with ``"blocks"`` (BenchmarkConfig's per-block
     compile, one graph shared by every layer) compile cost stays flat with depth, so the last
@@ -369,18 +370,18 @@ def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, 
     compiled_spent = 0.0
     for cfg in tqdm(plan, disable=not progress, desc="model compile sweep"):
         n_layers = cfg.model_config().n_layers
-        skip = None
+        skip = None  # (status, reason)
         compiled = cfg.compile != "none"
         if compiled and eager_status.get((cfg.model, cfg.mode)) == "oom":
-            skip = "eager run out of memory at this size"
+            skip = ("skipped", "eager ran out of memory at this size")
         elif compiled and budget_s is not None and cfg.mode in last_compiled:
             layers, seconds = last_compiled[cfg.mode]
             predicted = seconds * (n_layers / layers if compile_scope == "model" else 1.0)
             if compiled_spent + predicted > budget_s:
-                skip = (f"compile-time budget: {compiled_spent:.0f} s spent + ~{predicted:.0f} s predicted "
-                        f"> {budget_s:.0f} s")
+                skip = (SKIPPED, f"compile-time budget: {compiled_spent:.0f} s spent + ~{predicted:.0f} s predicted "
+                                 f"> {budget_s:.0f} s")
         if skip:
-            rec = {**asdict(cfg), "model_overrides": None, "n_layers": n_layers, "status": "skipped", "error": skip}
+            rec = {**asdict(cfg), "model_overrides": None, "n_layers": n_layers, "status": skip[0], "error": skip[1]}
         else:
             if compiled:
                 torch._dynamo.reset()  # one code object (TransformerLM.forward) for every size: avoid the recompile limit

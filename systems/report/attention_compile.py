@@ -17,6 +17,7 @@ from systems.bench.budget import SKIPPED
 from systems.config import size_label
 from systems.measure.devices import oom_sizes
 from systems.report.memory import fmt_bytes, table_unit
+from systems.report.notebook import join_words
 
 MODEL_MEASUREMENTS = ("forward (inference)", "forward (in train step)", "forward+backward", "train step")
 
@@ -493,8 +494,6 @@ COMPILE_SCOPE_WORDS = {
               "loss and the AdamW update run eager",
     "model": "torch.compile of the whole model (compile scope \"model\"); the loss and the AdamW update run eager",
 }
-# the reason run_model_compile_sweep records for a compiled point its compile-time budget had no room for
-BUDGET_REASON = "compile-time budget"
 
 
 def _params(n: int | None) -> str:
@@ -538,20 +537,24 @@ def _largest_gain_text(done: pd.DataFrame, records: Sequence[dict], *, handout: 
 
 
 def _not_compiled_text(records: Sequence[dict], table: pd.DataFrame, *, handout: str) -> str:
-    """Which sizes were not compiled and why, from the skipped records' reasons."""
-    skipped = [r for r in records if r["compile"] != "none" and r["status"] == "skipped"]
+    """Which sizes were not compiled in which measurement and why (the skipped records' reasons),
+    and what compiled timings each of those sizes still has."""
+    skipped = [r for r in records if r["compile"] != "none" and r["status"] in ("skipped", SKIPPED)]
     if not skipped:
         return ""
     params = {r["model"]: r.get("n_params") for r in records if r.get("n_params")}
     per_size: dict[str, list[str]] = {}
     for r in skipped:
         per_size.setdefault(r["model"], []).append(f"{MODE_WORDS.get(r['mode'], r['mode'])} ({r['error']})")
-    text = "Not compiled: " + "; ".join(f"{size_label(m, handout)}{_params(params.get(m))}: {', '.join(why)}"
-                                        for m, why in per_size.items()) + "."
-    compiled_sizes = list(dict.fromkeys(table.dropna(subset=["compiled ms"])["size"]))
-    if compiled_sizes:
-        text += f" So the table has compiled timings for {', '.join(compiled_sizes)} only."
-    if any(r["error"].startswith(BUDGET_REASON) for r in skipped):
+    compiled = table.dropna(subset=["compiled ms"])
+    sizes = []
+    for model, why in per_size.items():
+        label = size_label(model, handout)
+        has = list(dict.fromkeys(compiled.loc[compiled["size"] == label, "measurement"]))
+        still = (f"its compiled timings: {join_words(has)} only" if has else "no compiled timings for it")
+        sizes.append(f"{label}{_params(params.get(model))}: {', '.join(why)}; {still}")
+    text = "Not compiled: " + "; ".join(sizes) + "."
+    if any(r["status"] == SKIPPED for r in skipped):
         text += (" The compile-time budget is the share of the notebook's time budget left for compiled points, "
                  "which run smallest size first; a point is skipped once the time already spent compiling plus a "
                  "prediction for it (the last compiled point of that mode) would pass it.")
@@ -581,7 +584,7 @@ def model_compile_text(table: pd.DataFrame, records: Sequence[dict], *, handout:
         parts.append(_largest_gain_text(done, records, handout=handout))
     parts.append(_not_compiled_text(records, table, handout=handout))
     # an eager point out of memory whose compiled twin was not recorded as skipped for it
-    covered = {(r["model"], r["mode"]) for r in records if r["compile"] != "none" and r["status"] == "skipped"}
+    covered = {(r["model"], r["mode"]) for r in records if r["compile"] != "none" and r["status"] in ("skipped", SKIPPED)}
     oom = [f"{size_label(r['model'], handout)} {MODE_WORDS.get(r['mode'], r['mode'])}" for r in records
            if r["compile"] == "none" and r["status"] == "oom" and (r["model"], r["mode"]) not in covered]
     if oom:

@@ -6,6 +6,7 @@ import pandas as pd
 
 from systems.analysis.attention_memory import attention_memory_accounting
 from systems.bench.attention import AttentionPoint, run_attention_point
+from systems.bench.budget import SKIPPED
 from systems.report import attention_compile as report
 
 GIB = 2**30
@@ -159,14 +160,14 @@ def test_model_compile_text_names_the_setting_the_uncompiled_sizes_and_why_the_l
             _rec("large", "forward", False, 0.3, achieved_tflops=60.0),
             _rec("large", "forward", True, 0.2, achieved_tflops=90.0),
             _rec("2.7B", "forward", False, 0.5, n_params=3_406_809_600),
-            {**_rec("2.7B", "forward", True, 0.5), "status": "skipped",
+            {**_rec("2.7B", "forward", True, 0.5), "status": SKIPPED,
              "error": "compile-time budget: 37 s spent + ~2 s predicted > 39 s"}]
     text = report.model_compile_text(report.model_compile_table(recs, handout="2026"), recs, handout="2026",
                                      smoke=False)
     assert text.startswith("Setting: fp32 with TF32 matmuls, context 512, batch 4; compiled means each Transformer "
                            "block compiled on its own")
     assert ("Not compiled: xl (3.41 B parameters): inference forward (compile-time budget: 37 s spent + ~2 s "
-            "predicted > 39 s). So the table has compiled timings for small, large only.") in text
+            "predicted > 39 s); no compiled timings for it.") in text
     assert "2.7B" not in text and "The compile-time budget is the share" in text
     assert ("The largest gain, small's inference forward (3.00×), is where eager is least efficient: it runs its "
             "matmul FLOPs at 20 TFLOP/s against 60 for large") in text
@@ -175,6 +176,20 @@ def test_model_compile_text_names_the_setting_the_uncompiled_sizes_and_why_the_l
     text = report.model_compile_text(report.model_compile_table(recs, handout="2026"), recs, handout="2026",
                                      smoke=False)
     assert "The largest gain" not in text
+
+
+def test_a_size_compiled_in_one_measurement_says_which_timings_it_has():
+    # 10B's eager train step ran out of memory, so its compiled train step was skipped (not a budget
+    # skip: no budget note); its inference forward compiled, and the text names that one
+    recs = [_rec("10B", "forward", False, 0.5, n_params=12_800_000_000), _rec("10B", "forward", True, 0.4),
+            {**_rec("10B", "train_step", False, 1.0), "status": "oom"},
+            {**_rec("10B", "train_step", True, 1.0), "status": "skipped",
+             "error": "eager ran out of memory at this size"}]
+    text = report.model_compile_text(report.model_compile_table(recs, handout="2026"), recs, handout="2026",
+                                     smoke=False)
+    assert ("Not compiled: 10B (12.8 B parameters): train step (eager ran out of memory at this size); its compiled "
+            "timings: forward (inference) only.") in text
+    assert "The compile-time budget is the share" not in text and "Out of memory in eager" not in text
 
 
 def test_a_run_without_compiled_points_says_nothing_was_compiled():
