@@ -17,7 +17,7 @@ from systems.bench.budget import SKIPPED
 from systems.config import size_label
 from systems.measure.devices import oom_sizes
 from systems.report.memory import fmt_bytes, table_unit
-from systems.report.notebook import join_words
+from systems.report.notebook import join_words, param_count
 
 MODEL_MEASUREMENTS = ("forward (inference)", "forward (in train step)", "forward+backward", "train step")
 
@@ -496,12 +496,6 @@ COMPILE_SCOPE_WORDS = {
 }
 
 
-def _params(n: int | None) -> str:
-    if not n:
-        return ""
-    return f" ({n / 1e9:.3g} B parameters)" if n >= 1e9 else f" ({n / 1e6:.0f} M parameters)"
-
-
 def _setting_text(records: Sequence[dict]) -> str:
     """The setting the numbers come from, read from the records: precision, TF32, shape, compile scope."""
     def values(key, recs=records):
@@ -552,7 +546,8 @@ def _not_compiled_text(records: Sequence[dict], table: pd.DataFrame, *, handout:
         label = size_label(model, handout)
         has = list(dict.fromkeys(compiled.loc[compiled["size"] == label, "measurement"]))
         still = (f"its compiled timings: {join_words(has)} only" if has else "no compiled timings for it")
-        sizes.append(f"{label}{_params(params.get(model))}: {', '.join(why)}; {still}")
+        count = f" ({param_count(params[model])} parameters)" if params.get(model) else ""
+        sizes.append(f"{label}{count}: {', '.join(why)}; {still}")
     text = "Not compiled: " + "; ".join(sizes) + "."
     if any(r["status"] == SKIPPED for r in skipped):
         text += (" The compile-time budget is the share of the notebook's time budget left for compiled points, "

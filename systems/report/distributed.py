@@ -23,6 +23,7 @@ from systems.config import size_label
 from systems.measure.env import REPO_ROOT
 from systems.measure.results import read_records
 from systems.measure.trace import TraceIntervals, comm_compute_intervals, union
+from systems.report.notebook import param_count
 
 THIS_RUN = "this run"
 MiB = 2**20
@@ -303,14 +304,10 @@ def model_label(preset: str, handout: str) -> str:
     return name if name == preset else f"{name} ({preset})"
 
 
-def _count(n: float) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
-
-
 def setup_text(ddp: pd.DataFrame, *, model_label: str) -> str:
     r = _ok(ddp).iloc[0]
     settings = ", ".join(dict.fromkeys(_ok(ddp)["setting"]))
-    return (f"the {model_label} model ({_count(r['n_params'])} parameters, {r['grad_bytes'] / 1e6:,.0f} MB of fp32 "
+    return (f"the {model_label} model ({param_count(r['n_params'])} parameters, {r['grad_bytes'] / 1e6:,.0f} MB of fp32 "
             f"gradients in {int(r['n_tensors'])} tensors), context {int(r['context_length'])}, global batch {int(r['global_batch'])} split "
             f"{int(r['local_batch'])} per rank over {int(r['world_size'])} ranks ({r['backend']} on {r['device']}), "
             f"our AdamW; settings {settings}; {int(r['steps'])} timed steps after the warm-up, each the slowest rank's "

@@ -133,6 +133,14 @@ def join_words(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
+def param_count(n: float) -> str:
+    """A parameter count for prose, three significant figures, trailing zeros kept: '3.41 B',
+    '2.00 B', '12.8 B', '128 M', '0.850 M'."""
+    value, unit = (n / 1e9, "B") if n >= 1e9 else (n / 1e6, "M")
+    decimals = max(0, 2 - math.floor(math.log10(value))) if value > 0 else 0
+    return f"{value:.{decimals}f} {unit}"
+
+
 def value_range(values, fmt: str, *, signed: bool = False) -> str:
     """The smallest and largest of ``values`` formatted with ``fmt``: '0.99–1.04', or one value
     when both read the same; ``signed``: '-12.0% to +40.5%' (a dash between signed numbers would

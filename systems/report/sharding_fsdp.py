@@ -14,6 +14,7 @@ from systems.analysis.sharding import (communication_per_step, expected_saving, 
                                        phase_bytes, sizes_table)
 from systems.config import get_config, size_label
 from systems.measure.hardware import GPU_PEAKS
+from systems.report.notebook import param_count
 
 MiB = 2**20
 GB = 1e9
@@ -86,10 +87,6 @@ def _mib(x: float) -> str:
     return f"{x / MiB:,.0f} MiB" if abs(x) >= 10 * MiB else f"{x / 1024:,.0f} KiB"
 
 
-def _params(n: float) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.3g} M"
-
-
 def sharding_memory_answer(opt: pd.DataFrame, *, model: str, world_size: int, handout: str) -> str:
     """optimizer_state_sharding_accounting (a): the peaks at the three points with and without
     sharding, against the accounting, and the breakdown."""
@@ -98,7 +95,7 @@ def sharding_memory_answer(opt: pd.DataFrame, *, model: str, world_size: int, ha
         return "Not measured: " + "; ".join(f"{r['variant']} {r['status']}" for _, r in opt.iterrows()) + "."
     n = ddp["n_params"]
     p = per_rank_bytes(n, world_size, "ddp")
-    text = (f"{size_label(model, handout)}: {_params(n)} parameters, so fp32 weights and gradients take {_mib(p.params)} each, AdamW's "
+    text = (f"{size_label(model, handout)}: {param_count(n)} parameters, so fp32 weights and gradients take {_mib(p.params)} each, AdamW's "
             f"two moments {_mib(p.optimizer_state)}, and torch AdamW's foreach step one more fp32 temporary "
             f"({_mib(p.optimizer_temporaries)}) for the parameters a rank updates. ")
     if not measured(opt):
@@ -276,7 +273,7 @@ def large_model_answer(opt: pd.DataFrame, fsdp: pd.DataFrame, *, model: str, wor
                 "ran out of memory" if r["status"] == "oom" else f"failed ({r.get('error', r['status'])})")
         parts.append(f"`{r['variant']}` ({r['precision'] if pd.notna(r.get('precision')) else 'bf16'}) {what}")
     need = {s: per_rank_bytes(n, world_size, s) for s in ("ddp_sharded", "fsdp")}
-    return (f"The {size_label(model, handout)} model ({_params(n)} parameters) on {world_size} ranks: " + "; ".join(parts) + ". Its weights, "
+    return (f"The {size_label(model, handout)} model ({param_count(n)} parameters) on {world_size} ranks: " + "; ".join(parts) + ". Its weights, "
             f"gradients, moments and step temporaries alone take "
             f"{need['ddp_sharded'].step_peak / GB:.0f} GB per rank with "
             f"sharded optimizer state and {need['fsdp'].step_peak / GB:.0f} GB "

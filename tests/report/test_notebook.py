@@ -112,3 +112,26 @@ def test_a_saved_figure_is_described_by_its_titles_and_closed(tmp_path):
     assert (ctx.figures / "01_benchmarking_phases.png").read_bytes().startswith(b"\x89PNG")
     assert not plt.fignum_exists(fig.number)  # closed: the inline backend will not show it a second time
     assert nb.figure_description(plt.figure()) == "a figure"
+
+
+def test_join_words_reads_as_a_list_in_prose():
+    assert nb.join_words(["a"]) == "a"
+    assert nb.join_words(["a", "b"]) == "a and b"
+    assert nb.join_words(["a", "b", "c"]) == "a, b and c"
+
+
+def test_value_range_collapses_equal_ends_and_spells_signed_ranges_with_to():
+    assert nb.value_range([1.04, 0.99, 1.0], "{:.2f}") == "0.99–1.04"
+    assert nb.value_range([1.001, 0.999], "{:.2f}") == "1.00"  # both ends read the same
+    assert nb.value_range([-0.12, 0.405], "{:+.1%}", signed=True) == "-12.0% to +40.5%"
+
+
+@pytest.mark.parametrize("n, text", [
+    (3_406_809_600, "3.41 B"),  # the 2026 xl
+    (1_998_000_000, "2.00 B"),  # trailing zeros kept: three significant figures, not '2 B'
+    (12_800_000_000, "12.8 B"),
+    (128_625_408, "129 M"),
+    (850_000, "0.850 M"),
+])
+def test_param_count_gives_three_significant_figures(n, text):
+    assert nb.param_count(n) == text
