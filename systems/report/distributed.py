@@ -23,7 +23,7 @@ from systems.config import size_label
 from systems.measure.env import REPO_ROOT
 from systems.measure.results import read_records
 from systems.measure.trace import TraceIntervals, comm_compute_intervals, union
-from systems.report.notebook import param_count
+from systems.report.notebook import noise_side, param_count
 
 THIS_RUN = "this run"
 MiB = 2**20
@@ -635,10 +635,12 @@ def bucket_model_frame(ddp: pd.DataFrame, fit: dict) -> pd.DataFrame:
 
 
 def robust_best(frame: pd.DataFrame) -> tuple[pd.Series, list[str]]:
-    """The row with the lowest p90 step time, and the other variants whose p10-p90 range reaches
-    below that p90 (not told apart from it by these steps)."""
+    """The row with the lowest p90 step time, and the other variants within the noise of it by the
+    report's rule (``notebook.noise_side``): not told apart from it by these steps."""
     best = frame.loc[frame["p90_ms"].idxmin()]
-    ties = frame[(frame["variant"] != best["variant"]) & (frame["p10_ms"] <= best["p90_ms"])]["variant"].tolist()
+    spread = lambda r: (r["step_ms"], r["p10_ms"], r["p90_ms"])  # noqa: E731
+    ties = [r["variant"] for _, r in frame.iterrows() if r["variant"] != best["variant"]
+            and noise_side({"best": spread(best), "other": spread(r)}) is not None]
     return best, ties
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from systems.bench.train_step import LEVERS, PHASES
-from systems.report.notebook import faster_or_slower
+from systems.report.notebook import faster_or_slower, noise_side
 
 
 def step_table(rows, *, baseline: str = "hf_llama", handout: str | None = None):
@@ -28,8 +28,8 @@ def step_table(rows, *, baseline: str = "hf_llama", handout: str | None = None):
 def lever_table(table, *, levers=LEVERS):
     """One line per (model, lever) whose two variants both ran: step and phase medians before and
     after, the milliseconds the lever saved (negative: it cost time), and ``beyond_spread``: whether
-    the two variants' p10-p90 ranges of step time are apart (where they overlap, the difference
-    of medians is within what the steps of one variant spread over)."""
+    the difference is beyond the noise by the report's rule (``notebook.noise_side``: neither
+    variant's median step time lies inside the other's p10-p90 range)."""
     import pandas as pd
 
     ok = table[table["status"] == "ok"].set_index(["model", "variant"])
@@ -43,7 +43,8 @@ def lever_table(table, *, levers=LEVERS):
             line = {"model": model, "lever": lever, "from": before, "to": after,
                     "step_ms_from": b["step_ms"], "step_ms_to": a["step_ms"], "saved_ms": b["step_ms"] - a["step_ms"]}
             if spread:
-                line["beyond_spread"] = bool(a["step_ms_p90"] < b["step_ms_p10"] or a["step_ms_p10"] > b["step_ms_p90"])
+                line["beyond_spread"] = noise_side({v: (r["step_ms"], r["step_ms_p10"], r["step_ms_p90"])
+                                                    for v, r in ((before, b), (after, a))}) is None
             for phase in PHASES:
                 line[f"{phase}_ms_change"] = a[f"{phase}_ms"] - b[f"{phase}_ms"]
             out.append(line)
@@ -177,9 +178,8 @@ def step_answer(table, *, targets: dict[str, float], handout: str, target_gpu: s
 
 
 def lever_answer(levers) -> str:
-    """The largest single lever per model among those whose two variants' spreads of step time
-    are apart (all of them without ``beyond_spread``), from lever_table, then the comparisons
-    this run does not settle."""
+    """The largest single lever per model among those beyond the noise (all of them without
+    ``beyond_spread``), from lever_table, then the comparisons this run does not settle."""
     if levers.empty:
         return "No lever's two variants both ran."
     settled = levers[levers["beyond_spread"]] if "beyond_spread" in levers else levers
@@ -187,7 +187,7 @@ def lever_answer(levers) -> str:
     for model in dict.fromkeys(levers["model"]):
         part = settled[settled["model"] == model]
         if part.empty:
-            lines.append(f"{model}: no lever's difference is clear of its two variants' spread in this run")
+            lines.append(f"{model}: no lever's difference is beyond the noise in this run")
             continue
         r = part.loc[part["saved_ms"].idxmax()]
         lines.append(f"{r.model}: {r.lever} (`{r['from']}` -> `{r.to}`), {r.saved_ms:.1f} ms saved "
@@ -196,8 +196,8 @@ def lever_answer(levers) -> str:
     if "beyond_spread" in levers:
         within = levers[~levers["beyond_spread"]]
         if len(within):
-            text += (f" In {len(within)} of the {len(levers)} comparisons the two variants' p10-p90 ranges of step "
-                     "time overlap, so this run does not settle whether the lever gains or costs: "
+            text += (f" In {len(within)} of the {len(levers)} comparisons one variant's median step time lies inside "
+                     "the other's p10-p90 range, so this run does not settle whether the lever gains or costs: "
                      + "; ".join(f"{r.model} `{r['from']}` -> `{r.to}` (saved {r.saved_ms:+.1f} ms)"
                                  for _, r in within.iterrows()) + ".")
     return text

@@ -19,7 +19,7 @@ from systems.bench.precision import FP16_MAX, LN_METHODS
 from systems.config import size_label
 from systems.measure.devices import dtype_of
 from systems.measure.timer import median_p10_p90
-from systems.report.notebook import join_words
+from systems.report.notebook import join_words, noise_side
 
 # our threshold for "not bound by its FLOPs": with time = fixed + FLOPs / rate, a next size doing r× the
 # FLOPs in T× the time puts a share (r − T) / (r − 1) of this step in the fixed part (at least that if the
@@ -295,19 +295,16 @@ def plot_speedup(table: pd.DataFrame, *, title: str | None = None):
     return fig
 
 
-def noise_side(row, *, baseline: str = "fp32", candidate: str = "bf16") -> str | None:
-    """Which precision's p10–p90 range of step times holds the other's median, or None: a point's
-    speedup is within the run-to-run noise when either median falls inside the other side's spread
-    (``speedup_table`` gives a record without per-step times a spread of its mean alone)."""
-    for inside, spread in ((baseline, candidate), (candidate, baseline)):
-        if row[f"{spread}_p10_ms"] <= row[f"{inside}_ms"] <= row[f"{spread}_p90_ms"]:
-            return inside
-    return None
+def precision_noise_side(row, *, baseline: str = "fp32", candidate: str = "bf16") -> str | None:
+    """Which precision's median lies inside the other's p10–p90 range of step times, or None
+    (``notebook.noise_side``, the report's rule; ``speedup_table`` gives a record without per-step
+    times a spread of its mean alone)."""
+    return noise_side({p: (row[f"{p}_ms"], row[f"{p}_p10_ms"], row[f"{p}_p90_ms"]) for p in (baseline, candidate)})
 
 
 def _point(r: dict) -> str:
     """'small 55.7 → 57.0 ms (0.98×)', saying so where the speedup is within noise."""
-    inside = noise_side(r)
+    inside = precision_noise_side(r)
     other = "bf16" if inside == "fp32" else "fp32"
     noise = (f", within noise: {inside}'s median lies inside {other}'s p10–p90 range, "
              f"{r[f'{other}_p10_ms']:,.1f}–{r[f'{other}_p90_ms']:,.1f} ms" if inside else "")
@@ -316,7 +313,7 @@ def _point(r: dict) -> str:
 
 def _direction(ran: pd.DataFrame) -> str:
     """Faster, slower or within noise, counted over the points that ran in both precisions."""
-    noise = ran.apply(lambda r: noise_side(r) is not None, axis=1)
+    noise = ran.apply(lambda r: precision_noise_side(r) is not None, axis=1)
     faster, slower = (ran.speedup > 1) & ~noise, (ran.speedup < 1) & ~noise
     if faster.all():
         return "bf16 autocast is faster everywhere"
@@ -336,7 +333,7 @@ def _fixed_cost_bound(grp: pd.DataFrame) -> list[str]:
     out = []
     points = grp.sort_values("n_params").to_dict("records")
     for this, nxt in zip(points, points[1:]):
-        if noise_side(this) is None or not (this["flops_per_step"] > 0 and nxt["flops_per_step"] > 0):
+        if precision_noise_side(this) is None or not (this["flops_per_step"] > 0 and nxt["flops_per_step"] > 0):
             continue  # NaN FLOPs (a record without them) fail the test too
         flops, time = nxt["flops_per_step"] / this["flops_per_step"], nxt["bf16_ms"] / this["bf16_ms"]
         fixed = (flops - time) / (flops - 1) if flops > 1 else 0.0  # the comment at FLOP_BOUND_SHARE

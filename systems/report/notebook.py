@@ -133,6 +133,18 @@ def join_words(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
+def noise_side(timings: dict[str, tuple[float, float, float]]) -> str | None:
+    """The report's one rule for "within noise". ``timings``: two named (median, p10, p90) step
+    times. Returns the first name whose median lies inside the other's p10–p90 range, or None when
+    neither does: then the difference of medians is larger than the steps of either spread over."""
+    (a, (med_a, lo_a, hi_a)), (b, (med_b, lo_b, hi_b)) = timings.items()
+    if lo_b <= med_a <= hi_b:
+        return a
+    if lo_a <= med_b <= hi_a:
+        return b
+    return None
+
+
 def param_count(n: float) -> str:
     """A parameter count for prose, three significant figures, trailing zeros kept: '3.41 B',
     '2.00 B', '12.8 B', '128 M', '0.850 M'."""

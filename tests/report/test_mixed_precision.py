@@ -97,7 +97,7 @@ def test_speedup_answer_calls_a_difference_inside_the_spread_noise():
     speed = report.speedup_table(records)
     row = speed.set_index(["model", "mode"]).loc[("s", "forward_backward")]
     assert (row["bf16_p10_ms"], row["bf16_p90_ms"]) == pytest.approx((42.0, 63.0))
-    assert report.noise_side(row) == "fp32"
+    assert report.precision_noise_side(row) == "fp32"
     text = report.speedup_answer(speed, pd.DataFrame(records), device="cuda", gpu="X", handout="2026")
     assert "bf16 autocast is faster at 2 and within noise at 1 of the points" in text and "slower" not in text
     assert ("s 50.0 → 52.0 ms (0.96×, within noise: fp32's median lies inside bf16's p10–p90 range, "
@@ -111,9 +111,9 @@ def test_speedup_answer_calls_a_difference_inside_the_spread_noise():
     cpu = report.speedup_answer(speed, pd.DataFrame(records), device="cpu", gpu="X", handout="2026")
     assert "not bound by its FLOPs" not in cpu and "within noise at 1" in cpu
     # bf16's median inside fp32's spread counts too; medians outside both spreads do not
-    assert report.noise_side({"fp32_ms": 50, "fp32_p10_ms": 40, "fp32_p90_ms": 60,
+    assert report.precision_noise_side({"fp32_ms": 50, "fp32_p10_ms": 40, "fp32_p90_ms": 60,
                               "bf16_ms": 55, "bf16_p10_ms": 54, "bf16_p90_ms": 56}) == "bf16"
-    assert report.noise_side({"fp32_ms": 50, "fp32_p10_ms": 49, "fp32_p90_ms": 51,
+    assert report.precision_noise_side({"fp32_ms": 50, "fp32_p10_ms": 49, "fp32_p90_ms": 51,
                               "bf16_ms": 45, "bf16_p10_ms": 44, "bf16_p90_ms": 46}) is None
 
 

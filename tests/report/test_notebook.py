@@ -135,3 +135,10 @@ def test_value_range_collapses_equal_ends_and_spells_signed_ranges_with_to():
 ])
 def test_param_count_gives_three_significant_figures(n, text):
     assert nb.param_count(n) == text
+
+
+def test_noise_side_names_the_median_inside_the_others_spread():
+    assert nb.noise_side({"a": (10.0, 9.0, 11.0), "b": (10.5, 10.2, 12.0)}) == "b"  # only b's inside a's range
+    assert nb.noise_side({"a": (10.0, 9.9, 10.1), "b": (10.05, 9.0, 11.0)}) == "a"  # both inside: a, named first
+    # ranges that overlap (9-10.6 against 10.5-12) with neither median inside the other's: beyond the noise
+    assert nb.noise_side({"a": (9.5, 9.0, 10.6), "b": (11.0, 10.5, 12.0)}) is None
