@@ -100,16 +100,22 @@ def flash_attention_accounting(*, batch: int, seq: int, d: int, dtype: str = "fp
             "recompute_fraction_of_backward": one_matmul / backward}
 
 
+def backward_score_tensor_names(n_score_tensors: int) -> str:
+    """The score-sized tensors naive attention's backward holds at once, in words: CUDA's softmax
+    backward allocates one temporary more than the CPU's (``backward_score_tensors``: 4 against 3)."""
+    return ("P, dP, the dP·P temporary that CUDA softmax backward allocates, and dS"
+            if n_score_tensors == 4 else "P, dP and dS")
+
+
 def peak_decomposition(row: dict, *, device: str) -> pd.DataFrame:
     """A measured point's peak, term by term: what was allocated before it, the score-sized and the
     (batch, seq, d) tensors the accounting puts at the backward's peak, and what is left over."""
     acct = attention_memory_accounting(batch=row["batch_size"], seq=row["seq"], d=row["d"], dtype=row["dtype"],
                                        device=device)
     a = acct.attrs
-    temporary = "dP*P, " if a["backward_score_tensors"] == 4 else ""
     n_mat, n_vec = a["backward_score_tensors"], a["backward_vectors"]
     parts = [("allocated before the point (cuBLAS workspaces, earlier points' leftovers)", 1, row["start_bytes"]),
-             (f"score-sized tensors at the backward's peak (P, dP, {temporary}dS)", n_mat,
+             (f"score-sized tensors at the backward's peak ({backward_score_tensor_names(n_mat)})", n_mat,
               n_mat * a["score_matrix_bytes"]),
              ("(batch, seq, d) tensors: q, k, v, dO, O, dV", n_vec, n_vec * a["vector_bytes"])]
     explained = sum(b for _, _, b in parts)

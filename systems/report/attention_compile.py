@@ -9,8 +9,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from systems.analysis.attention_memory import (attention_memory_accounting, flash_attention_accounting,
-                                               peak_decomposition)
+from systems.analysis.attention_memory import (attention_memory_accounting, backward_score_tensor_names,
+                                               flash_attention_accounting, peak_decomposition)
 from systems.analysis.fits import fit_power_law
 from systems.bench.attention import smallest_oom
 from systems.bench.budget import SKIPPED
@@ -95,9 +95,8 @@ def accounting_text(acct: pd.DataFrame, *, oom_phase: str, free_note: str, error
             f"{fmt_bytes(a['forward_peak_bytes'])} (two score-sized tensors: the scaled scores, still referenced, "
             f"and the softmax output P) and {fits(a.get('forward_fits'))}; autograd then keeps P "
             f"({fmt_bytes(a['saved_bytes'])}; {fmt_bytes(a['before_backward_bytes'])} in use before the "
-            f"backward). The backward needs {a['backward_score_tensors']} score-sized tensors at once (P, dP, "
-            + ("the CUDA softmax kernel's dP·P temporary, " if a["backward_score_tensors"] == 4 else "")
-            + f"dS): {fmt_bytes(a['backward_peak_bytes'])}, which {fits(a.get('backward_fits'))}. The "
+            f"backward). The backward needs {a['backward_score_tensors']} score-sized tensors at once "
+            f"({backward_score_tensor_names(a['backward_score_tensors'])}): {fmt_bytes(a['backward_peak_bytes'])}, which {fits(a.get('backward_fits'))}. The "
             f"measured failure was in the `{oom_phase}` phase." + _fragmentation_text(a, error))
 
 
@@ -132,7 +131,7 @@ def decomposition_text(rows: Sequence[dict], *, device: str) -> tuple[pd.DataFra
     mats = (big["peak_rise_bytes"] - acct["backward_vectors"] * acct["vector_bytes"]) / acct["score_matrix_bytes"]
     residual = df["bytes"].iloc[-1]
     before = big["mem_before_backward_bytes"] - big["start_bytes"]
-    names = _backward_tensor_names(acct["backward_score_tensors"])
+    names = backward_score_tensor_names(acct["backward_score_tensors"])
     return df, (
         f"Check on the largest point that ran (d = {big['d']}, seq = {big['seq']:,}): the measured peak, "
         f"{fmt_bytes(big['peak_bytes'])}, is {fmt_bytes(big['start_bytes'])} that were allocated before the "
@@ -274,11 +273,6 @@ def _kernels(row: dict) -> str:
     return "cuda" if str(row.get("device", "")).startswith("cuda") else "cpu"
 
 
-def _backward_tensor_names(n_score_tensors: int) -> str:
-    return ("P, dP, the dP·P temporary that CUDA softmax backward allocates, and dS"
-            if n_score_tensors == 4 else "P, dP and dS")
-
-
 def _first_oom_seq(rows: Sequence[dict]) -> dict[int, int]:
     """Per head dim: the shortest length that ran out of memory."""
     first: dict[int, int] = {}
@@ -355,7 +349,7 @@ def peak_comparison_text(eager: Sequence[dict], compiled: Sequence[dict]) -> str
             f"(batch, seq, d) tensors, that is {n_c:.1f} score-sized tensors (batch × seq × seq in {e['dtype']}, "
             f"{fmt_bytes(acct['score_matrix_bytes'])} each) compiled against {n_e:.1f} eager")
     if round(n_c) < round(n_e) == acct["backward_score_tensors"]:
-        text += (f": eager's backward holds {_backward_tensor_names(round(n_e))} at once; the compiled backward, "
+        text += (f": eager's backward holds {backward_score_tensor_names(round(n_e))} at once; the compiled backward, "
                  f"whose softmax backward Inductor fuses into one kernel, holds {round(n_c)}")
     return text + "."
 

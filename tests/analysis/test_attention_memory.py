@@ -59,6 +59,9 @@ def test_peak_decomposition_adds_up_to_the_measured_peak():
     df = peak_decomposition(row, device="cuda")
     assert df["bytes"].sum() == row["peak_bytes"]
     assert df["bytes"].iloc[-1] == 10 * MIB and list(df["count"][1:3]) == [4, 6]
+    # the term names the four tensors CUDA's backward holds, as the answers do
+    assert "(P, dP, the dP·P temporary that CUDA softmax backward allocates, and dS)" in df["term"].iloc[1]
+    assert "(P, dP and dS)" in peak_decomposition(row, device="cpu")["term"].iloc[1]
 
 
 def test_flash_accounting():
