@@ -385,9 +385,9 @@ def answer_c(result, label: str, shares: pd.DataFrame) -> str:
             f"{lead['instances_per_step']:.0f} launches per pass), followed by "
             + ", ".join(f"`{r.kernel}` ({r.share:.1%})" for r in non_mm.iloc[1:5].itertuples())
             + f". Across configurations the non-matmul share of the forward pass runs from "
-            f"{_percent_range(1 - shares['matmul'])}: the softmax and the masking of the T×T score matrix, the "
-            f"RMSNorm reductions and the SwiGLU / residual elementwise kernels each read and write whole "
-            f"activations for a few FLOPs per element.")
+            f"{_percent_range(1 - shares['matmul'])}. Each of these kernels reads and writes whole activations "
+            f"(or the T×T scores) for a few FLOPs per element, so memory bandwidth, not the tensor cores, "
+            f"sets its time.")
 
 
 # ----------------------------------------------------------------------------- (d)
