@@ -35,11 +35,12 @@ def run_interpreter_cases(test_file: str | Path, *, keyword: str = "interp_", mi
     return proc.stdout
 
 
-def compile_ptx_for_h100(fn, *, signature: dict, constexprs: dict, aligned_args: tuple[int, ...],
-                         num_warps: int) -> str:
-    """PTX of a jit'ed kernel compiled for sm_90 without a GPU (Triton ships the compiler and
-    ptxas): catches what the interpreter lets through (non-constexpr globals, type errors).
-    Skips the calling test where Triton has no NVIDIA backend or another offline-compile API."""
+def compile_for_h100(fn, *, signature: dict, constexprs: dict, aligned_args: tuple[int, ...], num_warps: int,
+                     num_stages: int | None = None):
+    """A jit'ed kernel compiled for sm_90 without a GPU (Triton ships the compiler and ptxas): its
+    ``.asm`` (PTX, cubin) and ``.metadata`` (``shared``: bytes of shared memory per block, which a
+    launch on a GPU checks against the device's limit). Skips the calling test where Triton has no
+    NVIDIA backend or another offline-compile API."""
     import pytest
 
     pytest.importorskip("triton.backends.nvidia")
@@ -52,7 +53,16 @@ def compile_ptx_for_h100(fn, *, signature: dict, constexprs: dict, aligned_args:
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     except TypeError as exc:
         pytest.skip(f"Triton's ASTSource API differs: {exc}")
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    options = {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages is not None else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-__all__ = ["REPO", "compile_ptx_for_h100", "have_triton", "interpreting", "run_interpreter_cases"]
+def compile_ptx_for_h100(fn, *, signature: dict, constexprs: dict, aligned_args: tuple[int, ...],
+                         num_warps: int) -> str:
+    """PTX of a jit'ed kernel compiled for sm_90 (``compile_for_h100``): catches what the
+    interpreter lets through (non-constexpr globals, type errors)."""
+    return compile_for_h100(fn, signature=signature, constexprs=constexprs, aligned_args=aligned_args,
+                            num_warps=num_warps).asm["ptx"]
+
+
+__all__ = ["REPO", "compile_for_h100", "compile_ptx_for_h100", "have_triton", "interpreting", "run_interpreter_cases"]

@@ -645,6 +645,40 @@ def test_atomic_kernel_compiles_for_h100(defer):
     assert "st.local" not in ptx
 
 
+# the kernels' pointer arguments besides the fp32 ones (L, L2, Delta, DQ_ACC), which take the input's dtype
+_POINTERS = {"fwd": ("Q", "K", "V", "O", "L"), "dkdv": ("Q", "K", "V", "dO", "L", "Delta", "dK", "dV"),
+             "dq": ("Q", "K", "V", "O", "dO", "L", "Delta", "dQ"),
+             "atomic": ("Q", "K", "V", "dO", "L2", "Delta", "dK", "dV", "DQ_ACC")}
+_FP32_POINTERS = {"L", "L2", "Delta", "DQ_ACC"}
+H100_SHARED_PER_BLOCK = 232_448  # 227 KB: the opt-in limit of an H100 or H200 block, as a launch reports it
+
+
+@pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
+@pytest.mark.parametrize("family", ["fp32", "half"])
+@pytest.mark.parametrize("name", ["fwd", "dkdv", "dq", "atomic"])
+def test_one_config_tiles_fit_shared_memory_at_head_dim_128(name, family):
+    """FLASH_TRITON_AUTOTUNE=0 runs one config per kernel, with no tuner to pass over one that does
+    not launch: compiled for sm_90 at BLOCK_D 128 (the widest head dim) and the family's dtype, each
+    fits an H100 block's shared memory. The atomic kernel's 32x64 fp32 tile did not (262,400 bytes:
+    an OutOfResources on an H200 at d = 80)."""
+    from systems.attention.flash_triton import kernels, tuning
+    from systems.testing import compile_for_h100
+
+    rows, cols, warps, stages = (tuning.ONE_CONFIG_TILES[name][family] or tuning.ONE_CONFIG_TILES[name]["half"])[0]
+    config = tuning.tile_config(name, rows, cols, warps=warps, stages=stages)
+    dtype = "fp32" if family == "fp32" else "bf16"
+    pointers = {p: f"*{'fp32' if p in _FP32_POINTERS else dtype}" for p in _POINTERS[name]}
+    scalars = {"n_q": "i32", "n_k": "i32", "head_group": "i32", "qk_scale": "fp32",
+               **({} if name == "fwd" else {"sm_scale": "fp32"}), "SEQ_BUCKET": "i32"}
+    constexprs = dict(HEAD_DIM=128, BLOCK_D=128, IS_CAUSAL=True,
+                      INPUT_PRECISION="tf32x3" if family == "fp32" else "ieee", **config.kwargs)
+    signature = {**pointers, **scalars, **{c: "constexpr" for c in constexprs}}
+    fn = getattr(kernels, "flash_fwd_kernel" if name == "fwd" else f"flash_bwd_{name}_kernel")
+    compiled = compile_for_h100(fn, signature=signature, constexprs=constexprs,
+                                aligned_args=tuple(range(len(pointers))), num_warps=warps, num_stages=stages)
+    assert compiled.metadata.shared <= H100_SHARED_PER_BLOCK, (name, family, compiled.metadata.shared)
+
+
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
 @pytest.mark.parametrize("kernel,tiles", [
     ("flash_fwd_tma_kernel", dict(BLOCK_M=128, BLOCK_N=128)),

@@ -91,6 +91,15 @@ def autotuning() -> bool:
     return not INTERPRETING and os.environ.get("FLASH_TRITON_AUTOTUNE", "1") != "0"
 
 
+# With FLASH_TRITON_AUTOTUNE=0: one config per kernel and dtype family, which has no tuner to pass
+# over a config that fails to launch, so each must fit every head dim up to 128 (BLOCK_D 128) within
+# an H100's 227 KB of shared memory per block (tests/attention/test_flash_triton.py compiles each for
+# sm_90 and reads its size). The atomic kernel's 32x64 tile needs 262,400 bytes in fp32 at BLOCK_D
+# 128 (its fp32 dQ products add buffers beyond _prune's estimate): fp32 takes 32x32 (131,328 bytes).
+ONE_CONFIG_TILES = {"fwd": {"half": [(64, 64, 4, 2)], "fp32": []}, "dkdv": {"half": [(32, 64, 4, 2)], "fp32": []},
+                    "dq": {"half": [(64, 32, 4, 2)], "fp32": []},
+                    "atomic": {"half": [(32, 64, 4, 2)], "fp32": [(32, 32, 4, 2)]}}
+
 # Per kernel: configs for 16-bit inputs and for fp32 inputs (fp32 tiles hold twice the bytes, so
 # smaller tiles win and big ones spill or overflow shared memory). The lists are
 # short on purpose: each config costs a compile per (head dim, dtype, causal). The 16-bit ones
@@ -102,9 +111,8 @@ def autotuning() -> bool:
 if INTERPRETING:
     CONFIGS = _table({"fwd": {"half": [(16, 16, 4, 1)], "fp32": []}, "dkdv": {"half": [(16, 32, 4, 1)], "fp32": []},
                       "dq": {"half": [(32, 16, 4, 1)], "fp32": []}, "atomic": {"half": [(16, 32, 4, 1)], "fp32": []}})
-elif not autotuning():  # one config every dtype and head dim fits (fp32 included)
-    CONFIGS = _table({"fwd": {"half": [(64, 64, 4, 2)], "fp32": []}, "dkdv": {"half": [(32, 64, 4, 2)], "fp32": []},
-                      "dq": {"half": [(64, 32, 4, 2)], "fp32": []}, "atomic": {"half": [(32, 64, 4, 2)], "fp32": []}})
+elif not autotuning():
+    CONFIGS = _table(ONE_CONFIG_TILES)
 else:
     CONFIGS = _table({
         # fp32 (tf32x3 dots by default): two searches of systems.bench.flash_tuning --dtype fp32 on an
