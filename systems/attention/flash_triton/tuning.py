@@ -95,7 +95,7 @@ def autotuning() -> bool:
 # over a config that fails to launch, so each must fit every head dim up to 128 (BLOCK_D 128) within
 # an H100's 227 KB of shared memory per block (tests/attention/test_flash_triton.py compiles each for
 # sm_90 and reads its size). The atomic kernel's 32x64 tile needs 262,400 bytes in fp32 at BLOCK_D
-# 128 (its fp32 dQ products add buffers beyond _prune's estimate): fp32 takes 32x32 (131,328 bytes).
+# 128, twice _prune's estimate (which buffers Triton adds was not traced): fp32 takes 32x32 (131,328).
 ONE_CONFIG_TILES = {"fwd": {"half": [(64, 64, 4, 2)], "fp32": []}, "dkdv": {"half": [(32, 64, 4, 2)], "fp32": []},
                     "dq": {"half": [(64, 32, 4, 2)], "fp32": []},
                     "atomic": {"half": [(32, 64, 4, 2)], "fp32": [(32, 32, 4, 2)]}}
