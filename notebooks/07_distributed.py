@@ -30,6 +30,7 @@ import torch
 
 from systems.bench import allreduce as allreduce_bench
 from systems.bench import ddp as ddp_bench
+from systems.config import size_and_preset
 from systems.measure.results import read_results
 from systems.report import distributed as report
 from systems.report import notebook as nb
@@ -105,7 +106,7 @@ ddp_config.trace_dir = str(ctx.results / f"{ctx.name}_traces")
 ddp_bench.run_ddp_benchmark(ddp_config, world_size=ddp_world_size, backend=backend)
 ddp, overlap = read_results(ctx.result_path("ddp")), read_results(ctx.result_path("overlap"))
 paired = read_results(ctx.result_path("paired"))
-model_label = report.model_label(ddp_config.model, ctx.handout)
+model_label = size_and_preset(ddp_config.model, ctx.handout)
 nb.show(report.ddp_table(ddp), caption=f"{model_label} on {ddp_world_size} ranks ({backend}, {ctx.gpu}); "
                                        "vs_torch_ddp = step time / torch DDP's")
 nb.save_figure(report.plot_ddp(ddp, title=f"Time per step: computation and communication overhead ({ctx.gpu})"),

@@ -138,10 +138,10 @@ nb.md(report.gemm_answer(gemm_rows, traced=(*plan.trace, matmul_ms) if matmul_ms
 # 32,768, bf16 autocast over fp32 weights, summed cross-entropy, AdamW (`systems.bench.leaderboard`:
 # one sequence per rank, bucketed DDP, ZeRO-1 sharded fused AdamW, every block compiled and
 # checkpointed but for its attention output, which the backward reuses instead of recomputing, the
-# fused LM head + loss, SDPA's cuDNN attention), each step timed by CUDA events, a step lasting as
-# long as its slower rank. On a node with two GPUs of enough memory this cell runs it; elsewhere
-# it shows the last row of `results/12_leaderboard_8b.jsonl` that measured this configuration on
-# such GPUs, with the commit and machine that produced it.
+# fused LM head + loss, our Triton FlashAttention-2), each step timed by CUDA events, a step lasting
+# as long as its slower rank. On a node with two GPUs of enough memory this cell runs it; elsewhere
+# it shows a row of `results/12_leaderboard_8b.jsonl` that measured this configuration on such GPUs
+# (the last with our attention, else the last), with the commit, machine and attention it ran.
 
 # %%
 why_not = lbd.gpus_can_run() if ctx.full else "the smoke profile runs on a CPU"

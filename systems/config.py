@@ -120,6 +120,13 @@ def size_label(preset: str, handout: str = DEFAULT_HANDOUT) -> str:
     return names.get(preset, preset)
 
 
+def size_and_preset(preset: str, handout: str = DEFAULT_HANDOUT) -> str:
+    """The handout's name with the preset beside it where they differ: "xl (2.7B)" in 2026, "xl
+    (xl-2025)" in 2025, else the preset alone."""
+    name = size_label(preset, handout)
+    return name if name == preset else f"{name} ({preset})"
+
+
 def get_config(name: str, **overrides) -> ModelConfig:
     """The named preset, optionally with some fields overridden."""
     if name == "xl":

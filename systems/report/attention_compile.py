@@ -17,7 +17,7 @@ from systems.bench.budget import SKIPPED
 from systems.config import size_label
 from systems.measure.devices import oom_sizes
 from systems.report.memory import fmt_bytes, table_unit
-from systems.report.notebook import join_words, param_count
+from systems.report.notebook import join_words, param_count, value_range
 
 MODEL_MEASUREMENTS = ("forward (inference)", "forward (in train step)", "forward+backward", "train step")
 
@@ -195,7 +195,8 @@ def scaling_text(rows: Sequence[dict], fits: pd.DataFrame) -> str:
     text = (f"The memory saved for backward grows as seq^{pooled.exponent:.3f} (log-log least squares over "
             f"{pooled.n} points, R² {pooled.r2:.5f}; per head dim "
             + ", ".join(f"d = {int(r.d)}: {r.exponent:.3f}" for r in hooks.itertuples())
-            + "): quadratic, because it is the softmax output P, batch × seq × seq, whatever d is.")
+            + ")" + (": quadratic, because it is the softmax output P, batch × seq × seq, whatever d is."
+                     if abs(pooled.exponent - 2) < QUADRATIC_EXPONENT_TOLERANCE else "."))
     if not alloc.empty:
         low = alloc.loc[alloc["exponent"].idxmin()]
         text += (" What the forward leaves allocated also counts the (batch, seq, d) output, a term linear in seq "
@@ -341,7 +342,7 @@ def peak_comparison_text(eager: Sequence[dict], compiled: Sequence[dict]) -> str
                                        device=_kernels(e)).attrs
     vectors = acct["backward_vectors"] * acct["vector_bytes"]
     n_e, n_c = ((r["peak_rise_bytes"] - vectors) / acct["score_matrix_bytes"] for r in (e, c))
-    spread = (f"; {min(ratios):.2f}–{max(ratios):.2f}× over d = {_dims(r['d'] for r, _ in at)}"
+    spread = (f"; {value_range(ratios, '{:.2f}')}× over d = {_dims(r['d'] for r, _ in at)}"
               if len(at) > 1 else "")
     text = (f"At seq {seq:,}, the longest length both ran, the peak over the warm-up forward and backward passes "
             f"is {fmt_bytes(c['peak_bytes'])} compiled against {fmt_bytes(e['peak_bytes'])} eager at d = {e['d']} "
@@ -350,7 +351,7 @@ def peak_comparison_text(eager: Sequence[dict], compiled: Sequence[dict]) -> str
             f"{fmt_bytes(acct['score_matrix_bytes'])} each) compiled against {n_e:.1f} eager")
     if round(n_c) < round(n_e) == acct["backward_score_tensors"]:
         text += (f": eager's backward holds {backward_score_tensor_names(round(n_e))} at once; the compiled backward, "
-                 f"whose softmax backward Inductor fuses into one kernel, holds {round(n_c)}")
+                 f"holds {round(n_c)}")
     return text + "."
 
 
@@ -360,16 +361,11 @@ def _pooled_saved_fit(rows: Sequence[dict]):
     return fit_power_law(*zip(*pts)) if len({s for s, _ in pts}) >= 2 else None
 
 
-def _saved_exponent(rows: Sequence[dict]) -> float | None:
-    fit = _pooled_saved_fit(rows)
-    return None if fit is None else fit.exponent
-
-
 def quadratic_text(eager: Sequence[dict], compiled: Sequence[dict]) -> str:
     """Whether compiled attention still saves a seq × seq tensor: the exponent of what its forward
     leaves allocated, against eager's saved memory, and that memory in score-sized tensors at the
     longest length compiled ran."""
-    c_exp, e_exp = _saved_exponent(compiled), _saved_exponent(eager)
+    c_exp, e_exp = ((None if fit is None else fit.exponent) for fit in map(_pooled_saved_fit, (compiled, eager)))
     if c_exp is None:
         return ""
     big = max((r for r in _ok(compiled) if r.get("saved_bytes")), key=lambda r: (r["seq"], r["d"]))
@@ -379,8 +375,7 @@ def quadratic_text(eager: Sequence[dict], compiled: Sequence[dict]) -> str:
             f"the points that ran" + (f"; eager's saved memory: seq^{e_exp:.2f}" if e_exp is not None else "")
             + f") and is {big['saved_bytes'] / score:.2f} score-sized tensors at d = {big['d']}, seq = {big['seq']:,}")
     if abs(c_exp - 2) < QUADRATIC_EXPONENT_TOLERANCE:
-        return text + (": compiling fuses the scaling and softmax into fewer passes over the seq × seq matrix, but P "
-                       "is still materialised and saved, so memory stays quadratic in seq.")
+        return text + (": P is still materialised and saved, so memory stays quadratic in seq.")
     if 1 < c_exp < 2:
         return text + (": between linear and quadratic, as a saved seq × seq P plus (batch, seq, d) terms that still "
                        "weigh at these lengths grows.")
@@ -403,8 +398,7 @@ def compile_attention_text(ratios: pd.DataFrame, eager: Sequence[dict], compiled
              peak_comparison_text(eager, compiled)]
     if not mem.empty:
         parts.append(f"Memory in use before the backward (after one forward: inputs, output and what autograd saved, "
-                     f"P among it), eager / compiled: median {mem.median():.2f}× (range {mem.min():.2f}–"
-                     f"{mem.max():.2f}).")
+                     f"P among it), eager / compiled: median {mem.median():.2f}× (range {value_range(mem, '{:.2f}')}).")
     parts.append(quadratic_text(eager, compiled))
     if smoke:
         parts.append("(Smoke profile: the aot_eager backend generates no kernels, so these ratios only show that the "
@@ -545,7 +539,7 @@ def _not_compiled_text(records: Sequence[dict], table: pd.DataFrame, *, handout:
     text = "Not compiled: " + "; ".join(sizes) + "."
     if any(r["status"] == SKIPPED for r in skipped):
         text += (" The compile-time budget is the share of the notebook's time budget left for compiled points, "
-                 "which run smallest size first; a point is skipped once the time already spent compiling plus a "
+                 "which run in the order of the sizes given; a point is skipped once the time already spent compiling plus a "
                  "prediction for it (the last compiled point of that mode) would pass it.")
     return text
 

@@ -19,11 +19,10 @@ import pandas as pd
 
 from systems.analysis.fits import fit_latency_bandwidth
 from systems.analysis.parallel_math import ddp_bucket_overhead, ddp_bucket_overhead_paced, optimal_bucket_bytes
-from systems.config import size_label
 from systems.measure.env import REPO_ROOT
 from systems.measure.results import read_records
 from systems.measure.trace import TraceIntervals, comm_compute_intervals, union
-from systems.report.notebook import noise_side, param_count
+from systems.report.notebook import noise_side, param_count, value_range
 
 THIS_RUN = "this run"
 MiB = 2**20
@@ -168,7 +167,7 @@ def allreduce_answer(df: pd.DataFrame) -> str:
                 f"{b_ws['time_ms'] / a_ws['time_ms']:,.0f}x the time"
                 # the reason once, with the first backend: it is the same for both
                 + (", since a small message pays a fixed per-call latency and only a large one fills the links."
-                   if not parts else "."))
+                   if not parts and b_ws["busbw_GBps"] > a_ws["busbw_GBps"] else "."))
         if b["world_size"].nunique() > 1:
             by_ws = ", ".join(f"{int(r.world_size)} ranks {r.busbw_GBps:.3g} GB/s ({r.time_ms:.3g} ms)"
                               for r in b.itertuples())
@@ -296,12 +295,6 @@ def plot_ddp(ddp: pd.DataFrame, *, title: str = ""):
         fig.suptitle(title)
     fig.tight_layout()
     return fig
-
-
-def model_label(preset: str, handout: str) -> str:
-    """The handout's name of a preset, with the preset where they differ: 'xl (2.7B)'."""
-    name = size_label(preset, handout)
-    return name if name == preset else f"{name} ({preset})"
 
 
 def setup_text(ddp: pd.DataFrame, *, model_label: str) -> str:
@@ -525,13 +518,14 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
             else:
                 b0 = base.iloc[0]
                 s += f"`{best['variant']}` costs nothing measurable over it ({best['comm_overhead_ms']:.3g} ms"
-                lo, hi = b0.get("step_ms_p10"), b0.get("step_ms_p90")
-                if pd.notna(lo) and pd.notna(hi):
-                    inside = lo <= best["step_ms"] <= hi
+                spreads = {r["variant"]: (r["step_ms"], r.get("step_ms_p10"), r.get("step_ms_p90")) for r in (b0, best)}
+                if all(pd.notna(v) for t in spreads.values() for v in t):
+                    lo, hi = spreads["nosync"][1:]
                     s += (f"; the no-communication steps range {lo:.4g}-{hi:.4g} ms from 10th to 90th percentile, "
-                          + ("and this step time lies inside that range)" if inside else
-                             "and this step time lies outside it: something other than communication, such as "
-                             "host-bound kernel launches, moves the step time by more than communication does)"))
+                          + ("and the two are within the noise (one median inside the other's p10-p90 range))"
+                             if noise_side(spreads) is not None else
+                             "and the two lie apart: something other than communication, such as host-bound "
+                             "kernel launches, moves the step time by more than communication does)"))
                 else:
                     s += ")"
         lines.append(s + ".")
@@ -682,8 +676,8 @@ def _bytes(n: float) -> str:
     return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
 
 
-def _span(values: pd.Series, unit: str = "ms") -> str:
-    return f"from {values.min():.3g} to {values.max():.3g} {unit}"
+def _span(values: pd.Series) -> str:
+    return f"{value_range(values, '{:.3g}')} ms"
 
 
 def bucketed_answer(ddp: pd.DataFrame, frame: pd.DataFrame, fit: dict) -> str:

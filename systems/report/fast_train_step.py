@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from systems.bench.train_step import LEVERS, PHASES
+from systems.config import size_and_preset
 from systems.report.notebook import faster_or_slower, noise_side
 
 
@@ -21,7 +22,7 @@ def step_table(rows, *, baseline: str = "hf_llama", handout: str | None = None):
         base = df[df["variant"] == baseline].set_index("model")["step_ms"]
         df[f"speedup_vs_{baseline}"] = df["model"].map(base) / df["step_ms"]
     if handout is not None:
-        df.insert(0, "size", df["model"].map(lambda preset: size_name(preset, handout)))
+        df.insert(0, "size", df["model"].map(lambda preset: size_and_preset(preset, handout)))
     return df
 
 
@@ -118,14 +119,6 @@ def plot_gemms(table, *, title: str, peak_tflops: float | None = None):
 # ----------------------------------------------------------------------------- answers
 
 
-def size_name(preset: str, handout: str) -> str:
-    """A preset as the handout names it: "xl (2.7B)" in 2026, "xl (xl-2025)" in 2025, else the preset."""
-    from systems.config import size_label
-
-    label = size_label(preset, handout)
-    return f"{label} ({preset})" if label != preset else preset
-
-
 def step_answer(table, *, targets: dict[str, float], handout: str, target_gpu: str | None = None,
                 gpu: str | None = None, peak_label: str | None = None) -> str:
     """Per model: our fastest variant with its spread, rate and MFU, its speed-up over Hugging
@@ -138,7 +131,7 @@ def step_answer(table, *, targets: dict[str, float], handout: str, target_gpu: s
     ok = table[table["status"] == "ok"].set_index(["model", "variant"])
     lines = []
     for model in dict.fromkeys(table["model"]):
-        name = size_name(model, handout)
+        name = size_and_preset(model, handout)
         if model not in ok.index.get_level_values(0):
             lines.append(f"- **{name}**: no variant ran.")
             continue
@@ -224,9 +217,10 @@ def profile_answer(items, phases, cats, *, timed_ms: float) -> str:
 
 
 def leaderboard_row(paths) -> tuple[dict | None, str | None, list[str]]:
-    """(row, its file, why earlier rows were passed over): the last row of the first file in
-    ``paths`` holding a measurement of the leaderboard's configuration (bench.leaderboard's
-    leaderboard_mismatch); rows of any other configuration (a debug CPU run) are never shown."""
+    """(row, its file, why earlier rows were passed over): of the first file in ``paths`` holding a
+    measurement of the leaderboard's configuration (bench.leaderboard's leaderboard_mismatch), its
+    last such row with our own attention (what a submission must run), else its last such row;
+    rows of any other configuration (a debug CPU run) are never shown."""
     from pathlib import Path
 
     from systems.bench.leaderboard import leaderboard_mismatch
@@ -236,11 +230,15 @@ def leaderboard_row(paths) -> tuple[dict | None, str | None, list[str]]:
     passed_over = []
     for path in map(Path, paths):
         shown = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+        matching = []
         for row in reversed(read_records(path)):
             why = leaderboard_mismatch(row)
             if why is None:
-                return row, str(shown), passed_over
-            passed_over.append(f"`{shown}`: {why}")
+                matching.append(row)
+            elif not matching:
+                passed_over.append(f"`{shown}`: {why}")
+        if matching:
+            return next((r for r in matching if _ours(r)), matching[0]), str(shown), passed_over
     return None, None, passed_over
 
 
@@ -253,22 +251,27 @@ def leaderboard_table(row: dict):
                                                           "gpu": (row.get("env") or {}).get("gpu")}])
 
 
+def _ours(row: dict) -> bool:
+    """Whether the row's step ran our own attention kernel."""
+    return row.get("attn_impl") == "flash_triton"
+
+
 def leaderboard_attention(row: dict) -> str:
     """Which attention kernels the row's step ran: ours, or torch's SDPA with its backend."""
     impl = row.get("attn_impl")
-    if impl == "flash_triton":
+    if _ours(row):
         return "ours (Triton FlashAttention-2)"
     if impl == "sdpa":
         return f"SDPA ({row.get('sdpa_backend') or 'auto'})"
     return str(impl)
 
 
-def _attention_sentence(row: dict, *, ours: bool) -> str:
-    if ours:
+def _attention_sentence(row: dict) -> str:
+    if _ours(row):
         return "Attention ran our own Triton FlashAttention-2, as the handout requires of a submission. "
     return (f"Attention ran {leaderboard_attention(row)}, not our own kernel: the handout requires a submission's "
-            "implementation to be its own, so this row measures the rest of the step, not a valid entry; the "
-            "command's default now runs ours (`--attn-impl flash_triton`). ")
+            "implementation to be its own, so this row measures the rest of the step, not a valid entry "
+            "(`--attn-impl flash_triton` runs ours). ")
 
 
 def leaderboard_answer(row: dict, *, source: str) -> str:
@@ -277,16 +280,16 @@ def leaderboard_answer(row: dict, *, source: str) -> str:
     from systems.bench.leaderboard import HANDOUT_BASELINE_S, TARGET_STEP_S
 
     env = row.get("env") or {}
-    ours = row.get("attn_impl") == "flash_triton"
     per_rank = ", ".join(f"{r['peak_memory_gib']:.1f}" for r in row.get("per_rank", []) if r.get("peak_memory_gib"))
     return (f"**{row['step_s']:.2f} s per step** for the 8B model on {row['world_size']} x {env.get('gpu')} (the "
             f"handout times two B200s), measured at commit {env.get('git_commit')} on host {env.get('hostname')} "
             f"({env.get('date')}), {source}; {row['tflops_per_gpu']:.0f} TFLOP/s per GPU of model FLOPs (checkpointing's "
-            f"recomputation not counted), peak memory per rank {per_rank} GiB. " + _attention_sentence(row, ours=ours)
+            f"recomputation not counted), peak memory per rank {per_rank} GiB. " + _attention_sentence(row)
             + f"Against the handout's naive baseline "
             f"of {HANDOUT_BASELINE_S:g} s: {HANDOUT_BASELINE_S / row['step_s']:.2f}x faster; our own target (the "
             f"project's) of <= {TARGET_STEP_S:g} s: **{'met' if row['step_s'] <= TARGET_STEP_S else 'not met'}**"
-            + ("." if ours else " with that attention (with ours: not measured)."))
+            # leaderboard_row prefers a row with ours: this one is not ours only where none was measured
+            + ("." if _ours(row) else " with that attention (with ours: not measured)."))
 
 
 def gemm_answer(rows, *, traced: tuple[str, str, float] | None = None) -> str:

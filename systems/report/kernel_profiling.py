@@ -346,7 +346,7 @@ def _per_weight_matmul(table: pd.DataFrame) -> str:
         who = ("every configuration's count falls" if len(short) == len(table) else
                "the other counts fall" if len(every) + len(short) == len(table) else
                f"the counts of {_names_ctx(short)} fall")
-        parts.append(who + " short, leaving some matmul shapes to kernels with other tile sizes")
+        parts.append(who + " short of one launch per weight matmul")
     return text + ("; " + " and ".join(parts) if parts else "") + "."
 
 
@@ -386,8 +386,7 @@ def answer_c(result, label: str, shares: pd.DataFrame) -> str:
             + ", ".join(f"`{r.kernel}` ({r.share:.1%})" for r in non_mm.iloc[1:5].itertuples())
             + f". Across configurations the non-matmul share of the forward pass runs from "
             f"{_percent_range(1 - shares['matmul'])}. Each of these kernels reads and writes whole activations "
-            f"(or the T×T scores) for a few FLOPs per element, so memory bandwidth, not the tensor cores, "
-            f"sets its time.")
+            f"(or the T×T scores) for a few FLOPs per element.")
 
 
 # ----------------------------------------------------------------------------- (d)
@@ -589,9 +588,8 @@ def answer_e(table: pd.DataFrame) -> str:
     if table.empty:
         return "No forward-only configuration ran."
     return (f"The softmax performs {_percent_range(table['softmax / matmul FLOPs'], 2)} of the two attention "
-            f"matmuls' FLOPs (QKᵀ and PV) but takes {table['softmax / matmul time'].min():.3g}–"
-            f"{table['softmax / matmul time'].max():.3g}× their runtime: per FLOP it is "
-            f"{table['time ratio / FLOP ratio'].min():.3g}–{table['time ratio / FLOP ratio'].max():.3g}× slower. "
+            f"matmuls' FLOPs (QKᵀ and PV) but takes {value_range(table['softmax / matmul time'], '{:.3g}')}× their "
+            f"runtime: per FLOP it is {value_range(table['time ratio / FLOP ratio'], '{:.3g}')}× slower. "
             f"The matmuls reuse each loaded element d_head times; the softmax reads and writes the whole B·H·T² "
             f"score tensor for a handful of FLOPs per element, so memory bandwidth, not arithmetic, sets its time.")
 

@@ -397,7 +397,7 @@ def precision_answer(rows: list[dict], *, cfg: ModelConfig, label: str) -> str:
         text += (f"Every step that ran reached its peak ({fmt_bytes(min(peaks))}–{fmt_bytes(max(peaks))}) in the "
                  f"**{' / '.join(sorted(phases))}** phase")
         if phases == {"optimizer"}:
-            text += (f", at {min(peaks) / param_bytes:.2f}–{max(peaks) / param_bytes:.2f}× the parameters' "
+            text += (f", at {value_range([p / param_bytes for p in peaks], '{:.2f}')}× the parameters' "
                      f"{fmt_bytes(param_bytes)}: our AdamW step holds the weights, the gradients, both moments and "
                      f"the square roots of the second moments that `adamw_foreach_` allocates at once (5× the "
                      f"parameter bytes), all fp32 whatever the autocast dtype, so autocast cannot lower it")

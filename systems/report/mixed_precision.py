@@ -295,11 +295,11 @@ def plot_speedup(table: pd.DataFrame, *, title: str | None = None):
     return fig
 
 
-def precision_noise_side(row, *, baseline: str = "fp32", candidate: str = "bf16") -> str | None:
+def precision_noise_side(row) -> str | None:
     """Which precision's median lies inside the other's p10–p90 range of step times, or None
     (``notebook.noise_side``, the report's rule; ``speedup_table`` gives a record without per-step
     times a spread of its mean alone)."""
-    return noise_side({p: (row[f"{p}_ms"], row[f"{p}_p10_ms"], row[f"{p}_p90_ms"]) for p in (baseline, candidate)})
+    return noise_side({p: (row[f"{p}_ms"], row[f"{p}_p10_ms"], row[f"{p}_p90_ms"]) for p in ("fp32", "bf16")})
 
 
 def _point(r: dict) -> str:

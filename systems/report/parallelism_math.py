@@ -14,7 +14,7 @@ import sympy as sp
 
 from systems.analysis import parallel_math as pm
 from systems.analysis.fits import fit_latency_bandwidth
-from systems.config import get_config
+from systems.config import get_config, size_label
 from systems.report.notebook import param_count
 
 GB = pm.GB
@@ -212,7 +212,8 @@ def bucket_answer(*, link: dict | None, gpu: pm.Accelerator, model: str = "xl-20
     the handout's xl with the measured o and w (or, without measurements, w = the datasheet link
     and no o). Returns (text, w, o) for the figure."""
     symb = pm.symbolic_ddp_bucket()
-    s = get_config(model).n_params * 4  # fp32 gradients
+    n_params = get_config(model).n_params
+    s = n_params * 4  # fp32 gradients
     text = (f"$n_b$ equal buckets of $s/n_b$ bytes; an all-reduce costs $o + s/(n_b w)$; computing a bucket's "
             "gradients takes as long as sending it ($c = s/(n_b w)$, the call overhead exists only on the communication "
             "stream). Bucket $k$ is ready at $kc$ and the all-reduces run back to back, so the last ends at "
@@ -227,7 +228,7 @@ def bucket_answer(*, link: dict | None, gpu: pm.Accelerator, model: str = "xl-20
     best = pm.optimal_bucket_bytes(total_bytes=s, bandwidth_bytes_per_s=w, per_call_overhead_s=o)
     flat = pm.ddp_bucket_overhead(total_bytes=s, bandwidth_bytes_per_s=w, per_call_overhead_s=o, n_buckets=1)
     at_best = pm.ddp_bucket_overhead(total_bytes=s, bandwidth_bytes_per_s=w, per_call_overhead_s=o, n_buckets=n_star)
-    return (text + f"For the 2025 xl ({param_count(get_config(model).n_params)} parameters, $s$ = {s / 1e6:,.0f} MB of FP32 "
+    return (text + f"For the 2025 {size_label(model, '2025')} ({param_count(n_params)} parameters, $s$ = {s / 1e6:,.0f} MB of FP32 "
             f"gradients) with the measured $w$ = {w / GB:.0f} GB/s and $o$ = {o * 1e6:.3g} us ({link['fit_source']}, "
             f"{link['fit_machine']}), the best bucket is **{best / 1e6:,.0f} MB** ({n_star:.1f} buckets), leaving "
             f"{at_best * 1e3:.2f} ms after the backward against {flat * 1e3:.1f} ms for one flat all-reduce; with the "

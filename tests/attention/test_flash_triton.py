@@ -621,6 +621,17 @@ def test_pruners_keep_each_kernels_own_configs_that_fit():
             assert [id(c) for c in at_limit] == [id(c) for c in tuning.CONFIGS[name]["half"]], name
 
 
+_ARG_KINDS = {"n_q": "i32", "n_k": "i32", "head_group": "i32", "SEQ_BUCKET": "i32", "qk_scale": "fp32",
+              "sm_scale": "fp32", "L": "*fp32", "L2": "*fp32", "Delta": "*fp32", "DQ_ACC": "*fp32"}
+
+
+def _h100_signature(fn, constexprs: dict, dtype: str) -> dict:
+    """A flash kernel's argument kinds as its launcher passes them, read from its own argument list:
+    sizes i32, scales fp32, the log-sum-exp, D and the dQ accumulator fp32 pointers, the other
+    tensors ``dtype`` pointers, and ``constexprs``' names constexpr."""
+    return {name: "constexpr" if name in constexprs else _ARG_KINDS.get(name, f"*{dtype}") for name in fn.arg_names}
+
+
 @pytest.mark.skipif(not have_triton() or INTERPRETING, reason="compiles the jit'ed kernel (not the interpreter's)")
 @pytest.mark.parametrize("defer", [True, False])
 def test_atomic_kernel_compiles_for_h100(defer):
@@ -630,26 +641,18 @@ def test_atomic_kernel_compiles_for_h100(defer):
     from systems.attention.flash_triton.kernels import flash_bwd_atomic_kernel
     from systems.testing import compile_ptx_for_h100
 
-    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "dO": "*bf16", "L2": "*fp32", "Delta": "*fp32",
-                "dK": "*bf16", "dV": "*bf16", "DQ_ACC": "*fp32"}
-    scalars = {"n_q": "i32", "n_k": "i32", "head_group": "i32", "qk_scale": "fp32", "sm_scale": "fp32",
-               "SEQ_BUCKET": "i32"}
     constexprs = dict(HEAD_DIM=64, BLOCK_D=64, IS_CAUSAL=True, INPUT_PRECISION="ieee", BLOCK_M3=64, BLOCK_N3=128,
                       DEFER_DQ_ADD=defer)
-    signature = {**pointers, **scalars, **{name: "constexpr" for name in constexprs}}
+    signature = _h100_signature(flash_bwd_atomic_kernel, constexprs, "bf16")
+    n_ptr = sum(kind.startswith("*") for kind in signature.values())
     ptx = compile_ptx_for_h100(flash_bwd_atomic_kernel, signature=signature, constexprs=constexprs,
-                               aligned_args=tuple(range(len(pointers))) + (9, 10), num_warps=8)
+                               aligned_args=tuple(range(n_ptr)) + (n_ptr, n_ptr + 1), num_warps=8)
     adds = [line for line in ptx.splitlines() if ".add" in line and ("red.global" in line or "atom.global" in line)]
     assert adds and all("relaxed" in a and ".v4.f32" in a for a in adds), adds[:4]
     assert "wgmma.mma_async" in ptx
     assert "st.local" not in ptx
 
 
-# the kernels' pointer arguments besides the fp32 ones (L, L2, Delta, DQ_ACC), which take the input's dtype
-_POINTERS = {"fwd": ("Q", "K", "V", "O", "L"), "dkdv": ("Q", "K", "V", "dO", "L", "Delta", "dK", "dV"),
-             "dq": ("Q", "K", "V", "O", "dO", "L", "Delta", "dQ"),
-             "atomic": ("Q", "K", "V", "dO", "L2", "Delta", "dK", "dV", "DQ_ACC")}
-_FP32_POINTERS = {"L", "L2", "Delta", "DQ_ACC"}
 H100_SHARED_PER_BLOCK = 232_448  # 227 KB: the opt-in limit of an H100 or H200 block, as a launch reports it
 
 
@@ -666,16 +669,13 @@ def test_one_config_tiles_fit_shared_memory_at_head_dim_128(name, family):
 
     rows, cols, warps, stages = (tuning.ONE_CONFIG_TILES[name][family] or tuning.ONE_CONFIG_TILES[name]["half"])[0]
     config = tuning.tile_config(name, rows, cols, warps=warps, stages=stages)
-    dtype = "fp32" if family == "fp32" else "bf16"
-    pointers = {p: f"*{'fp32' if p in _FP32_POINTERS else dtype}" for p in _POINTERS[name]}
-    scalars = {"n_q": "i32", "n_k": "i32", "head_group": "i32", "qk_scale": "fp32",
-               **({} if name == "fwd" else {"sm_scale": "fp32"}), "SEQ_BUCKET": "i32"}
     constexprs = dict(HEAD_DIM=128, BLOCK_D=128, IS_CAUSAL=True,
                       INPUT_PRECISION="tf32x3" if family == "fp32" else "ieee", **config.kwargs)
-    signature = {**pointers, **scalars, **{c: "constexpr" for c in constexprs}}
     fn = getattr(kernels, "flash_fwd_kernel" if name == "fwd" else f"flash_bwd_{name}_kernel")
+    signature = _h100_signature(fn, constexprs, "fp32" if family == "fp32" else "bf16")
+    n_ptr = sum(kind.startswith("*") for kind in signature.values())
     compiled = compile_for_h100(fn, signature=signature, constexprs=constexprs,
-                                aligned_args=tuple(range(len(pointers))), num_warps=warps, num_stages=stages)
+                                aligned_args=tuple(range(n_ptr)), num_warps=warps, num_stages=stages)
     assert compiled.metadata.shared <= H100_SHARED_PER_BLOCK, (name, family, compiled.metadata.shared)
 
 
@@ -693,12 +693,9 @@ def test_tma_kernels_compile_for_h100(kernel, tiles):
     from systems.testing import compile_ptx_for_h100
 
     fn = getattr(kernels, kernel)
-    kinds = {"L": "*fp32", "Delta": "*fp32", "n_q": "i32", "n_k": "i32", "head_group": "i32", "SEQ_BUCKET": "i32",
-             "qk_scale": "fp32", "sm_scale": "fp32"}
-    signature = {name: kinds.get(name, "*bf16" if name[-1] in "QKVO" or name.startswith("d") else "constexpr")
-                 for name in fn.arg_names}
-    signature.update({name: "constexpr" for name in fn.arg_names if name.isupper() and len(name) > 2})
-    constexprs = dict(HEAD_DIM=64, BLOCK_D=64, IS_CAUSAL=True, INPUT_PRECISION="ieee", **tiles)
+    constexprs = dict(HEAD_DIM=64, BLOCK_D=64, IS_CAUSAL=True, INPUT_PRECISION="ieee",
+                      **{name: False for name in ("FMA_SOFTMAX", "EARLY_DP", "WS") if name in fn.arg_names}, **tiles)
+    signature = _h100_signature(fn, constexprs, "bf16")
     n_ptr = sum(kind.startswith("*") for kind in signature.values())
     ptx = compile_ptx_for_h100(fn, signature=signature, constexprs=constexprs,
                                aligned_args=tuple(range(n_ptr)) + (n_ptr, n_ptr + 1), num_warps=8)

@@ -4,6 +4,7 @@ handout's size names, our targets labelled as ours, every number from the rows."
 import pandas as pd
 import pytest
 
+from systems.config import size_and_preset
 from systems.report import fast_train_step as report
 
 
@@ -14,8 +15,8 @@ def _row(model, variant, step_ms, **kw):
 
 
 def test_sizes_are_named_by_the_handout():
-    assert report.size_name("2.7B", "2026") == "xl (2.7B)" and report.size_name("2.7B", "2025") == "2.7B"
-    assert report.size_name("xl-2025", "2025") == "xl (xl-2025)" and report.size_name("xl-2025", "2026") == "xl-2025"
+    assert size_and_preset("2.7B", "2026") == "xl (2.7B)" and size_and_preset("2.7B", "2025") == "2.7B"
+    assert size_and_preset("xl-2025", "2025") == "xl (xl-2025)" and size_and_preset("xl-2025", "2026") == "xl-2025"
 
 
 def test_step_answer_reads_the_rows_and_labels_our_target():
@@ -86,6 +87,12 @@ def test_leaderboard_row_skips_other_configurations(tmp_path):
     assert passed_over == [f"`{first}`: model 'debug' (the leaderboard's: '8B')"]
     assert report.leaderboard_row([first]) == (None, None, passed_over)
     assert isinstance(report.leaderboard_table(row), pd.DataFrame)
+    # a row with our attention is preferred to a later one with torch's: "with ours: not measured" is
+    # said only where the file has no row of ours
+    second.write_text(json.dumps({**good, "step_s": 1.0, "attn_impl": "flash_triton"}) + "\n"
+                      + json.dumps({**good, "step_s": 2.0, "attn_impl": "sdpa"}) + "\n")
+    row, _, _ = report.leaderboard_row([second])
+    assert row["step_s"] == 1.0 and row["attn_impl"] == "flash_triton"
 
 
 def _gemm(model, projections, projection, gemm, median_ms, *, per_block=1, m=2048, k=1600, n=1600, n_layers=2):

@@ -67,3 +67,14 @@ def test_zero1_answer_places_our_sharding_among_the_zero_stages():
     assert "fp32 master weights (12 bytes per parameter)" in text and "stage 2 (P_os+g)" in text
     assert "every gradient (32 MiB sent per rank)" in text and "(+16 MiB), 48 MiB in all" in text
     assert "ours sends 1.50x ZeRO-1's volume" in text and "{" not in text
+
+
+def test_sharding_time_answer_reads_the_rank_count_from_the_rows():
+    opt = pd.DataFrame([_row("ddp", state=8 * N, temps=4 * N, world_size=4),
+                        {**_row("ddp_sharded", state=2 * N, temps=N, world_size=4), "step_ms": 410.0,
+                         "step_ms_p10": 409.0, "step_ms_p90": 411.0}])
+    text = report.sharding_time_answer(opt, model="xl-2025", handout="2025")
+    assert "x1.025" in text and "the broadcast costs more than updating 1/4 of them saves." in text
+    # ddp's 400 ms inside 399.5-411: no verdict either way
+    opt.loc[1, "step_ms_p10"] = 399.5
+    assert "within the noise" in report.sharding_time_answer(opt, model="xl-2025", handout="2025")
