@@ -65,6 +65,7 @@ per block, so the step becomes GPU-bound and overlap is measured on a busy GPU.
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -341,6 +342,13 @@ def _time_variant(name: str, model, opt, precision: str, tokens, targets, ctx: D
     return row
 
 
+def trace_path(trace_dir: str, *, setting: str, variant: str) -> Path:
+    """Where rank 0's trace of one variant goes: one file directly in ``trace_dir``. Settings and
+    variants hold '+', ':' and '/' ('bucketed_tail:1000/1'), which would make a subdirectory."""
+    slug = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{setting}_{variant}")
+    return Path(trace_dir) / f"ddp_{slug}_rank0.json.gz"
+
+
 def _profile_variant(name: str, model, opt, precision: str, tokens, targets, ctx: DistContext,
                      cfg: DDPBenchConfig, path: Path) -> None:
     par, step = _train_step(name, model, opt, precision)
@@ -464,7 +472,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
                     if ctx.is_main:
                         overlap_rows.append(overlap_writer.write({**about, "variant": name, "status": SKIPPED}))
                     continue
-                path = Path(cfg.trace_dir) / f"ddp_{setting.replace('+', '_')}_{name.replace(':', '')}_rank0.json.gz"
+                path = trace_path(cfg.trace_dir, setting=setting, variant=name)
                 _profile_variant(name, model, opt, precision, tokens, targets, ctx, cfg, path)
                 if ctx.is_main:
                     stats = overlap_stats(comm_compute_intervals(path))

@@ -133,8 +133,6 @@ def test_ddp_bench_config_rejects_unknown_compiled_precision():
     assert proc.returncode == 2 and "--tail-buckets-mb" in proc.stderr
 
 
-
-
 @pytest.mark.slow
 def test_a_variant_past_the_budget_is_recorded_as_skipped(tmp_path):
     """The budget is wall-clock seconds for the sweep: once the next variant's warm-up and timed
@@ -180,3 +178,13 @@ def test_every_wrapper_trains_like_one_process(tmp_path):
     assert sorted((r["wrapper"], r["rank"]) for r in rows) == sorted((w, r) for w, _ in CHECKED_WRAPPERS for r in (0, 1))
     for r in rows:
         assert r["max_abs_diff"] < 1e-5, r
+
+
+def test_trace_paths_are_files_directly_in_the_trace_directory():
+    """A bucketed_tail variant's '/' once made a subdirectory per trace."""
+    from systems.bench.ddp import trace_path
+
+    path = trace_path("traces", setting="bf16+compile", variant="bucketed_tail:1000/1")
+    assert path.parent.name == "traces" and path.name == "ddp_bf16_compile_bucketed_tail_1000_1_rank0.json.gz"
+    assert trace_path("t", setting="bf16-master+compile", variant="peer_update").name == (
+        "ddp_bf16-master_compile_peer_update_rank0.json.gz")
