@@ -64,7 +64,8 @@ LEADERBOARD_CONFIG = dict(model="8B", world_size=2, batch_size=2, context_length
 COMMITTED_ROWS = "results/12_leaderboard_8b.jsonl"  # relative to the repository: the rows shipped with it
 # what one rank's share needs: fp32 weights, gradients and half of AdamW's moments (~91 GiB) plus
 # checkpointed activations, the kept attention outputs and the autocast weight cache; measured
-# peak on an H200 (results/12_leaderboard_8b.jsonl): 124.2 GiB, 117.9 GiB recomputing attention too
+# peak on an H200: 124.7 GiB with our attention (results/12_leaderboard_8b.jsonl), 117.9 GiB
+# recomputing attention too (results/experiments/12_leaderboard_levers_124754b_run1.jsonl)
 MIN_GPU_MEMORY_GIB = 130.0
 # attn_impl="sdpa" runs under these SDPA backends, first supported wins; "auto" leaves torch's choice.
 # cuDNN first: on the H100 it ran the causal 16k bf16 forward+backward 1.6x faster than SDPA's flash
@@ -87,7 +88,7 @@ class LeaderboardConfig(RunConfig):
     checkpoint_group: int = 1  # blocks per checkpointed group; 0 turns checkpointing off
     # what a checkpointed group keeps (systems.parallel.checkpoint.CHECKPOINT_SAVES): 5.50 s per step
     # with the attention outputs kept and compiled blocks against 6.93 s with neither, in one run on
-    # 2 x H200 (results/12_leaderboard_8b.jsonl)
+    # 2 x H200 (results/experiments/12_leaderboard_levers_124754b_run1.jsonl)
     checkpoint_save: str = "attention"
     compile_blocks: bool = True  # torch.compile every block (default mode)
     bucket_size_mb: float = 1024.0
