@@ -48,11 +48,10 @@ if ctx.full:
 else:  # tiny sizes; an OOM is injected where the CPU accounting's peak exceeds a simulated capacity
     attn_cfg = bench.AttentionSweepConfig(head_dims=(16, 32), seq_lens=(64, 128), max_seq_len=1024, warmup=1,
                                           n_forward=attn_iters or 10, n_backward=attn_iters or 10, device="cpu")
-    capacity, kernels = smoke_limit_mib * 2**20, "cpu"
+    # the backend: Inductor's CPU code generation takes tens of seconds per shape; aot_eager traces
+    # the same path (Dynamo + AOTAutograd) without generating code
+    capacity, kernels, backend = smoke_limit_mib * 2**20, "cpu", "aot_eager"
     fail_if = bench.simulated_memory_limit(capacity, dtype=attn_cfg.dtype, device=kernels)
-    # Inductor's CPU code generation takes tens of seconds per shape: aot_eager traces the same
-    # path (Dynamo + AOTAutograd) without generating code
-    backend = "aot_eager"
 nb.md(f"Batch {attn_cfg.batch_size}, {attn_cfg.dtype}, d ∈ {list(attn_cfg.head_dims)}, seq ∈ {list(attn_cfg.seq_lens)} "
       f"then ×2 up to {attn_cfg.max_seq_len:,} until out of memory ("
       + ("device memory" if ctx.full else f"a simulated {smoke_limit_mib} MiB capacity") + f"); {attn_cfg.warmup} "
@@ -119,7 +118,8 @@ compiled = bench.run_attention_sweep(compiled_cfg, out_path=ctx.result_path("att
                                      isolate=ctx.full)
 ratios = report.ratio_table(eager, compiled)
 nb.show(ratios, caption=f"naive attention, eager against torch.compile (backend {backend}), on {ctx.gpu}")
-nb.answer(ctx, "torch_compile", "a", report.compile_attention_text(ratios, eager, compiled, smoke=not ctx.full))
+nb.answer(ctx, "torch_compile", "a",
+          report.compile_attention_text(ratios, eager, compiled, device=kernels, smoke=not ctx.full))
 
 # %% [markdown]
 # ## torch_compile (b): the whole Transformer compiled against eager

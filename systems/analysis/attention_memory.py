@@ -36,10 +36,18 @@ def _element_size(dtype: str) -> int:
     return torch.empty((), dtype=dtype_of(dtype)).element_size()
 
 
-def score_tensors_at_backward_peak(device: str) -> int:
-    """P, dP, dS, and on CUDA softmax backward's ``grad * output`` temporary."""
+# The score-sized tensors naive attention's backward holds at once, per device's kernels, as the
+# answers name them: CUDA's softmax backward allocates a temporary the CPU kernel does not need (the
+# module's docstring says where). Their count, and whether the accounting lists the temporary, come
+# from these names.
+SOFTMAX_BACKWARD_TEMPORARY = "the dP·P temporary that CUDA softmax backward allocates"
+BACKWARD_SCORE_TENSORS = {"cuda": ("P", "dP", SOFTMAX_BACKWARD_TEMPORARY, "dS"), "cpu": ("P", "dP", "dS")}
+
+
+def backward_score_tensor_names(device: str) -> tuple[str, ...]:
+    """The score-sized tensors alive together at the backward's peak on ``device``'s kernels."""
     check_choice("device", device, DEVICES)
-    return 4 if device == "cuda" else 3
+    return BACKWARD_SCORE_TENSORS[device]
 
 
 def attention_memory_accounting(*, batch: int, seq: int, d: int, dtype: str = "fp32", device: str = "cuda",
@@ -48,12 +56,14 @@ def attention_memory_accounting(*, batch: int, seq: int, d: int, dtype: str = "f
 
     ``attrs`` carries the totals: ``forward_peak_bytes``, ``saved_bytes`` (P),
     ``before_backward_bytes`` (what is allocated when the backward starts), ``backward_peak_bytes``,
-    ``peak_bytes``, the counts behind them, and, given ``free_bytes``, whether each phase fits.
+    ``peak_bytes``, the counts behind them, the names of the score-sized tensors at the backward's
+    peak (``backward_score_tensor_names``), and, given ``free_bytes``, whether each phase fits.
     """
     e = _element_size(dtype)
     vec = batch * seq * d * e
     mat = batch * seq * seq * e
-    n_back = score_tensors_at_backward_peak(device)
+    back_names = backward_score_tensor_names(device)
+    n_back = len(back_names)
     terms = [
         ("inputs q, k, v and output gradient dO", 4 * vec, "made before the forward; q, k, v saved by the matmuls"),
         ("scores Q K^T", mat, "forward: freed once the scaled copy exists"),
@@ -63,7 +73,7 @@ def attention_memory_accounting(*, batch: int, seq: int, d: int, dtype: str = "f
         ("dP = dO V^T", mat, "backward: input of softmax's backward"),
         ("dV = P^T dO", vec, "backward: becomes v.grad"),
     ]
-    if n_back == 4:
+    if SOFTMAX_BACKWARD_TEMPORARY in back_names:
         terms.append(("dP * P (CUDA softmax backward's temporary)", mat, "backward: inside the softmax kernel"))
     terms += [("dS (softmax backward)", mat, "backward: then scaled by 1/sqrt(d)"),
               ("dQ, dK", 2 * vec, "backward: after the score-sized peak")]
@@ -76,7 +86,7 @@ def attention_memory_accounting(*, batch: int, seq: int, d: int, dtype: str = "f
                     vector_bytes=vec, saved_bytes=mat, forward_peak_bytes=forward_peak,
                     before_backward_bytes=before_backward, backward_peak_bytes=backward_peak,
                     peak_bytes=max(forward_peak, backward_peak), backward_score_tensors=n_back,
-                    backward_vectors=6, free_bytes=free_bytes)
+                    backward_score_tensor_names=back_names, backward_vectors=6, free_bytes=free_bytes)
     if free_bytes is not None:
         df.attrs["forward_fits"] = forward_peak <= free_bytes
         df.attrs["backward_fits"] = backward_peak <= free_bytes
@@ -100,13 +110,6 @@ def flash_attention_accounting(*, batch: int, seq: int, d: int, dtype: str = "fp
             "recompute_fraction_of_backward": one_matmul / backward}
 
 
-def backward_score_tensor_names(n_score_tensors: int) -> str:
-    """The score-sized tensors naive attention's backward holds at once, in words: CUDA's softmax
-    backward allocates one temporary more than the CPU's (``backward_score_tensors``: 4 against 3)."""
-    return ("P, dP, the dP·P temporary that CUDA softmax backward allocates, and dS"
-            if n_score_tensors == 4 else "P, dP and dS")
-
-
 def peak_decomposition(row: dict, *, device: str) -> pd.DataFrame:
     """A measured point's peak, term by term: what was allocated before it, the score-sized and the
     (batch, seq, d) tensors the accounting puts at the backward's peak, and what is left over."""
@@ -115,7 +118,7 @@ def peak_decomposition(row: dict, *, device: str) -> pd.DataFrame:
     a = acct.attrs
     n_mat, n_vec = a["backward_score_tensors"], a["backward_vectors"]
     parts = [("allocated before the point (cuBLAS workspaces, earlier points' leftovers)", 1, row["start_bytes"]),
-             (f"score-sized tensors at the backward's peak ({backward_score_tensor_names(n_mat)})", n_mat,
+             (f"score-sized tensors at the backward's peak ({', '.join(a['backward_score_tensor_names'])})", n_mat,
               n_mat * a["score_matrix_bytes"]),
              ("(batch, seq, d) tensors: q, k, v, dO, O, dV", n_vec, n_vec * a["vector_bytes"])]
     explained = sum(b for _, _, b in parts)

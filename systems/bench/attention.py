@@ -41,6 +41,18 @@ from systems.measure.results import ResultWriter, read_records
 from systems.measure.timer import Marks, median_p10_p90
 
 
+# A point listed but not run: one past an out-of-memory point (a longer length of that head dim, or
+# the compiled twin of an eager point that ran out of memory: neither can fit), or one past the time
+# budget (``budget.SKIPPED``). ``is_skipped`` is the one test of either.
+SKIPPED_PAST_OOM = "skipped"
+SKIP_STATUSES = (SKIPPED_PAST_OOM, SKIPPED)
+
+
+def is_skipped(row: dict) -> bool:
+    """Whether a row (an attention point or a whole-model record) is a point that was not run."""
+    return row.get("status") in SKIP_STATUSES
+
+
 def sdpa_one_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     """torch SDPA on (batch, seq, d) inputs given one explicit head, (batch, 1, seq, d):
     the fused CUDA kernels (flash / memory-efficient) only accept 4-D inputs and would otherwise
@@ -251,7 +263,7 @@ def run_attention_sweep(cfg: AttentionSweepConfig, *, out_path: str | Path | Non
     """Every head dim x listed length, then doubling past the last length until out of memory.
 
     For each head dim the lengths run in increasing order; once a point runs out of memory the
-    larger listed lengths of that head dim are recorded as ``status="skipped"`` (they cannot
+    larger listed lengths of that head dim are recorded as ``status=SKIPPED_PAST_OOM`` (they cannot
     fit) and the sweep goes on with the next head dim. Rows are written as they are produced.
 
     ``isolate=True`` runs each head dim's series in its own child process, so that no point runs
@@ -295,7 +307,7 @@ def run_attention_sweep(cfg: AttentionSweepConfig, *, out_path: str | Path | Non
         for seq in cfg.seq_lens:
             if hit_oom:
                 emit({"batch_size": cfg.batch_size, "seq": seq, "d": d, "dtype": cfg.dtype, "compiled": cfg.compiled,
-                      "device": str(device), "status": "skipped", "error": "longer than an out-of-memory point"})
+                      "device": str(device), "status": SKIPPED_PAST_OOM, "error": "longer than an out-of-memory point"})
                 continue
             hit_oom = point(seq, d)["status"] == "oom"
         seq = cfg.seq_lens[-1] * 2
@@ -344,7 +356,7 @@ def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, 
     three times. Compilation dominates the cost; with ``budget_s`` a compiled point is skipped
     (``status=SKIPPED``, the budget's mark) once the time spent on compiled points plus a prediction for this one
     (the last compiled point of the same mode) would exceed the budget; a compiled point whose eager
-    twin ran out of memory is ``status="skipped"``. ``compile_scope=None`` runs
+    twin ran out of memory is ``status=SKIPPED_PAST_OOM``. ``compile_scope=None`` runs
     the eager points only. With ``compile_scope="model"`` the prediction scales with layer count,
     since the whole model is traced into one graph; with ``"blocks"`` (BenchmarkConfig's per-block
     compile, one graph shared by every layer) compile cost stays flat with depth, so the last
@@ -373,7 +385,7 @@ def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, 
         skip = None  # (status, reason)
         compiled = cfg.compile != "none"
         if compiled and eager_status.get((cfg.model, cfg.mode)) == "oom":
-            skip = ("skipped", "eager ran out of memory at this size")
+            skip = (SKIPPED_PAST_OOM, "eager ran out of memory at this size")
         elif compiled and budget_s is not None and cfg.mode in last_compiled:
             layers, seconds = last_compiled[cfg.mode]
             predicted = seconds * (n_layers / layers if compile_scope == "model" else 1.0)

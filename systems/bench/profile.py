@@ -162,7 +162,12 @@ def summarize(res: ProfileResult, harness: dict | None = None, *, label: str | N
     if harness is None:
         harness = {"harness_forward_s": res.timings.get("plain_forward_s"),
                    "harness_forward_std_s": res.timings.get("plain_forward_std_s")}
+    model = cfg.model_config()
+    # the model's shape the report counts weight matmuls by (layers, and the projection layout that
+    # decides which Linears a layer has), recorded from the model measured so that nothing
+    # downstream rebuilds it from the preset and its overrides
     row = {"label": label or cfg.model, "model": cfg.model, "model_overrides": dict(cfg.model_overrides),
+           "n_layers": model.n_layers, "fused_projections": model.fused_projections,
            "context_length": cfg.context_length,
            "batch_size": cfg.batch_size, "mode": cfg.mode, "precision": cfg.precision, "device": res.device,
            "status": "ok", "n_steps": res.n_steps, **harness}
@@ -207,6 +212,10 @@ def summarize(res: ProfileResult, harness: dict | None = None, *, label: str | N
         row[f"share_{c.category}"] = c.share
     for c in res.categories(ranges="forward").itertuples():
         row[f"fwd_share_{c.category}"] = c.share
+    if "backward" in res.items.columns and res.items["backward"].any():
+        # the backward phase's own kernels by category, measured (a forward-only profile has none)
+        for c in res.categories(ranges="backward").itertuples():
+            row[f"bwd_share_{c.category}"] = c.share
     # attention (forward ranges): all kernels in each range, and the matmul kernels alone
     for rng in ATTENTION_RANGES:
         key = rng.replace(" ", "_")

@@ -5,7 +5,8 @@ Recording:   ``record_snapshot(path)`` (CUDA allocator history -> pickle) wraps 
              ``run_benchmark(cfg, around_measure=lambda: record_snapshot(path), on_step=step_marker(dev))``;
              ``record_cpu_snapshot(path)`` derives the same format from ``torch.profiler`` on a CPU.
 Reading:     ``build_timeline(snapshot)`` walks ``device_traces`` and ``segments`` (phases from the
-             frames, step markers); ``largest_allocations(snapshot, k)``; ``match_allocation_size``.
+             frames, step markers; ``Timeline.block_total``: the same curve in the allocator's
+             blocks); ``largest_allocations(snapshot, k)``; ``match_allocation_size``.
              Drawing a timeline is report code (``systems.report.memory.render_timeline``).
 Saved:       ``saved_tensors(fn, *args)``: every tensor one call keeps for its backward, the op that
              keeps it, bytes per storage (the one counter of saved tensors); ``saved_tensor_report``
@@ -174,6 +175,15 @@ class Allocation:
     frames: list = field(default_factory=list)
     phase: str | None = None
     preexisting: bool = False
+    # the allocator's block holding it, where the snapshot shows one: only blocks still allocated
+    # when it was taken (``segments``); the history (``device_traces``) records each request's size
+    block_size: int | None = None
+
+    @property
+    def block_bytes(self) -> int:
+        """Its block as far as the snapshot tells: the block shown, else the request rounded up to the
+        512-byte multiple that is the least block the CUDA caching allocator hands out."""
+        return self.block_size if self.block_size is not None else allocator_bytes(self.size, "cuda")
 
 
 @dataclass
@@ -205,6 +215,17 @@ class Timeline:
     def baseline_bytes(self) -> int:
         return int(self.total[0]) if len(self.total) else 0
 
+    def block_total(self) -> np.ndarray:
+        """``total`` with each allocation counted as its block (``Allocation.block_bytes``), as
+        ``torch.cuda.max_memory_allocated`` counts it: a lower bound of that count, since a block
+        freed before the snapshot was taken may have been larger than its rounded request. Meant for
+        a CUDA snapshot; a CPU one (the profiler's) records exact storages, which nothing rounds."""
+        extra = np.zeros(len(self.total) + 1, dtype=np.int64)  # what blocks add, from each one's start to its end
+        for a in self.allocations:
+            extra[a.start] += a.block_bytes - a.size
+            extra[a.end if a.end is not None else len(self.total)] -= a.block_bytes - a.size
+        return self.total + np.cumsum(extra)[:-1]
+
     def phase_peaks(self) -> dict[str, int]:
         """Highest live bytes seen in each phase (over all its spans)."""
         out: dict[str, int] = {}
@@ -225,8 +246,8 @@ def _pick_device(snapshot: dict, device: int | None) -> int:
     return max(range(len(traces)), key=lambda i: len(traces[i]))
 
 
-def _live_segment_blocks(snapshot: dict, device: int) -> Iterator[tuple[int, int, list]]:
-    """(address, size, frames) of every block allocated when the snapshot was taken."""
+def _live_segment_blocks(snapshot: dict, device: int) -> Iterator[tuple[int, int, int, list]]:
+    """(address, requested size, block size, frames) of every block allocated when the snapshot was taken."""
     for seg in snapshot.get("segments", []):
         if seg.get("device", device) != device:
             continue
@@ -234,7 +255,7 @@ def _live_segment_blocks(snapshot: dict, device: int) -> Iterator[tuple[int, int
         for b in seg.get("blocks", []):
             b_addr = b.get("address", addr)
             if str(b.get("state", "")).startswith("active"):
-                yield b_addr, b.get("requested_size", b["size"]), b.get("frames", [])
+                yield b_addr, b.get("requested_size", b["size"]), b["size"], b.get("frames", [])
             addr = b_addr + b["size"]
 
 
@@ -279,9 +300,11 @@ def build_timeline(snapshot: dict | str | Path, *, device: int | None = None) ->
             deltas.append(-a.size)
             labels.append(None)
     baseline = sum(a.size for a in allocs if a.preexisting)
-    for addr, size, frames in _live_segment_blocks(snapshot, dev):
-        if addr not in live:
-            allocs.append(Allocation(addr, size, 0, None, frames, None, preexisting=True))
+    for addr, size, block, frames in _live_segment_blocks(snapshot, dev):
+        if addr in live:
+            live[addr].block_size = block
+        else:
+            allocs.append(Allocation(addr, size, 0, None, frames, None, preexisting=True, block_size=block))
             baseline += size
     total = np.concatenate([[baseline], baseline + np.cumsum(np.asarray(deltas, dtype=np.int64))]).astype(np.int64)
     x = np.arange(len(total))

@@ -5,6 +5,7 @@ ran inside which named range, by category, per step.
     items = attribute(items, ranges)                 # which step / phase / attention range each is in
     kernel_table(items, ranges=["forward"], n_steps=3)   # cuda_gpu_kern_sum-like, per range
     category_table(items, ...), range_table(items, ranges, ...)
+    short_kernel_name(name), kernel_family(kernel), kernel_layout(kernel)   names a table or sentence shows
 
 Device kernels (memcpy/memset included) are tied to their CPU-side launch through the
 ``correlation`` id and attributed to every range whose time interval contains the launch (the
@@ -130,6 +131,31 @@ def short_kernel_name(name: str) -> str:
     hints = [a or b for a, b in _HINT.findall(text[cut:])]
     hints = [h for h in hints if h != base and not _GENERIC_HINT.search(h)]
     return f"{base} [{hints[0]}]" if hints else base
+
+
+_LAYOUTS = {"nn", "nt", "tn", "tt"}  # cuBLAS/CUTLASS name tokens: which operands a GEMM reads transposed
+_TILE = re.compile(r"\d+x\d+")
+
+
+def kernel_layout(kernel: str) -> str | None:
+    """A GEMM kernel's operand layout token ('tn', 'nt', 'nn', 'tt'), if its name carries one."""
+    return next((t.lower() for t in kernel.split("_") if t.lower() in _LAYOUTS), None)
+
+
+def kernel_family(kernel: str) -> str:
+    """A GEMM kernel's name without its tile configuration: what a sentence can name, where the
+    full name (tile, stages, warps, alignment) belongs in a table.
+    'sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_stage3_...' -> 'sm80_xmma_gemm_…_tn',
+    'cutlass_80_simt_sgemm_256x128_8x4_nn_align1' -> 'cutlass_80_simt_sgemm_…_nn'; a name with
+    neither a 'gemm' part nor a tile size (CPU operators, elementwise kernels) is returned unchanged."""
+    tokens = kernel.split("_")
+    cut = next((i + 1 for i, t in enumerate(tokens) if "gemm" in t.lower()), None)
+    if cut is None:
+        cut = next((i for i, t in enumerate(tokens) if _TILE.search(t)), None)
+    if not cut or cut >= len(tokens):
+        return kernel
+    layout = kernel_layout("_".join(tokens[cut:]))
+    return "_".join(tokens[:cut]) + "_…" + (f"_{layout}" if layout else "")
 
 
 # ----------------------------------------------------------------------------- trace parsing

@@ -9,10 +9,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from systems.analysis.attention_memory import (attention_memory_accounting, backward_score_tensor_names,
-                                               flash_attention_accounting, peak_decomposition)
+from systems.analysis.attention_memory import (attention_memory_accounting, flash_attention_accounting,
+                                               peak_decomposition)
 from systems.analysis.fits import fit_power_law
-from systems.bench.attention import smallest_oom
+from systems.bench.attention import is_skipped, smallest_oom
 from systems.bench.budget import SKIPPED
 from systems.config import size_label
 from systems.measure.devices import oom_sizes
@@ -62,7 +62,7 @@ def timing_text(rows: Sequence[dict], *, max_seq_len: int) -> str:
                  f"`{oom['oom_phase']}` phase)." if oom else f"No point ran out of memory up to seq {max_seq_len:,}.")
     if oom:
         # only the points that were attempted at that length: a budget skip is neither a fit nor a failure
-        tried = [r for r in rows if r["seq"] == oom["seq"] and r.get("status") in ("ok", "oom")]
+        tried = [r for r in rows if r["seq"] == oom["seq"] and not is_skipped(r)]
         failed = [d for d, s in _first_oom_seq(rows).items() if s == oom["seq"]]
         shorter = [r for r in rows if r["seq"] < oom["seq"]]
         parts.append(f"At seq {oom['seq']:,} " + ("every head dim ran out of memory" if len(failed) == len(tried) else
@@ -96,7 +96,8 @@ def accounting_text(acct: pd.DataFrame, *, oom_phase: str, free_note: str, error
             f"and the softmax output P) and {fits(a.get('forward_fits'))}; autograd then keeps P "
             f"({fmt_bytes(a['saved_bytes'])}; {fmt_bytes(a['before_backward_bytes'])} in use before the "
             f"backward). The backward needs {a['backward_score_tensors']} score-sized tensors at once "
-            f"({backward_score_tensor_names(a['backward_score_tensors'])}): {fmt_bytes(a['backward_peak_bytes'])}, which {fits(a.get('backward_fits'))}. The "
+            f"({join_words(list(a['backward_score_tensor_names']))}): {fmt_bytes(a['backward_peak_bytes'])}, which "
+            f"{fits(a.get('backward_fits'))}. The "
             f"measured failure was in the `{oom_phase}` phase." + _fragmentation_text(a, error))
 
 
@@ -131,7 +132,7 @@ def decomposition_text(rows: Sequence[dict], *, device: str) -> tuple[pd.DataFra
     mats = (big["peak_rise_bytes"] - acct["backward_vectors"] * acct["vector_bytes"]) / acct["score_matrix_bytes"]
     residual = df["bytes"].iloc[-1]
     before = big["mem_before_backward_bytes"] - big["start_bytes"]
-    names = backward_score_tensor_names(acct["backward_score_tensors"])
+    names = join_words(list(acct["backward_score_tensor_names"]))
     return df, (
         f"Check on the largest point that ran (d = {big['d']}, seq = {big['seq']:,}): the measured peak, "
         f"{fmt_bytes(big['peak_bytes'])}, is {fmt_bytes(big['start_bytes'])} that were allocated before the "
@@ -268,12 +269,6 @@ def ratio_table(eager: Sequence[dict], compiled: Sequence[dict]) -> pd.DataFrame
 QUADRATIC_EXPONENT_TOLERANCE = 0.1
 
 
-def _kernels(row: dict) -> str:
-    """Which kernels' accounting applies to a row: CUDA's softmax backward allocates one more
-    score-sized temporary than the CPU's (``attention_memory_accounting``)."""
-    return "cuda" if str(row.get("device", "")).startswith("cuda") else "cpu"
-
-
 def _first_oom_seq(rows: Sequence[dict]) -> dict[int, int]:
     """Per head dim: the shortest length that ran out of memory."""
     first: dict[int, int] = {}
@@ -305,8 +300,7 @@ def _oom_where(rows: Sequence[dict], *, label: str) -> str:
     stops = []
     for d in (d for d in ds if d not in first):
         ran = [r["seq"] for r in _ok(rows) if r["d"] == d]
-        after = [r for r in rows if r["d"] == d and r.get("status") not in ("ok", "oom")
-                 and r["seq"] > max(ran, default=0)]
+        after = [r for r in rows if r["d"] == d and is_skipped(r) and r["seq"] > max(ran, default=0)]
         stops.append(f"d = {d} ran up to seq {max(ran):,}" if ran else f"d = {d} did not run")
         if after:
             stops[-1] += f", then {after[0].get('error') or after[0]['status']}"
@@ -326,9 +320,10 @@ def oom_comparison_text(eager: Sequence[dict], compiled: Sequence[dict]) -> str:
     return text + "."
 
 
-def peak_comparison_text(eager: Sequence[dict], compiled: Sequence[dict]) -> str:
+def peak_comparison_text(eager: Sequence[dict], compiled: Sequence[dict], *, device: str) -> str:
     """The measured peaks (``peak_bytes``: over the warm-up forward and backward passes) of eager and
-    compiled at the longest length both ran, in bytes and in score-sized (batch × seq × seq) tensors."""
+    compiled at the longest length both ran, in bytes and in score-sized (batch × seq × seq) tensors;
+    ``device``: whose kernels' accounting applies ("cuda" or "cpu")."""
     e_ok = {(r["d"], r["seq"]): r for r in _ok(eager) if r.get("peak_bytes")}
     pairs = {(r["d"], r["seq"]): (e_ok[(r["d"], r["seq"])], r) for r in _ok(compiled)
              if r.get("peak_bytes") and (r["d"], r["seq"]) in e_ok}
@@ -339,7 +334,7 @@ def peak_comparison_text(eager: Sequence[dict], compiled: Sequence[dict]) -> str
     ratios = [e["peak_bytes"] / c["peak_bytes"] for e, c in at]
     e, c = at[0]
     acct = attention_memory_accounting(batch=e["batch_size"], seq=seq, d=e["d"], dtype=e["dtype"],
-                                       device=_kernels(e)).attrs
+                                       device=device).attrs
     vectors = acct["backward_vectors"] * acct["vector_bytes"]
     n_e, n_c = ((r["peak_rise_bytes"] - vectors) / acct["score_matrix_bytes"] for r in (e, c))
     spread = (f"; {value_range(ratios, '{:.2f}')}× over d = {_dims(r['d'] for r, _ in at)}"
@@ -350,8 +345,8 @@ def peak_comparison_text(eager: Sequence[dict], compiled: Sequence[dict]) -> str
             f"(batch, seq, d) tensors, that is {n_c:.1f} score-sized tensors (batch × seq × seq in {e['dtype']}, "
             f"{fmt_bytes(acct['score_matrix_bytes'])} each) compiled against {n_e:.1f} eager")
     if round(n_c) < round(n_e) == acct["backward_score_tensors"]:
-        text += (f": eager's backward holds {backward_score_tensor_names(round(n_e))} at once; the compiled backward, "
-                 f"holds {round(n_c)}")
+        text += (f": eager's backward holds {join_words(list(acct['backward_score_tensor_names']))} at once; the "
+                 f"compiled backward holds {round(n_c)}")
     return text + "."
 
 
@@ -369,8 +364,9 @@ def quadratic_text(eager: Sequence[dict], compiled: Sequence[dict]) -> str:
     if c_exp is None:
         return ""
     big = max((r for r in _ok(compiled) if r.get("saved_bytes")), key=lambda r: (r["seq"], r["d"]))
-    score = attention_memory_accounting(batch=big["batch_size"], seq=big["seq"], d=big["d"], dtype=big["dtype"],
-                                        device=_kernels(big)).attrs["score_matrix_bytes"]
+    # a score-sized tensor's bytes are the same whichever kernels run: the accounting's default device
+    score = attention_memory_accounting(batch=big["batch_size"], seq=big["seq"], d=big["d"],
+                                        dtype=big["dtype"]).attrs["score_matrix_bytes"]
     text = (f"What the compiled forward leaves allocated for the backward grows as seq^{c_exp:.2f} (log-log fit over "
             f"the points that ran" + (f"; eager's saved memory: seq^{e_exp:.2f}" if e_exp is not None else "")
             + f") and is {big['saved_bytes'] / score:.2f} score-sized tensors at d = {big['d']}, seq = {big['seq']:,}")
@@ -382,7 +378,9 @@ def quadratic_text(eager: Sequence[dict], compiled: Sequence[dict]) -> str:
     return text + ": not the growth of a saved seq × seq matrix."
 
 
-def compile_attention_text(ratios: pd.DataFrame, eager: Sequence[dict], compiled: Sequence[dict], *, smoke: bool) -> str:
+def compile_attention_text(ratios: pd.DataFrame, eager: Sequence[dict], compiled: Sequence[dict], *, device: str,
+                           smoke: bool) -> str:
+    """torch_compile (a); ``device``: whose kernels' accounting applies ("cuda" or "cpu"), as for the sweep's."""
     both = ratios.dropna(subset=["fwd speedup", "bwd speedup"])
     if both.empty:
         return "No configuration ran both eager and compiled."
@@ -395,7 +393,7 @@ def compile_attention_text(ratios: pd.DataFrame, eager: Sequence[dict], compiled
              f"(d = {int(top['d'])}, seq = {int(top['seq']):,}) {top['fwd speedup']:.2f}× / "
              f"{top['bwd speedup']:.2f}×.",
              oom_comparison_text(eager, compiled),
-             peak_comparison_text(eager, compiled)]
+             peak_comparison_text(eager, compiled, device=device)]
     if not mem.empty:
         parts.append(f"Memory in use before the backward (after one forward: inputs, output and what autograd saved, "
                      f"P among it), eager / compiled: median {mem.median():.2f}× (range {value_range(mem, '{:.2f}')}).")
@@ -521,7 +519,7 @@ def _largest_gain_text(done: pd.DataFrame, records: Sequence[dict], *, handout: 
 def _not_compiled_text(records: Sequence[dict], table: pd.DataFrame, *, handout: str) -> str:
     """Which sizes were not compiled in which measurement and why (the skipped records' reasons),
     and what compiled timings each of those sizes still has."""
-    skipped = [r for r in records if r["compile"] != "none" and r["status"] in ("skipped", SKIPPED)]
+    skipped = [r for r in records if r["compile"] != "none" and is_skipped(r)]
     if not skipped:
         return ""
     params = {r["model"]: r.get("n_params") for r in records if r.get("n_params")}
@@ -567,7 +565,7 @@ def model_compile_text(table: pd.DataFrame, records: Sequence[dict], *, handout:
         parts.append(_largest_gain_text(done, records, handout=handout))
     parts.append(_not_compiled_text(records, table, handout=handout))
     # an eager point out of memory whose compiled twin was not recorded as skipped for it
-    covered = {(r["model"], r["mode"]) for r in records if r["compile"] != "none" and r["status"] in ("skipped", SKIPPED)}
+    covered = {(r["model"], r["mode"]) for r in records if r["compile"] != "none" and is_skipped(r)}
     oom = [f"{size_label(r['model'], handout)} {MODE_WORDS.get(r['mode'], r['mode'])}" for r in records
            if r["compile"] == "none" and r["status"] == "oom" and (r["model"], r["mode"]) not in covered]
     if oom:

@@ -6,20 +6,21 @@ profiles.
     coverage_table(summary), longest_fit(summary)   what was profiled, what ran out of memory
     forward_table / answer_a, top_kernel_table / answer_b, non_matmul_table / answer_c,
     category_shares, share_changes / answer_d, softmax_table / answer_e
-    kernel_family(kernel), weight_matmuls(cfg), launch_split(n, cfg)   what answer_b names and counts
+    weight_matmuls(fused_projections=...), launch_split(n, n_layers=..., fused_projections=...)
+        what answer_b counts (the kernel families it names: systems.measure.profiler.kernel_family)
     plot_category_shares(summary), plot_step_timeline(trace)
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from pathlib import Path
 
 import pandas as pd
 
-from systems.config import ModelConfig, get_config
-from systems.measure.profiler import ATTENTION_RANGES, CATEGORIES, PHASE_RANGES, attribute, parse_trace
+from systems.config import get_config
+from systems.measure.profiler import (ATTENTION_RANGES, CATEGORIES, PHASE_RANGES, attribute, kernel_family,
+                                      kernel_layout, parse_trace)
 from systems.measure.trace import STEP_RANGE
 from systems.model import Linear, TransformerLM
 from systems.report.notebook import join_words, value_range
@@ -102,9 +103,17 @@ def coverage_text(summary: pd.DataFrame, *, longest: bool) -> str:
 # most 5% longer added at most 5% to their time, which moves no category's share by more than 5
 # points: the shares (c)-(e) read still describe the unprofiled run.
 AGREE_TOLERANCE = 0.05
-# kernels running for at least this fraction of the forward span keep the GPU busy; below it the
-# GPU waits on the CPU's launches, whose cost the profiler raises (our cut)
+# (a) kernels running for at least this fraction of the forward span keep the GPU busy; below it the
+# GPU waits on the CPU's launches, whose cost the profiler raises. Why 0.9 (our cut, not a
+# measurement): "launch-bound" says the launches, not the kernels, set the span's length; with nine
+# tenths of the span or more in kernels the GPU idles at most a tenth of it, too little for the
+# launches to be what sets the pace.
 BUSY_SHARE = 0.9
+
+
+def agrees_column(tolerance: float = AGREE_TOLERANCE) -> str:
+    """The name of ``forward_table``'s verdict column, which says its tolerance."""
+    return f"agrees (within {tolerance:.0%})"
 
 
 def forward_table(summary: pd.DataFrame, *, tolerance: float = AGREE_TOLERANCE) -> pd.DataFrame:
@@ -118,21 +127,30 @@ def forward_table(summary: pd.DataFrame, *, tolerance: float = AGREE_TOLERANCE) 
         "profiled ms": ok["profiled_forward_s"] * MS, "profiler overhead": ok["profiler_overhead"],
         "profiled span ms": ok["profiled_forward_span_s"] * MS, "span vs harness": ok["span_vs_harness"],
         "kernel ms": ok["forward_kernel_s"] * MS,
-        f"agrees (within {tolerance:.0%})": ok["span_vs_harness"].abs() <= tolerance,
+        agrees_column(tolerance): ok["span_vs_harness"].abs() <= tolerance,
     }).reset_index(drop=True)
 
 
-def _names(rows: pd.DataFrame) -> str:
-    """'small at 256 tokens', 'small at 256 and large at 512 tokens'."""
-    return join_words([f"{r.label} at {r.context:.0f}" for r in rows.itertuples()]) + " tokens"
+def _sizes_at(rows: pd.DataFrame, *, context: str = "context_length", note=None) -> str:
+    """Configurations in words, each size once with its contexts and 'tokens' after the last one:
+    'small at 256 tokens', 'small at 1024 and 4096 and large at 512 tokens'. ``note(row)``, where
+    given, follows each context: 'a at 32 (-50.0%) and b at 32 tokens (+25.0%)'."""
+    sizes = [(label, [[f"{r[context]:.0f}", note(r) if note else ""] for _, r in grp.iterrows()])
+             for label, grp in rows.groupby("label", sort=False)]
+    sizes[-1][1][-1][0] += " tokens"  # once, after the last context and before its note
+    return join_words([f"{label} at " + join_words([c + n for c, n in contexts]) for label, contexts in sizes])
 
 
-def answer_a(table: pd.DataFrame, *, device: str, tolerance: float = AGREE_TOLERANCE,
-             busy: float = BUSY_SHARE) -> str:
+def answer_a(table: pd.DataFrame, *, device: str, tolerance: float = AGREE_TOLERANCE) -> str:
     """(a): the largest forward pass's profiled time against the harness's, then how many
-    forward-only configurations agree within ``tolerance``; the ones that do not are listed with
-    their gap, and called launch-bound only where the profile shows it (kernels fill less than
-    ``busy`` of the span and the profiler slowed the same loop by more than ``tolerance``)."""
+    forward-only configurations agree within ``tolerance`` (``forward_table``'s verdict, built at the
+    same tolerance); the ones that do not are listed with their gap, and called launch-bound only
+    where the profile shows it (kernels fill less than ``BUSY_SHARE`` of the span and the profiler
+    slowed the same loop by more than ``tolerance``)."""
+    verdict = agrees_column(tolerance)
+    if verdict not in table.columns:
+        raise ValueError(f"the table has no {verdict!r} column: build it with forward_table(summary, "
+                         f"tolerance={tolerance}), the tolerance answer_a is asked for")
     fa = table[table["mode"] == "forward"]
     if fa.empty:
         return "No forward-only configuration ran, so there is no forward time to compare."
@@ -142,7 +160,7 @@ def answer_a(table: pd.DataFrame, *, device: str, tolerance: float = AGREE_TOLER
             f"the profile (the forward range's start to its last {unit}'s end), against {big['harness ms']:.2f} ± "
             f"{big['harness std ms']:.2f} ms by the harness's Python timer (synchronise, then `perf_counter`) on the "
             f"same model without the profiler ({big['span vs harness']:+.1%}). ")
-    within = fa["span vs harness"].abs() <= tolerance
+    within = fa[verdict].astype(bool)
     agree, off = fa[within], fa[~within]
     rule = f"within {tolerance:.0%} (our tolerance)"
     if off.empty:
@@ -151,14 +169,13 @@ def answer_a(table: pd.DataFrame, *, device: str, tolerance: float = AGREE_TOLER
     text += f"{len(agree)} of {len(fa)} forward-only configurations agree {rule}"
     if len(agree):
         text += f", their profiled spans {_percent_range(agree['span vs harness'], signed=True)} off"
-    gaps = [f"{r['label']} at {r['context']:.0f}" + (" tokens" if i == len(off) - 1 else "")
-            + f" ({r['span vs harness']:+.1%})" for i, (_, r) in enumerate(off.iterrows())]
-    text += f"; {join_words(gaps)} {'does' if len(off) == 1 else 'do'} not"
+    gaps = _sizes_at(off, context="context", note=lambda r: f" ({r['span vs harness']:+.1%})")
+    text += f"; {gaps} {'does' if len(off) == 1 else 'do'} not"
     filled = off["kernel ms"] / off["profiled span ms"]
-    bound = off[(filled < busy) & (off["profiler overhead"] > tolerance)]
+    bound = off[(filled < BUSY_SHARE) & (off["profiler overhead"] > tolerance)]
     if bound.empty:
         return text + "."
-    where = "There" if len(bound) == len(off) else f"For {_names(bound)}"
+    where = "There" if len(bound) == len(off) else f"For {_sizes_at(bound, context='context')}"
     fill = _percent_range(bound["kernel ms"] / bound["profiled span ms"], 0)
     if len(bound) == 1:
         fill += f" ({bound['kernel ms'].iloc[0]:.2f} of {bound['profiled span ms'].iloc[0]:.2f} ms)"
@@ -172,101 +189,77 @@ def answer_a(table: pd.DataFrame, *, device: str, tolerance: float = AGREE_TOLER
 # ----------------------------------------------------------------------------- (b)
 
 
-_LAYOUTS = {"nn", "nt", "tn", "tt"}  # cuBLAS/CUTLASS name tokens: which operands a GEMM reads transposed
-_TILE = re.compile(r"\d+x\d+")
-
-
-def kernel_layout(kernel: str) -> str | None:
-    """A GEMM kernel's operand layout token ('tn', 'nt', 'nn', 'tt'), if its name carries one."""
-    return next((t.lower() for t in kernel.split("_") if t.lower() in _LAYOUTS), None)
-
-
-def kernel_family(kernel: str) -> str:
-    """A GEMM kernel's name without its tile configuration: what a sentence can name, where the
-    full name (tile, stages, warps, alignment) belongs in a table.
-    'sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_stage3_...' -> 'sm80_xmma_gemm_…_tn',
-    'cutlass_80_simt_sgemm_256x128_8x4_nn_align1' -> 'cutlass_80_simt_sgemm_…_nn'; a name with
-    neither a 'gemm' part nor a tile size (CPU operators, elementwise kernels) is returned unchanged."""
-    tokens = kernel.split("_")
-    cut = next((i + 1 for i, t in enumerate(tokens) if "gemm" in t.lower()), None)
-    if cut is None:
-        cut = next((i for i, t in enumerate(tokens) if _TILE.search(t)), None)
-    if not cut or cut >= len(tokens):
-        return kernel
-    layout = kernel_layout("_".join(tokens[cut:]))
-    return "_".join(tokens[:cut]) + "_…" + (f"_{layout}" if layout else "")
-
-
-def weight_matmuls(cfg: ModelConfig) -> tuple[list[str], list[str]]:
+@functools.cache
+def weight_matmuls(*, fused_projections: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The model's weight matmuls (its Linear modules, one GEMM launch each per forward pass): the
     names in one layer, and those outside the layers (the LM head). Which Linears a model has
     depends only on whether its projections are fused, so each layout is counted once."""
-    return _linear_names(cfg.fused_projections)
-
-
-@functools.cache
-def _linear_names(fused_projections: bool) -> tuple[list[str], list[str]]:
     # a one-layer model on the meta device: nothing allocated, the names as the model defines them
     model = TransformerLM(get_config("debug", n_layers=1, fused_projections=fused_projections), device="meta")
-    layer = [n for n, m in model.layers[0].named_modules() if isinstance(m, Linear)]
-    outside = [n for n, m in model.named_modules() if isinstance(m, Linear) and not n.startswith("layers.")]
+    layer = tuple(n for n, m in model.layers[0].named_modules() if isinstance(m, Linear))
+    outside = tuple(n for n, m in model.named_modules() if isinstance(m, Linear) and not n.startswith("layers."))
     return layer, outside
 
 
-def launch_split(n: float, cfg: ModelConfig) -> tuple[int, int, int] | None:
+def launch_split(n: float, *, n_layers: int, fused_projections: bool) -> tuple[int, int, int] | None:
     """``n`` launches per forward pass as (layers, k per layer, extra): k in each layer plus the
     weight matmuls outside the layers, else without them; None when n is neither (or missing)."""
     if pd.isna(n) or not float(n).is_integer():
         return None
-    outside = len(weight_matmuls(cfg)[1])
+    outside = len(weight_matmuls(fused_projections=fused_projections)[1])
     for extra in (outside, 0):
-        k, rest = divmod(int(n) - extra, cfg.n_layers)
+        k, rest = divmod(int(n) - extra, n_layers)
         if k >= 1 and rest == 0:
-            return cfg.n_layers, k, extra
+            return n_layers, k, extra
     return None
 
 
-def _split_text(split: tuple[int, int, int] | None, cfg: ModelConfig) -> str:
+def _split_text(split: tuple[int, int, int] | None, *, fused_projections: bool) -> str:
     if split is None:
         return ""
     n_layers, k, extra = split
-    layer, outside = weight_matmuls(cfg)
+    layer, outside = weight_matmuls(fused_projections=fused_projections)
     every = (k, extra) == (len(layer), len(outside))
     return f"{n_layers} × {k}" + (f" + {extra}" if extra else "") + (" (every weight matmul)" if every else "")
 
 
-def _row_config(row) -> ModelConfig:
-    """The model a summary row measured: its preset with the overrides the sweep recorded (rows
-    written before they were recorded: the preset alone)."""
-    overrides = getattr(row, "model_overrides", None)
-    return get_config(row.model, **(overrides if isinstance(overrides, dict) else {}))
-
-
 SPLIT = "per pass = layers × per layer + outside"
+
+
+# what a summary row records of the model it measured (systems.bench.profile.summarize), which the
+# launch counts are read against
+MODEL_SHAPE = ("n_layers", "fused_projections")
 
 
 def top_kernel_table(summary: pd.DataFrame) -> pd.DataFrame:
     """Per (size, context): the forward pass's top kernel (inference), its launches per pass and
     how they split over the layers, and the top kernel of the train step's forward+backward;
     whether it is the same kernel (full name); and (``weight matmuls per pass``) what one launch per
-    weight matmul would count, from the row's model."""
+    weight matmul would count, from the model the row records (``MODEL_SHAPE``)."""
     ok = _ok(summary, "forward")
-    fwd = ok.assign(model_overrides=ok["model_overrides"] if "model_overrides" in ok else None)[
-        ["label", "model", "model_overrides", "context_length", "top_forward_kernel", "top_forward_category",
-         "top_forward_share", "top_forward_per_pass", "top_forward_name"]]
+    missing = [c for c in MODEL_SHAPE if c not in ok.columns or ok[c].isna().any()]
+    if missing and len(ok):
+        raise ValueError(f"summary rows without {missing}: rows written before systems.bench.profile.summarize "
+                         "recorded the model's shape; profile the sweep again")
+    # typed here: the sweep's out-of-memory rows lack the fields, which leaves the columns float / object
+    fwd = ok[["label", "model", "context_length", "top_forward_kernel", "top_forward_category", "top_forward_share",
+              "top_forward_per_pass", "top_forward_name"]].assign(
+        n_layers=ok["n_layers"].astype(int), fused_projections=ok["fused_projections"].astype(bool))
     train = _ok(summary, "train_step")
     cols = ["label", "context_length", "top_fwd_bwd_kernel", "top_fwd_bwd_category", "top_fwd_bwd_share",
             "top_fwd_bwd_name"]
     train = train[cols] if "top_fwd_bwd_kernel" in train.columns else pd.DataFrame(columns=cols)
     b = fwd.merge(train, on=["label", "context_length"], how="left")
-    cfgs = [_row_config(r) for r in b.itertuples()]
-    b.insert(b.columns.get_loc("top_forward_per_pass") + 1, SPLIT,
-             [_split_text(launch_split(r.top_forward_per_pass, c), c) for r, c in zip(b.itertuples(), cfgs)])
-    b["weight matmuls per pass"] = [c.n_layers * len(weight_matmuls(c)[0]) + len(weight_matmuls(c)[1]) for c in cfgs]
-    b["n_layers"] = [c.n_layers for c in cfgs]
-    b["fused_projections"] = [c.fused_projections for c in cfgs]
+    b.insert(b.columns.get_loc("top_forward_per_pass") + 1, SPLIT, [
+        _split_text(launch_split(r.top_forward_per_pass, n_layers=r.n_layers, fused_projections=r.fused_projections),
+                    fused_projections=r.fused_projections) for r in b.itertuples()])
+    layouts = [weight_matmuls(fused_projections=fused) for fused in b["fused_projections"]]
+    b["weight matmuls per pass"] = [n * len(layer) + len(outside)
+                                    for n, (layer, outside) in zip(b["n_layers"], layouts)]
+    for col in MODEL_SHAPE:  # beside the count they explain
+        b[col] = b.pop(col)
     b["same kernel leads fwd+bwd"] = b["top_fwd_bwd_name"] == b["top_forward_name"]
-    return b.drop(columns="model_overrides").reset_index(drop=True)
+    return b.reset_index(drop=True)
 
 
 def _launch_counts(table: pd.DataFrame) -> str:
@@ -325,7 +318,7 @@ def _per_weight_matmul(table: pd.DataFrame) -> str:
     which configurations reach it: those run every weight matmul on the top kernel; fewer launches
     leave some matmul shapes to other kernels (cuBLAS picks a kernel per shape)."""
     sizes = table.drop_duplicates("label").set_index("label")
-    split = {label: _linear_names(bool(r.fused_projections)) for label, r in sizes.iterrows()}
+    split = {label: weight_matmuls(fused_projections=bool(r.fused_projections)) for label, r in sizes.iterrows()}
     names = {(tuple(n.rsplit(".", 1)[-1] for n in layer), tuple(out)) for layer, out in split.values()}
     if len(names) == 1:  # the sizes share one layout: name its matmuls once
         (layer, out), = names
@@ -340,21 +333,14 @@ def _per_weight_matmul(table: pd.DataFrame) -> str:
     parts = []
     if len(every):
         parts.append(("every configuration runs" if len(every) == len(table) else
-                      f"{_names_ctx(every)} run{'s' if len(every) == 1 else ''}")
+                      f"{_sizes_at(every)} run{'s' if len(every) == 1 else ''}")
                      + " every weight matmul on it")
     if len(short):
         who = ("every configuration's count falls" if len(short) == len(table) else
                "the other counts fall" if len(every) + len(short) == len(table) else
-               f"the counts of {_names_ctx(short)} fall")
+               f"the counts of {_sizes_at(short)} fall")
         parts.append(who + " short of one launch per weight matmul")
     return text + ("; " + " and ".join(parts) if parts else "") + "."
-
-
-def _names_ctx(rows: pd.DataFrame) -> str:
-    """'small at 1024 and 4096 tokens', 'small at 1024 and large at 512 tokens'."""
-    per = [f"{label} at {join_words([str(c) for c in grp['context_length']])}"
-           for label, grp in rows.groupby("label", sort=False)]
-    return join_words(per) + " tokens"
 
 
 # ----------------------------------------------------------------------------- (c)
@@ -405,23 +391,25 @@ def category_shares(summary: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
-# (d) a share that moves by less than this many points between inference and a train step is
+# (d) a share that moves by less than this (one point) between inference and a train step is
 # reported as unchanged, not as a direction: each configuration is one profile, with no repeat to
-# give a spread that a smaller shift could be judged against (our cut)
+# give a spread that a smaller shift could be judged against. So the value cannot be a measured
+# noise floor; one point is our cut, and the answer says so wherever it applies.
 SHARE_CHANGE = 0.01
 
 
-def share_changes(shares: pd.DataFrame, *, unchanged: float = SHARE_CHANGE) -> pd.DataFrame:
+def share_changes(shares: pd.DataFrame) -> pd.DataFrame:
     """Per (size, context) that ran both ways: each category's share in a train step minus its
     share in inference (share points), and the matmul share's direction ('falls', 'rises' or
-    'holds': within ``unchanged``)."""
+    'holds': within ``SHARE_CHANGE``)."""
     cats = [c for c in CATEGORIES if c in shares.columns]
     pair = shares.pivot_table(index=["label", "context_length"], columns="mode", values=cats, sort=False)
     if ("matmul", "forward") not in pair.columns or ("matmul", "train_step") not in pair.columns:
         return pd.DataFrame(columns=["label", "context_length", *cats, "direction"])
     pair = pair.dropna()
     out = pd.DataFrame({c: pair[(c, "train_step")] - pair[(c, "forward")] for c in cats}).reset_index()
-    out["direction"] = ["falls" if d <= -unchanged else "rises" if d >= unchanged else "holds" for d in out["matmul"]]
+    out["direction"] = ["falls" if d <= -SHARE_CHANGE else "rises" if d >= SHARE_CHANGE else "holds"
+                        for d in out["matmul"]]
     return out
 
 
@@ -444,23 +432,15 @@ def _context_groups(changes: pd.DataFrame) -> list[tuple[str, list[int]]]:
     return groups
 
 
-def _group_phrase(way: str, contexts: list[int], changes: pd.DataFrame, unchanged: float) -> str:
+def _group_phrase(way: str, contexts: list[int], changes: pd.DataFrame) -> str:
     at = f"at {join_words([str(c) for c in contexts])} tokens"
     by = ", ".join(f"{_points(changes.loc[changes['context_length'] == c, 'matmul'])} at {c}" for c in contexts)
     moved = changes.loc[changes["context_length"].isin(contexts), "matmul"]
     if way == "holds":
-        return f"moves by under {unchanged * 100:.0f} point {at} ({_points(moved, signed=True)}; our cut for no change)"
+        return f"moves by under {SHARE_CHANGE * 100:.0f} point {at} ({_points(moved, signed=True)}; our cut for no change)"
     if way == "mixed":
         return f"goes either way {at} ({_points(moved, signed=True)} points)"
     return f"{way} {at} (by {by.replace(' at', ' points at', 1)})"
-
-
-def backward_matmul_share(train: pd.DataFrame) -> pd.Series:
-    """The backward phase's matmul share, from a train step's own ranges: the step's matmul time
-    less its forward phase's, over the backward phase's time. The optimizer step counts as no
-    matmul: AdamW is elementwise arithmetic on each parameter (its kernels' category says so,
-    ``optimizer_elementwise_share``)."""
-    return (train["share_matmul"] - train["phase_share_forward"] * train["fwd_share_matmul"]) / train["phase_share_backward"]
 
 
 def attention_pointwise_share(forward: pd.DataFrame) -> pd.Series:
@@ -471,12 +451,12 @@ def attention_pointwise_share(forward: pd.DataFrame) -> pd.Series:
     return pointwise / forward["forward_kernel_s"]
 
 
-def answer_d(shares: pd.DataFrame, summary: pd.DataFrame, *, device: str, unchanged: float = SHARE_CHANGE) -> str:
+def answer_d(shares: pd.DataFrame, summary: pd.DataFrame, *, device: str) -> str:
     """(d): how the matmul share moves from inference to a train step, per context length (it can
     move either way), with the category that moves most against it; then why, where the rows show
     it: the optimizer step's elementwise kernels where it falls, the forward's attention pointwise
     kernels and a more matmul-heavy backward where it rises."""
-    changes = share_changes(shares, unchanged=unchanged)
+    changes = share_changes(shares)
     if changes.empty:
         return "Inference and a train step did not both run at any size and context, so there is no pair to compare."
     ok = shares[shares.set_index(["label", "context_length"]).index.isin(
@@ -490,7 +470,7 @@ def answer_d(shares: pd.DataFrame, summary: pd.DataFrame, *, device: str, unchan
             f"inference (forward only) and {_percent_range(ok.loc[ok['mode'] == 'train_step', 'matmul'])} in a full "
             f"train step; {moves}"
             f" (a range spans the sizes profiled at that context): it "
-            + "; it ".join(_group_phrase(way, ctxs, changes, unchanged) for way, ctxs in groups) + ".")
+            + "; it ".join(_group_phrase(way, ctxs, changes) for way, ctxs in groups) + ".")
     reasons = [r for r in (_falls_reason(changes, groups, summary, device=device),
                            _rises_reason(changes, groups, summary)) if r]
     if not reasons:
@@ -527,11 +507,11 @@ def _rises_reason(changes, groups, summary) -> str:
     contexts = [c for way, ctxs in groups if way == "rises" for c in ctxs]
     mine = _rows_at(changes, contexts)
     train, forward = _rows_at(_ok(summary, "train_step"), contexts), _rows_at(_ok(summary, "forward"), contexts)
-    needed = {"phase_share_forward", "phase_share_backward", "fwd_share_matmul"}
+    needed = {"phase_share_backward", "fwd_share_matmul", "bwd_share_matmul"}
     attention = {"forward_kernel_s", *(f"{r.replace(' ', '_')}{end}" for r in ATTENTION_RANGES for end in ("_s", "_matmul_s"))}
     if mine.empty or not needed <= set(train.columns) or not attention <= set(forward.columns):
         return ""
-    backward = backward_matmul_share(train)
+    backward = train["bwd_share_matmul"]  # the backward phase's own kernels (bench.profile.summarize)
     if (backward <= train["fwd_share_matmul"]).any():
         return ""
     mover = _mover(mine)

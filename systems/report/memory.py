@@ -246,25 +246,42 @@ def _stage_verdict(first: dict[str, tuple[int, int, int]]) -> str:
 
 
 def _peak_note(timelines: dict[str, tuple[dict, Timeline]]) -> str:
-    """Why a timeline's peak differs from the same step's peak in the tables of (b) and (c), where it does."""
-    differ = [(mode, _peak(row), tl.peak_bytes) for mode, (row, tl) in timelines.items()
+    """Why a timeline's peak differs from the same step's peak in the tables of (b) and (c), where it
+    does: how much of the gap the allocator's blocks account for, counted from the snapshot's
+    allocations (``Timeline.block_total``), and what they leave."""
+    differ = [(mode, _peak(row), tl) for mode, (row, tl) in timelines.items()
               if row.get("peak_source") == "allocator" and _peak(row) is not None
               and fmt_bytes(_peak(row)) != fmt_bytes(tl.peak_bytes)]
     if not differ:
         return ""
     names = {"forward": "forward", "train_step": "training step"}
-    above = all(table > timeline for _, table, timeline in differ)
-    text = (f"These timeline peaks ({', '.join(f'{fmt_bytes(t)} {names.get(m, m)}' for m, _, t in differ)}) are "
-            f"{'below' if above else 'different from'} the peaks in the tables of (b) and (c) "
+    above = all(table > tl.peak_bytes for _, table, tl in differ)
+    timeline_peaks = ", ".join(f"{fmt_bytes(tl.peak_bytes)} {names.get(m, m)}" for m, _, tl in differ)
+    text = (f"These timeline peaks ({timeline_peaks}) "
+            f"are {'below' if above else 'different from'} the peaks in the tables of (b) and (c) "
             f"({', '.join(fmt_bytes(p) for _, p, _ in differ)}), though both are read from the same measured step")
     if not above:
         return text + "."
-    # a CUDA snapshot's trace records each request's size (orig_size), the allocated-bytes counter
-    # each block's size; the two were checked on an H200 at the step's end (50.87 vs 51.37 GiB)
+    # (mode, gap, what the blocks add to the timeline's peak, what is left), each printed in the gap's unit
+    gaps = []
+    for mode, table, tl in differ:
+        gap = table - tl.peak_bytes
+        blocks = int(tl.block_total().max()) - tl.peak_bytes
+        gaps.append((names.get(mode, mode), gap, blocks, gap - blocks))
+    accounted = " and ".join(f"{fmt_bytes(blocks, unit_of=gap)} of the {name}'s {fmt_bytes(gap)} gap"
+                             for name, gap, blocks, _ in gaps)
+    # the blocks are at most what the tables count, so a rest below zero can only come from events
+    # outside the tables' window (the step marker between steps): at or below zero, the blocks cover the gap
+    left = [(name, rest, gap) for name, gap, _, rest in gaps
+            if rest > 0 and fmt_bytes(rest, unit_of=gap) != fmt_bytes(0, unit_of=gap)]
+    tail = ("; they cover the whole gap" if not left else
+            ", leaving " + " and ".join(f"{fmt_bytes(rest, unit_of=gap)} ({name})" for name, rest, gap in left)
+            + " that the sizes the snapshot records do not account for")
     return (text + ": the timeline adds up the bytes each allocation asked for, as the allocator's history "
             "records them, while the tables read `torch.cuda.max_memory_allocated`, which counts the blocks the "
-            "caching allocator handed out, each request rounded up to a multiple of 512 bytes and a block kept "
-            "whole when what would be left over is 1 MiB or less.")
+            "caching allocator handed out. Counting each allocation as its block instead (the block the snapshot "
+            "shows for one still allocated when it was taken, otherwise its request rounded up to a multiple of 512 "
+            f"bytes, the least block the allocator hands out) raises the timeline peaks by {accounted}{tail}.")
 
 
 def timeline_answer(timelines: dict[str, tuple[dict, Timeline]], *, cfg: ModelConfig) -> str:

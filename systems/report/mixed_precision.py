@@ -236,7 +236,8 @@ def speedup_table(records: pd.DataFrame | list[dict], *, baseline: str = "fp32",
                   handout: str | None = None) -> pd.DataFrame:
     """One row per (size, mode): both step times (median, 10th and 90th percentile), tokens/s, the
     FLOPs of one step, and the speedup baseline_time / candidate_time of the medians; NaN where either side did not run
-    (its status is kept).
+    (its status is kept). ``noise_side``: which precision's median lies inside the other's p10–p90 range, or None
+    (``precision_noise_side``), decided here once per row so every sentence about the row reads the same verdict.
     ``size`` is the handout's name for the preset in ``model`` (2026's "xl" for 2.7B)."""
     df = pd.DataFrame(records)
     if df.empty:
@@ -266,6 +267,7 @@ def speedup_table(records: pd.DataFrame | list[dict], *, baseline: str = "fp32",
             row[f"{prec}_peak_gib"] = r["peak_memory_gib"] if ok else np.nan
             row[f"{prec}_mfu"] = r["mfu"] if ok else np.nan
         row["speedup"] = row[f"{baseline}_ms"] / row[f"{candidate}_ms"]
+        row["noise_side"] = precision_noise_side(row, precisions=(baseline, candidate))
         out.append(row)
     table = pd.DataFrame(out)
     table["n_params"] = table["n_params"].astype(float)
@@ -295,25 +297,25 @@ def plot_speedup(table: pd.DataFrame, *, title: str | None = None):
     return fig
 
 
-def precision_noise_side(row) -> str | None:
+def precision_noise_side(row, *, precisions: tuple[str, str] = ("fp32", "bf16")) -> str | None:
     """Which precision's median lies inside the other's p10–p90 range of step times, or None
     (``notebook.noise_side``, the report's rule; ``speedup_table`` gives a record without per-step
-    times a spread of its mean alone)."""
-    return noise_side({p: (row[f"{p}_ms"], row[f"{p}_p10_ms"], row[f"{p}_p90_ms"]) for p in ("fp32", "bf16")})
+    times a spread of its mean alone, and stores this as its ``noise_side`` column)."""
+    return noise_side({p: (row[f"{p}_ms"], row[f"{p}_p10_ms"], row[f"{p}_p90_ms"]) for p in precisions})
 
 
 def _point(r: dict) -> str:
     """'small 55.7 → 57.0 ms (0.98×)', saying so where the speedup is within noise."""
-    inside = precision_noise_side(r)
+    inside = r["noise_side"]  # pandas stores a str column's None as NaN: either means beyond noise
     other = "bf16" if inside == "fp32" else "fp32"
     noise = (f", within noise: {inside}'s median lies inside {other}'s p10–p90 range, "
-             f"{r[f'{other}_p10_ms']:,.1f}–{r[f'{other}_p90_ms']:,.1f} ms" if inside else "")
+             f"{r[f'{other}_p10_ms']:,.1f}–{r[f'{other}_p90_ms']:,.1f} ms" if pd.notna(inside) else "")
     return f"{r['size']} {r['fp32_ms']:,.1f} → {r['bf16_ms']:,.1f} ms ({r['speedup']:.2f}×{noise})"
 
 
 def _direction(ran: pd.DataFrame) -> str:
     """Faster, slower or within noise, counted over the points that ran in both precisions."""
-    noise = ran.apply(lambda r: precision_noise_side(r) is not None, axis=1)
+    noise = ran.noise_side.notna()
     faster, slower = (ran.speedup > 1) & ~noise, (ran.speedup < 1) & ~noise
     if faster.all():
         return "bf16 autocast is faster everywhere"
@@ -333,7 +335,7 @@ def _fixed_cost_bound(grp: pd.DataFrame) -> list[str]:
     out = []
     points = grp.sort_values("n_params").to_dict("records")
     for this, nxt in zip(points, points[1:]):
-        if precision_noise_side(this) is None or not (this["flops_per_step"] > 0 and nxt["flops_per_step"] > 0):
+        if pd.isna(this["noise_side"]) or not (this["flops_per_step"] > 0 and nxt["flops_per_step"] > 0):
             continue  # NaN FLOPs (a record without them) fail the test too
         flops, time = nxt["flops_per_step"] / this["flops_per_step"], nxt["bf16_ms"] / this["bf16_ms"]
         fixed = (flops - time) / (flops - 1) if flops > 1 else 0.0  # the comment at FLOP_BOUND_SHARE

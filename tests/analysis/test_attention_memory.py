@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from systems.analysis.attention_memory import (attention_memory_accounting, flash_attention_accounting,
-                                               peak_decomposition, score_tensors_at_backward_peak)
+from systems.analysis.attention_memory import (attention_memory_accounting, backward_score_tensor_names,
+                                               flash_attention_accounting, peak_decomposition)
 
 GIB = 2**30
 MIB = 2**20
@@ -35,9 +35,15 @@ def test_cpu_kernels_need_one_score_sized_tensor_less():
     cpu = attention_memory_accounting(batch=8, seq=1024, d=16, device="cpu").attrs
     cuda = attention_memory_accounting(batch=8, seq=1024, d=16, device="cuda").attrs
     assert cuda["backward_peak_bytes"] - cpu["backward_peak_bytes"] == cpu["score_matrix_bytes"]
-    assert (score_tensors_at_backward_peak("cpu"), score_tensors_at_backward_peak("cuda")) == (3, 4)
+    # the count is the names': CUDA's softmax backward temporary is the one tensor more, and a term
+    assert (cpu["backward_score_tensors"], cuda["backward_score_tensors"]) == (3, 4)
+    assert cuda["backward_score_tensor_names"] == backward_score_tensor_names("cuda")
+    assert set(backward_score_tensor_names("cuda")) - set(backward_score_tensor_names("cpu")) == {
+        "the dP·P temporary that CUDA softmax backward allocates"}
+    n_cpu, n_cuda = (len(attention_memory_accounting(batch=1, seq=2, d=2, device=dev)) for dev in ("cpu", "cuda"))
+    assert n_cuda == n_cpu + 1
     with pytest.raises(ValueError, match="device must be one of"):
-        score_tensors_at_backward_peak("tpu")
+        backward_score_tensor_names("tpu")
 
 
 def test_accounting_explains_the_h100_rows():
@@ -60,8 +66,8 @@ def test_peak_decomposition_adds_up_to_the_measured_peak():
     assert df["bytes"].sum() == row["peak_bytes"]
     assert df["bytes"].iloc[-1] == 10 * MIB and list(df["count"][1:3]) == [4, 6]
     # the term names the four tensors CUDA's backward holds, as the answers do
-    assert "(P, dP, the dP·P temporary that CUDA softmax backward allocates, and dS)" in df["term"].iloc[1]
-    assert "(P, dP and dS)" in peak_decomposition(row, device="cpu")["term"].iloc[1]
+    assert "(P, dP, the dP·P temporary that CUDA softmax backward allocates, dS)" in df["term"].iloc[1]
+    assert "(P, dP, dS)" in peak_decomposition(row, device="cpu")["term"].iloc[1]
 
 
 def test_flash_accounting():

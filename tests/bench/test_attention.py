@@ -11,9 +11,9 @@ import torch
 
 from systems.analysis.attention_memory import attention_memory_accounting
 from systems.attention.naive import naive_attention
-from systems.bench.attention import (AttentionPoint, AttentionSweepConfig, run_attention_point,
-                                     run_attention_sweep, run_model_compile_sweep, sdpa_one_head,
-                                     simulated_memory_limit, smallest_oom)
+from systems.bench.attention import (SKIPPED_PAST_OOM, AttentionPoint, AttentionSweepConfig, is_skipped,
+                                     run_attention_point, run_attention_sweep, run_model_compile_sweep,
+                                     sdpa_one_head, simulated_memory_limit, smallest_oom)
 from systems.bench.budget import SKIPPED
 from systems.measure.memory import saved_tensors
 from systems.measure.results import read_records
@@ -29,8 +29,9 @@ def test_injected_oom_becomes_a_row_and_the_sweep_goes_on(tmp_path):
     rows = run_attention_sweep(cfg, out_path=out, progress=False,
                                fail_if=lambda p: (p.d == 4 and p.seq >= 16) or p.seq >= 64)
     got = [(r["d"], r["seq"], r["status"]) for r in rows]
-    assert got == [(4, 8, "ok"), (4, 16, "oom"), (4, 32, "skipped"),
+    assert got == [(4, 8, "ok"), (4, 16, "oom"), (4, 32, SKIPPED_PAST_OOM),
                    (8, 8, "ok"), (8, 16, "ok"), (8, 32, "ok"), (8, 64, "oom")]
+    assert [is_skipped(r) for r in rows] == [s == SKIPPED_PAST_OOM for _, _, s in got]
     oom = rows[1]
     assert oom["oom_phase"] == "warm-up forward" and "injected" in oom["error"]
     for r in rows:
@@ -185,7 +186,9 @@ def test_model_compile_sweep_budget_and_table(tmp_path):
     assert status[("small", "train_step", True)] == "ok" and status[("small", "forward", True)] == "ok"
     assert status[("medium", "train_step", True)] == SKIPPED  # the budget's mark, which the report reads
     assert "budget" in next(r["error"] for r in recs if r["model"] == "medium" and r["compile"] != "none")
-    assert status[("large", "train_step", True)] == "skipped"
+    assert status[("large", "train_step", True)] == SKIPPED_PAST_OOM
+    # either skip is a point not run, by the one predicate the report uses
+    assert {r["status"] for r in recs if is_skipped(r)} == {SKIPPED, SKIPPED_PAST_OOM}
     assert "out of memory" in next(r["error"] for r in recs if r["model"] == "large" and r["compile"] != "none")
     assert ("large", "train_step", True) not in calls
     assert len(read_records(tmp_path / "m.jsonl")) == len(recs) == 12

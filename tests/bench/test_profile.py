@@ -88,6 +88,17 @@ def test_cpu_summary(cpu_train_profile):
     # the phases' shares of the step's kernel time add up to one (they partition the step)
     shares = [row[f"phase_share_{p.replace(' ', '_')}"] for p in P.PHASE_RANGES]
     assert sum(shares) == pytest.approx(1.0) and all(s > 0 for s in shares)
+    # the backward's own category shares, measured: they add up to one, and with the forward's and the
+    # optimizer's, each weighted by its phase's share, give the step's (the phases partition it)
+    assert sum(row[f"bwd_share_{c}"] for c in P.CATEGORIES) == pytest.approx(1.0)
+    opt = res.categories(ranges="optimizer step").set_index("category")["share"]
+    for c in P.CATEGORIES:
+        assert row[f"share_{c}"] == pytest.approx(row["phase_share_forward"] * row[f"fwd_share_{c}"]
+                                                  + row["phase_share_backward"] * row[f"bwd_share_{c}"]
+                                                  + row["phase_share_optimizer_step"] * opt[c])
+    # the model's shape, recorded for the report to count weight matmuls by
+    m = res.config.model_config()
+    assert (row["n_layers"], row["fused_projections"]) == (m.n_layers, m.fused_projections)
     # without a harness dict, the profile's own unprofiled steps are the harness
     own = BP.summarize(res)
     assert own["harness_forward_s"] == res.timings["plain_forward_s"]

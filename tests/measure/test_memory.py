@@ -70,6 +70,25 @@ def test_timeline_curve_and_peak_on_synthetic_snapshot():
     assert sum(a.preexisting for a in tl.allocations) == 1  # C and D are live at the end but traced
 
 
+def test_block_total_counts_each_allocation_as_its_allocator_block():
+    # P: 3 MiB requested before recording, the snapshot's segment shows its block is 4 MiB; X: a 1000-byte
+    # request, freed before the snapshot, so only its 512-byte rounding (1024) is known; Y: 2 MiB requested,
+    # still allocated at the end in a 3 MiB block. Exact: every size is an integer number of bytes.
+    ev = [{"action": "alloc", "addr": 0x1000, "size": 1000, "frames": []},
+          {"action": "alloc", "addr": 0x2000_0000, "size": 2 * MiB, "frames": []},
+          {"action": "free_completed", "addr": 0x1000, "size": 1000, "frames": []}]
+    segments = [{"device": 0, "address": 0x9000_0000, "blocks": [
+                    {"size": 4 * MiB, "requested_size": 3 * MiB, "state": "active_allocated", "frames": []}]},
+                {"device": 0, "address": 0x2000_0000, "blocks": [
+                    {"size": 3 * MiB, "requested_size": 2 * MiB, "state": "active_allocated", "frames": []}]}]
+    tl = memory.build_timeline({"device_traces": [ev], "segments": segments})
+    assert tl.total.tolist() == [3 * MiB, 3 * MiB + 1000, 5 * MiB + 1000, 5 * MiB]  # the requests
+    assert tl.block_total().tolist() == [4 * MiB, 4 * MiB + 1024, 7 * MiB + 1024, 7 * MiB]
+    # where every request is a 512-byte multiple and every block shown is the request, the two agree
+    synthetic = memory.build_timeline(_synthetic_snapshot())
+    np.testing.assert_array_equal(synthetic.block_total(), synthetic.total)
+
+
 def test_free_of_allocation_made_before_recording_counts_from_the_start():
     snap = {"device_traces": [[{"action": "free_completed", "addr": 8, "size": 1000, "frames": []},
                                {"action": "alloc", "addr": 16, "size": 10, "frames": []}]], "segments": []}

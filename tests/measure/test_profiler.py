@@ -121,6 +121,20 @@ def test_short_kernel_name_on_real_names(name, short):
     assert P.short_kernel_name(name) == short
 
 
+XMMA_TN_64 = "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize64x64x8_stage3_warpsize1x4x1_ffma_aligna4_alignc4_execute_kernel__5x_cublas"
+
+
+def test_kernel_family_drops_the_tile_configuration():
+    assert P.kernel_family(XMMA_TN_64) == P.kernel_family(XMMA_TN_64.replace("64x64x8", "128x128x8")) \
+        == "sm80_xmma_gemm_…_tn"
+    assert P.kernel_family("cutlass_80_simt_sgemm_256x128_8x4_nn_align1") == "cutlass_80_simt_sgemm_…_nn"
+    assert P.kernel_family(P.short_kernel_name(CUTLASS)) == "cutlass_80_simt_sgemm_…_nt"  # a recorded name
+    assert P.kernel_family("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT") == "nvjet_tst_…"
+    for name in ("aten::mm", "vectorized_elementwise_kernel [MulFunctor]"):
+        assert P.kernel_family(name) == name
+    assert P.kernel_layout(XMMA_TN_64.replace("_tn_", "_nt_")) == "nt" and P.kernel_layout("aten::mm") is None
+
+
 def test_every_real_name_gets_a_label_and_a_category():
     for name, phases in REAL.items():
         short = P.short_kernel_name(name)

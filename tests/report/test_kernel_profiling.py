@@ -32,7 +32,7 @@ def test_forward_table_and_answer_a(sweep):
     assert table["span vs harness"].to_numpy() == pytest.approx(
         (table["profiled span ms"] / table["harness ms"] - 1).to_numpy())
     # agreement is the gap against a fixed tolerance, not against the profiler's measured overhead
-    agrees = table[f"agrees (within {KP.AGREE_TOLERANCE:.0%})"]
+    agrees = table[KP.agrees_column(KP.AGREE_TOLERANCE)]
     assert (agrees == (table["span vs harness"].abs() <= KP.AGREE_TOLERANCE)).all()
     text = KP.answer_a(table, device="cpu")
     fa = table[table["mode"] == "forward"]
@@ -44,19 +44,25 @@ def test_forward_table_and_answer_a(sweep):
 
 
 def _fwd_row(label, context, harness, span, kernel, overhead):
-    return {"label": label, "context": context, "mode": "forward", "harness ms": harness, "harness std ms": 0.1,
-            "profiled ms": span, "profiler overhead": overhead, "profiled span ms": span,
-            "span vs harness": span / harness - 1, "kernel ms": kernel}
+    """A forward-only summary row (times given in ms, recorded in seconds as summarize does)."""
+    return {"label": label, "context_length": context, "mode": "forward", "status": "ok",
+            "harness_forward_s": harness / 1e3, "harness_forward_std_s": 0.1 / 1e3, "profiled_forward_s": span / 1e3,
+            "profiler_overhead": overhead, "profiled_forward_span_s": span / 1e3, "span_vs_harness": span / harness - 1,
+            "forward_kernel_s": kernel / 1e3}
+
+
+def _fwd_table(*rows, tolerance=KP.AGREE_TOLERANCE):
+    return KP.forward_table(pd.DataFrame(rows), tolerance=tolerance)
 
 
 def test_answer_a_judges_agreement_by_a_fixed_tolerance_and_names_the_misses():
     # small 256: 30.6 ms profiled against 22.8 ms (+34.2%), kernels 8.84 ms of the span (29%), and
     # the profiler slows the same loop by 37.3%: outside 5%, and launch-bound. The overhead is as
     # large as the gap, which the old rule (gap within the overhead) counted as agreement.
-    table = pd.DataFrame([_fwd_row("small", 256, 22.8, 30.6, 8.84, 0.373),
-                          _fwd_row("small", 1024, 37.56, 37.75, 35.9, 0.013),   # +0.5%
-                          _fwd_row("large", 512, 115.86, 120.15, 111.6, 0.040),  # +3.7%
-                          _fwd_row("large", 2048, 565.64, 568.76, 564.6, 0.006)])  # +0.6%
+    table = _fwd_table(_fwd_row("small", 256, 22.8, 30.6, 8.84, 0.373),
+                       _fwd_row("small", 1024, 37.56, 37.75, 35.9, 0.013),   # +0.5%
+                       _fwd_row("large", 512, 115.86, 120.15, 111.6, 0.040),  # +3.7%
+                       _fwd_row("large", 2048, 565.64, 568.76, 564.6, 0.006))  # +0.6%
     text = KP.answer_a(table, device="cuda")
     assert "3 of 4 forward-only configurations agree within 5% (our tolerance), their profiled spans " \
            "+0.5% to +3.7% off; small at 256 tokens (+34.2%) does not." in text
@@ -69,22 +75,33 @@ def test_answer_a_judges_agreement_by_a_fixed_tolerance_and_names_the_misses():
 def test_answer_a_gives_no_reason_where_the_profile_shows_none():
     # +8% off, but kernels fill 99% of the span and the profiler barely slows the loop: a miss
     # listed with its gap, not called launch-bound
-    table = pd.DataFrame([_fwd_row("xl", 512, 100.0, 108.0, 107.0, 0.01), _fwd_row("xl", 1024, 200.0, 201.0, 199.0, 0.0)])
+    rows = (_fwd_row("xl", 512, 100.0, 108.0, 107.0, 0.01), _fwd_row("xl", 1024, 200.0, 201.0, 199.0, 0.0))
+    table = _fwd_table(*rows)
     text = KP.answer_a(table, device="cuda")
     assert text.endswith("1 of 2 forward-only configurations agree within 5% (our tolerance), their profiled spans "
                          "+0.5% off; xl at 512 tokens (+8.0%) does not.")
     assert "launch-bound" not in text
     # a tolerance of 10% takes it in: the verdict follows the tolerance, not the overhead
-    assert "All 2 forward-only configurations agree within 10%" in KP.answer_a(table, device="cuda", tolerance=0.10)
+    wide = _fwd_table(*rows, tolerance=0.10)
+    assert "All 2 forward-only configurations agree within 10%" in KP.answer_a(wide, device="cuda", tolerance=0.10)
+    # the answer reads the table's verdict; a table judged at another tolerance is refused, not re-judged
+    with pytest.raises(ValueError, match="within 10%"):
+        KP.answer_a(table, device="cuda", tolerance=0.10)
 
 
 def test_answer_a_lists_several_misses_and_the_launch_bound_among_them():
-    table = pd.DataFrame([_fwd_row("a", 32, 4.0, 2.0, 1.9, 0.0),     # -50%, busy: no reason
-                          _fwd_row("b", 32, 4.0, 5.0, 1.0, 0.72)])   # +25%, 20% filled, +72% overhead
+    table = _fwd_table(_fwd_row("a", 32, 4.0, 2.0, 1.9, 0.0),     # -50%, busy: no reason
+                       _fwd_row("b", 32, 4.0, 5.0, 1.0, 0.72))    # +25%, 20% filled, +72% overhead
     text = KP.answer_a(table, device="cpu")
     assert "0 of 2 forward-only configurations agree within 5% (our tolerance); a at 32 (-50.0%) and b at 32 " \
            "tokens (+25.0%) do not. For b at 32 tokens the operators run for only 20% (1.00 of 5.00 ms)" in text
     assert "overhead-bound" in text and "by +72.0%" in text and "GPU" not in text
+    # two misses of one size: the size named once, each context with its gap, 'tokens' once at the end
+    table = _fwd_table(_fwd_row("a", 32, 4.0, 5.0, 1.0, 0.72), _fwd_row("a", 64, 4.0, 6.0, 1.2, 0.72),
+                       _fwd_row("b", 32, 4.0, 2.0, 1.9, 0.0))
+    text = KP.answer_a(table, device="cpu")
+    assert "; a at 32 (+25.0%) and 64 (+50.0%) and b at 32 tokens (-50.0%) do not. For a at 32 and 64 tokens " \
+           "the operators run for only 20% of the forward span" in text
 
 
 def test_top_kernel_and_answers_b_c(sweep):
@@ -93,12 +110,15 @@ def test_top_kernel_and_answers_b_c(sweep):
     assert len(top) == len(plan.sizes) * len(plan.contexts)
     text = KP.answer_b(top)
     # the answer names the family that leads most configurations (timing on a shared CPU decides which)
-    counts = top["top_forward_kernel"].map(KP.kernel_family).value_counts()
+    counts = top["top_forward_kernel"].map(P.kernel_family).value_counts()
     assert f"`{counts.index[0]}` family in {counts.iloc[0]} of {len(top)} configurations" in text
     # the debug model: 2 layers x 7 weight matmuls + the LM head = 15 launches of one per matmul
     assert "2 × 7 + 1 = 15 for debug" in text
-    # each size is counted from the model the sweep measured, overrides included
-    assert set(summary["model_overrides"].map(lambda o: o.get("d_model"))) >= {128}
+    # each size is counted from the model shape its rows record (the model the sweep measured)
+    for label, (preset, overrides) in plan.sizes.items():
+        cfg = get_config(preset, **overrides)
+        mine = top[top["label"] == label]
+        assert (mine["n_layers"] == cfg.n_layers).all() and (mine["fused_projections"] == cfg.fused_projections).all()
     key = ("debug-wide", 32, "forward")
     non_mm = KP.non_matmul_table(results[key])
     assert "matmul" not in set(non_mm["category"]) and len(non_mm) > 0
@@ -114,30 +134,24 @@ XMMA_NT = XMMA_TN_64.replace("_tn_", "_nt_")
 CUTLASS_NN = "cutlass_80_simt_sgemm_256x128_8x4_nn_align1"
 
 
-def test_kernel_family_drops_the_tile_configuration():
-    assert KP.kernel_family(XMMA_TN_64) == KP.kernel_family(XMMA_TN_128) == "sm80_xmma_gemm_…_tn"
-    assert KP.kernel_family(CUTLASS_NN) == "cutlass_80_simt_sgemm_…_nn"
-    assert KP.kernel_family("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT") == "nvjet_tst_…"
-    for name in ("aten::mm", "vectorized_elementwise_kernel [MulFunctor]"):
-        assert KP.kernel_family(name) == name
-    assert KP.kernel_layout(XMMA_NT) == "nt" and KP.kernel_layout("aten::mm") is None
-
-
-def test_weight_matmuls_and_launch_split_follow_the_config():
-    small = get_config("small")
-    layer, outside = KP.weight_matmuls(small)
+def test_weight_matmuls_and_launch_split_follow_the_layout():
+    layer, outside = KP.weight_matmuls(fused_projections=False)
     assert [n.rsplit(".", 1)[-1] for n in layer] == ["q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3"]
-    assert outside == ["lm_head"]
-    assert KP.launch_split(12 * 7 + 1, small) == (12, 7, 1)
-    assert KP.launch_split(72, small) == (12, 6, 0) and KP.launch_split(61, small) == (12, 5, 1)
-    assert KP.launch_split(50, small) is None  # 50 and 49 are no multiple of 12
-    assert KP.launch_split(float("nan"), small) is None  # a row without the count
-    fused = small.with_(fused_projections=True)  # qkv_proj, output_proj, w13, w2
-    assert len(KP.weight_matmuls(fused)[0]) == 4 and KP.launch_split(12 * 4 + 1, fused) == (12, 4, 1)
+    assert outside == ("lm_head",)
+    small = {"n_layers": 12, "fused_projections": False}
+    assert KP.launch_split(12 * 7 + 1, **small) == (12, 7, 1)
+    assert KP.launch_split(72, **small) == (12, 6, 0) and KP.launch_split(61, **small) == (12, 5, 1)
+    assert KP.launch_split(50, **small) is None  # 50 and 49 are no multiple of 12
+    assert KP.launch_split(float("nan"), **small) is None  # a row without the count
+    fused = {**small, "fused_projections": True}  # qkv_proj, output_proj, w13, w2
+    assert len(KP.weight_matmuls(fused_projections=True)[0]) == 4 and KP.launch_split(12 * 4 + 1, **fused) == (12, 4, 1)
 
 
-def _top_rows(label, model, context, fwd_kernel, per_pass, fwd_bwd_kernel):
-    common = {"label": label, "model": model, "context_length": context, "status": "ok"}
+def _top_rows(label, model, context, fwd_kernel, per_pass, fwd_bwd_kernel, *, n_layers=None):
+    # the model's shape as summarize records it: the preset's, unless the size changed its layers
+    cfg = get_config(model)
+    common = {"label": label, "model": model, "context_length": context, "status": "ok",
+              "n_layers": n_layers or cfg.n_layers, "fused_projections": cfg.fused_projections}
     return [{**common, "mode": "forward", "top_forward_kernel": fwd_kernel, "top_forward_name": fwd_kernel,
              "top_forward_category": "matmul", "top_forward_share": 0.5, "top_forward_per_pass": per_pass},
             {**common, "mode": "train_step", "top_forward_kernel": fwd_kernel, "top_forward_name": fwd_kernel,
@@ -180,21 +194,25 @@ def test_answer_b_when_every_count_falls_short_and_counts_from_the_rows_model():
             + _top_rows("small", "small", 512, XMMA_TN_64, 72, XMMA_TN_64))
     text = KP.answer_b(KP.top_kernel_table(pd.DataFrame(rows)))
     assert "= 85 for small; every configuration's count falls short" in text
-    # a size with overrides is counted as the model it was: 6 layers x 7 + 1 = 43
-    six = [{**r, "model_overrides": {"n_layers": 6}} for r in _top_rows("six", "small", 256, XMMA_TN_64, 43, XMMA_TN_64)]
+    # a size is counted as the model its rows record, whatever its preset: 6 layers x 7 + 1 = 43
+    six = _top_rows("six", "small", 256, XMMA_TN_64, 43, XMMA_TN_64, n_layers=6)
     top = KP.top_kernel_table(pd.DataFrame(six))
     assert top.loc[0, "weight matmuls per pass"] == 43 and "every configuration runs every weight matmul" in KP.answer_b(top)
+    # rows without the model's shape (written before summarize recorded it) are refused, not re-derived
+    with pytest.raises(ValueError, match="n_layers"):
+        KP.top_kernel_table(pd.DataFrame(six).drop(columns="n_layers"))
 
 
-def _d_rows(label, context, fwd, train, *, opt=0.0, phases=(0.35, 0.6), attention=None):
+def _d_rows(label, context, fwd, train, *, opt=0.0, phases=(0.35, 0.6), backward=0.7, attention=None):
     """Category shares (matmul, elementwise, reduction/softmax, copy/memset) for the forward-only
-    and the train-step profile of one (size, context), and the summary rows answer_d reads."""
+    and the train-step profile of one (size, context), and the summary rows answer_d reads
+    (``backward``: the backward phase's matmul share)."""
     cats = ["matmul", "elementwise", "reduction/softmax", "copy/memset"]
     shares = [{"label": label, "context_length": context, "mode": m, **dict(zip(cats, v)), "other": 0.0}
               for m, v in (("train_step", train), ("forward", fwd))]
     common = {"label": label, "context_length": context, "status": "ok"}
     summary = [{**common, "mode": "train_step", "share_matmul": train[0], "fwd_share_matmul": fwd[0],
-                "phase_share_forward": phases[0], "phase_share_backward": phases[1],
+                "bwd_share_matmul": backward, "phase_share_forward": phases[0], "phase_share_backward": phases[1],
                 "phase_share_optimizer_step": opt, "optimizer_elementwise_share": 1.0},
                {**common, "mode": "forward", **(attention or {})}]
     return shares, summary
@@ -214,7 +232,7 @@ def test_answer_d_gives_the_direction_per_context_and_its_reason():
         _d_rows("large", 256, (0.87, 0.09, 0.02, 0.02), (0.78, 0.19, 0.01, 0.02), opt=0.108),
         _d_rows("small", 1024, (0.735, 0.17, 0.04, 0.055), (0.73, 0.18, 0.035, 0.055), opt=0.027),
         _d_rows("small", 4096, (0.54, 0.24, 0.14, 0.08), (0.60, 0.245, 0.095, 0.06), opt=0.005,
-                phases=(0.38, 0.615), attention=attention))
+                phases=(0.38, 0.615), backward=0.642, attention=attention))
     assert dict(zip(zip(changes["label"], changes["context_length"]), changes["direction"])) == {
         ("small", 256): "falls", ("large", 256): "falls", ("small", 1024): "holds", ("small", 4096): "rises"}
     # matmul: 73-80 = -7, 78-87 = -9 at 256; 73-73.5 = -0.5 at 1024 (under the 1-point cut); 60-54 = +6 at 4096
@@ -225,8 +243,8 @@ def test_answer_d_gives_the_direction_per_context_and_its_reason():
     # falls: elementwise +9 and +10 points, the optimizer 9.8% and 10.8% of the step
     assert ("Where it falls, elementwise kernels gain 9.0–10.0 points: a train step adds the optimizer step, "
             "9.8%–10.8% of its kernel time there and 100% (median) elementwise") in text
-    # rises: attention pointwise (0.06 + 0.036 + 0.01) / 0.26 = 40.8%; backward (0.60 - 0.38 * 0.54) / 0.615 =
-    # 64.2% matmul against 54.0%; reduction/softmax 9.5 - 14 = -4.5 points, the largest mover there
+    # rises: attention pointwise (0.06 + 0.036 + 0.01) / 0.26 = 40.8%; the backward's recorded 64.2% matmul
+    # against the step's forward's 54.0%; reduction/softmax 9.5 - 14 = -4.5 points, the largest mover there
     assert ("where it rises, the forward pass spends 40.8% of its kernel time on the attention's pointwise kernels "
             "over the T×T scores (scaling, masking, softmax), while the backward, 61.5% of a train step's kernel "
             "time, is 64.2% matmul against the step's forward's 54.0%, so reduction/softmax kernels lose 4.5 "
@@ -235,8 +253,8 @@ def test_answer_d_gives_the_direction_per_context_and_its_reason():
 
 def test_answer_d_states_no_reason_the_rows_do_not_show():
     # the share rises (58% -> 62%), but the backward is less matmul-heavy than the step's forward:
-    # (0.62 - 0.35 * 0.70) / 0.6 = 62.5% against 70%, so the rows do not show the reason: none is given
-    shares, summary = _d_rows("small", 2048, (0.58, 0.22, 0.12, 0.08), (0.62, 0.23, 0.09, 0.06),
+    # 62.5% against 70%, so the rows do not show the reason: none is given
+    shares, summary = _d_rows("small", 2048, (0.58, 0.22, 0.12, 0.08), (0.62, 0.23, 0.09, 0.06), backward=0.625,
                               attention={"forward_kernel_s": 1.0, "attention_scores_s": 0.1, "attention_scores_matmul_s": 0.05,
                                          "softmax_s": 0.05, "softmax_matmul_s": 0.0, "final_matmul_s": 0.05,
                                          "final_matmul_matmul_s": 0.05})

@@ -101,9 +101,38 @@ def test_timeline_answer_says_why_the_table_peak_is_higher():
             "(b) and (c) (17.50 GiB, 5.50 GiB), though both are read from the same measured step: the timeline adds up the bytes each allocation "
             "asked for") in text
     assert "`torch.cuda.max_memory_allocated`" in text and "multiple of 512 bytes" in text
+    # these hand-drawn timelines list no allocations, so no block accounts for any of the gap
+    assert ("raises the timeline peaks by 0.00 MiB of the forward's 256 MiB gap and 0.00 MiB of the training "
+            "step's 512 MiB gap, leaving 256 MiB (forward) and 512 MiB (training step)") in text
     # on a CPU the table's peak is the timeline's own: nothing to explain
     same = {**rows["forward"], "peak_gib": 17.25, "peak_source": "profiler snapshot"}
     assert "timeline peaks" not in report.timeline_answer({"forward": (same, fwd)}, cfg=ONE_GIB_MODEL)
+
+
+def test_peak_note_counts_the_gap_the_allocators_blocks_account_for():
+    import numpy as np
+
+    from systems.measure.memory import Allocation, PhaseSpan, Timeline
+
+    # the weights: 100 MiB requested before recording, in a 101 MiB block the snapshot shows; one
+    # activation of 50 MiB + 1 byte, freed before the snapshot, so only its 512-byte rounding is known
+    weights = Allocation(addr=0, size=100 * MIB, start=0, end=None, preexisting=True, block_size=101 * MIB)
+    act = Allocation(addr=1, size=50 * MIB + 1, start=1, end=2)
+    total = np.array([100 * MIB, 150 * MIB + 1, 100 * MIB], dtype=np.int64)
+    tl = Timeline(x=np.arange(3), total=total, allocations=[weights, act],
+                  phases=[PhaseSpan("forward", 1, 2, int(total.max()))], steps=[], device=0)
+    # by hand: the blocks peak at 101 MiB + 50 MiB + 512 bytes, 1 MiB + 511 bytes above the timeline's
+    # 150 MiB + 1 byte; against a table peak of 153 MiB that leaves 2 MiB − 512 bytes. Exact integer bytes,
+    # printed to two decimals of a MiB
+    row = {"context_length": 128, "peak_gib": 153 * MIB / GIB, "peak_source": "allocator", "status": "ok"}
+    text = report.timeline_answer({"forward": (row, tl)}, cfg=ONE_GIB_MODEL)
+    assert "These timeline peaks (150 MiB forward) are below the peaks in the tables of (b) and (c) (153 MiB)" in text
+    assert ("raises the timeline peaks by 1.00 MiB of the forward's 3.00 MiB gap, leaving 2.00 MiB (forward) that "
+            "the sizes the snapshot records do not account for.") in text
+    # a table peak the blocks reach exactly: nothing is left
+    covered = {**row, "peak_gib": (151 * MIB + 512) / GIB}
+    text = report.timeline_answer({"forward": (covered, tl)}, cfg=ONE_GIB_MODEL)
+    assert "raises the timeline peaks by 1.00 MiB of the forward's 1.00 MiB gap; they cover the whole gap." in text
 
 
 def test_fmt_bytes_picks_a_unit():

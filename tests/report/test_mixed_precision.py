@@ -98,6 +98,9 @@ def test_speedup_answer_calls_a_difference_inside_the_spread_noise():
     row = speed.set_index(["model", "mode"]).loc[("s", "forward_backward")]
     assert (row["bf16_p10_ms"], row["bf16_p90_ms"]) == pytest.approx((42.0, 63.0))
     assert report.precision_noise_side(row) == "fp32"
+    # the table decides it once per row; m's medians lie outside each other's spread
+    assert row["noise_side"] == "fp32"
+    assert pd.isna(speed.set_index(["model", "mode"]).loc[("m", "forward_backward"), "noise_side"])
     text = report.speedup_answer(speed, pd.DataFrame(records), device="cuda", gpu="X", handout="2026")
     assert "bf16 autocast is faster at 2 and within noise at 1 of the points" in text and "slower" not in text
     assert ("s 50.0 → 52.0 ms (0.96×, within noise: fp32's median lies inside bf16's p10–p90 range, "
