@@ -24,7 +24,7 @@ handout = "2026"         # whose Table 1 sizes the whole-model comparison runs
 attn_iters = None        # timed forward and backward passes per point (default: 100 full, 10 smoke)
 model_sizes = None       # whole-model comparison (default: the handout's sizes full, ["debug"] smoke)
 time_budget_s = 450      # full profile: the two attention sweeps get 27% and 53%, the whole model the rest
-compile_floor_s = 90     # full profile: the least the whole model's compiled points get (~40 s for all on an H200)
+compile_floor_s = 90     # full profile: the least the whole model's compiled points get, whatever the sweeps took
 compile_scope = "blocks" # "blocks" (each Transformer block compiled) or "model" (torch.compile of the model)
 smoke_limit_mib = 8      # smoke only: simulated device capacity that makes a CPU point "run out of memory"
 
@@ -45,7 +45,7 @@ ctx = nb.setup(name="05_attention_compile", profile=profile, out_dir=out_dir, ha
 t0 = time.time()
 if ctx.full:
     attn_cfg = bench.AttentionSweepConfig(n_forward=attn_iters or 100, n_backward=attn_iters or 100, device=ctx.device)
-    fail_if, capacity, kernels, backend = None, None, "cuda", "inductor"
+    fail_if, capacity, kernels, backend = None, None, ctx.device, "inductor"
 else:  # tiny sizes; an OOM is injected where the CPU accounting's peak exceeds a simulated capacity
     attn_cfg = bench.AttentionSweepConfig(head_dims=(16, 32), seq_lens=(64, 128), max_seq_len=1024, warmup=1,
                                           n_forward=attn_iters or 10, n_backward=attn_iters or 10, device="cpu")

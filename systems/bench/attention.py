@@ -349,7 +349,7 @@ def run_model_compile_sweep(sizes: Sequence[str], *, context_length: int = 512, 
                             out_path: str | Path | None = None, progress: bool = True,
                             model_overrides: dict | None = None, bench_fn: Callable | None = None,
                             clock: Callable[[], float] = time.perf_counter) -> list[dict]:
-    """Eager for every size, then compiled smallest first, each point through ``run_benchmark``.
+    """Eager for every size, then compiled, sizes in the order given, each point through ``run_benchmark``.
 
     Forward+backward comes from the train step's separately synchronised forward and backward
     phases, so each size compiles twice (the inference graph and the training graph) instead of

@@ -300,7 +300,8 @@ def _oom_where(rows: Sequence[dict], *, label: str) -> str:
     stops = []
     for d in (d for d in ds if d not in first):
         ran = [r["seq"] for r in _ok(rows) if r["d"] == d]
-        after = [r for r in rows if r["d"] == d and is_skipped(r) and r["seq"] > max(ran, default=0)]
+        # any row past the last that ran says why the head dim stopped: a skip, or an error
+        after = [r for r in rows if r["d"] == d and r.get("status") not in ("ok", "oom") and r["seq"] > max(ran, default=0)]
         stops.append(f"d = {d} ran up to seq {max(ran):,}" if ran else f"d = {d} did not run")
         if after:
             stops[-1] += f", then {after[0].get('error') or after[0]['status']}"

@@ -268,8 +268,9 @@ def _peak_note(timelines: dict[str, tuple[dict, Timeline]]) -> str:
         gap = table - tl.peak_bytes
         blocks = int(tl.block_total().max()) - tl.peak_bytes
         gaps.append((names.get(mode, mode), gap, blocks, gap - blocks))
-    accounted = " and ".join(f"{fmt_bytes(blocks, unit_of=gap)} of the {name}'s {fmt_bytes(gap)} gap"
-                             for name, gap, blocks, _ in gaps)
+    # blocks past the gap (events outside the tables' window, below) raise the peak by the whole gap and more
+    accounted = " and ".join((f"{fmt_bytes(blocks, unit_of=gap)} of" if blocks <= gap else "more than")
+                             + f" the {name}'s {fmt_bytes(gap)} gap" for name, gap, blocks, _ in gaps)
     # the blocks are at most what the tables count, so a rest below zero can only come from events
     # outside the tables' window (the step marker between steps): at or below zero, the blocks cover the gap
     left = [(name, rest, gap) for name, gap, _, rest in gaps

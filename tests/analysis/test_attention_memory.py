@@ -37,7 +37,6 @@ def test_cpu_kernels_need_one_score_sized_tensor_less():
     assert cuda["backward_peak_bytes"] - cpu["backward_peak_bytes"] == cpu["score_matrix_bytes"]
     # the count is the names': CUDA's softmax backward temporary is the one tensor more, and a term
     assert (cpu["backward_score_tensors"], cuda["backward_score_tensors"]) == (3, 4)
-    assert cuda["backward_score_tensor_names"] == backward_score_tensor_names("cuda")
     assert set(backward_score_tensor_names("cuda")) - set(backward_score_tensor_names("cpu")) == {
         "the dP·P temporary that CUDA softmax backward allocates"}
     n_cpu, n_cuda = (len(attention_memory_accounting(batch=1, seq=2, d=2, device=dev)) for dev in ("cpu", "cuda"))

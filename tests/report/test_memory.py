@@ -133,6 +133,10 @@ def test_peak_note_counts_the_gap_the_allocators_blocks_account_for():
     covered = {**row, "peak_gib": (151 * MIB + 512) / GIB}
     text = report.timeline_answer({"forward": (covered, tl)}, cfg=ONE_GIB_MODEL)
     assert "raises the timeline peaks by 1.00 MiB of the forward's 1.00 MiB gap; they cover the whole gap." in text
+    # a table peak below the blocks' (a block counted past the tables' window): more than the gap (1 MiB - 1 byte)
+    short = {**row, "peak_gib": 151 * MIB / GIB}
+    text = report.timeline_answer({"forward": (short, tl)}, cfg=ONE_GIB_MODEL)
+    assert "raises the timeline peaks by more than the forward's 1,024 KiB gap; they cover the whole gap." in text
 
 
 def test_fmt_bytes_picks_a_unit():
