@@ -389,9 +389,11 @@ def speedup_answer(speed: pd.DataFrame, records: pd.DataFrame, *, device: str, g
         f"{size_label(r.model, handout)} {r.mode} {r.precision}: {r.status}" for r in missing.itertuples()) + "."
            if len(missing) else "Every size ran in both precisions.")
     overall = ran.speedup
-    why = ("On the GPU the matmuls move to bf16 tensor cores, and more of the step is matmul as the model grows, "
-           "while the casts, the fp32 softmax/norm/loss and (for the train step) the fp32 AdamW update do not "
-           "speed up." if device == "cuda" else
+    # what autocast changes is the op list's; how much of a step the matmuls take is notebook 02's measurement
+    why = ("Autocast runs the matmuls in bf16 (what follows them reads their bf16 outputs), adds the casts, and "
+           "keeps the softmax, the norms' reductions and the loss in fp32; the train step's AdamW update stays "
+           "fp32. Notebook 02 measures how much of a step the matmuls take by size and context."
+           if device == "cuda" else
            "This is a CPU smoke run of the tiny `debug` size for a few steps: the times are dominated by "
            "framework overhead and noise, and CPU bf16 kernels are not tensor cores, so these numbers say nothing "
            "about a GPU; the full profile answers the question.")
