@@ -22,7 +22,7 @@ from systems.analysis.parallel_math import ddp_bucket_overhead, ddp_bucket_overh
 from systems.measure.env import REPO_ROOT
 from systems.measure.results import read_records
 from systems.measure.trace import TraceIntervals, comm_compute_intervals, union
-from systems.report.notebook import noise_side, param_count, value_range
+from systems.report.notebook import noise_side, param_count, step_spread, value_range
 
 THIS_RUN = "this run"
 MiB = 2**20
@@ -518,7 +518,7 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
             else:
                 b0 = base.iloc[0]
                 s += f"`{best['variant']}` costs nothing measurable over it ({best['comm_overhead_ms']:.3g} ms"
-                spreads = {r["variant"]: (r["step_ms"], r.get("step_ms_p10"), r.get("step_ms_p90")) for r in (b0, best)}
+                spreads = {r["variant"]: step_spread(r) for r in (b0, best)}
                 if all(pd.notna(v) for t in spreads.values() for v in t):
                     lo, hi = spreads["nosync"][1:]
                     s += (f"; the no-communication steps range {lo:.4g}-{hi:.4g} ms from 10th to 90th percentile, "

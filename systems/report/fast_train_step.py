@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from systems.bench.train_step import LEVERS, PHASES
 from systems.config import size_and_preset
-from systems.report.notebook import faster_or_slower, noise_side
+from systems.report.notebook import faster_or_slower, noise_side, step_spread
 
 
 def step_table(rows, *, baseline: str = "hf_llama", handout: str | None = None):
@@ -44,8 +44,7 @@ def lever_table(table, *, levers=LEVERS):
             line = {"model": model, "lever": lever, "from": before, "to": after,
                     "step_ms_from": b["step_ms"], "step_ms_to": a["step_ms"], "saved_ms": b["step_ms"] - a["step_ms"]}
             if spread:
-                line["beyond_spread"] = noise_side({v: (r["step_ms"], r["step_ms_p10"], r["step_ms_p90"])
-                                                    for v, r in ((before, b), (after, a))}) is None
+                line["beyond_spread"] = noise_side({before: step_spread(b), after: step_spread(a)}) is None
             for phase in PHASES:
                 line[f"{phase}_ms_change"] = a[f"{phase}_ms"] - b[f"{phase}_ms"]
             out.append(line)

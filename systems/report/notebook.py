@@ -145,6 +145,12 @@ def noise_side(timings: dict[str, tuple[float, float, float]]) -> str | None:
     return None
 
 
+def step_spread(row, key: str = "step_ms") -> tuple:
+    """A row's (median, p10, p90) step time as ``noise_side`` reads it: ``key``, ``key``_p10 and
+    ``key``_p90 (None where the row lacks one)."""
+    return row.get(key), row.get(f"{key}_p10"), row.get(f"{key}_p90")
+
+
 def param_count(n: float) -> str:
     """A parameter count for prose, three significant figures, trailing zeros kept: '3.41 B',
     '2.00 B', '12.8 B', '128 M', '0.850 M'."""

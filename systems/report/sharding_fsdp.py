@@ -14,7 +14,7 @@ from systems.analysis.sharding import (communication_per_step, expected_saving, 
                                        phase_bytes, sizes_table)
 from systems.config import get_config, size_label
 from systems.measure.hardware import GPU_PEAKS
-from systems.report.notebook import noise_side, param_count
+from systems.report.notebook import noise_side, param_count, step_spread
 
 MiB = 2**20
 GB = 1e9
@@ -141,7 +141,7 @@ def sharding_time_answer(opt: pd.DataFrame, *, model: str, handout: str) -> str:
             f"({sh['step_ms_p10']:.4g}-{sh['step_ms_p90']:.4g}) with sharding, x{ratio:.3f}. Each rank updates only the "
             "parameters it owns, but then every owner broadcasts them, "
             + ("and the two steps are within the noise (one median inside the other's p10-p90 range)."
-               if noise_side({v: (r["step_ms"], r["step_ms_p10"], r["step_ms_p90"]) for v, r in (("ddp", ddp), ("sh", sh))})
+               if noise_side({"ddp": step_spread(ddp), "ddp_sharded": step_spread(sh)})
                else f"and the broadcast costs more than updating 1/{int(sh['world_size'])} of them saves." if ratio > 1
                else f"and updating 1/{int(sh['world_size'])} of them saves more than the broadcast costs."))
 

@@ -142,3 +142,10 @@ def test_noise_side_names_the_median_inside_the_others_spread():
     assert nb.noise_side({"a": (10.0, 9.9, 10.1), "b": (10.05, 9.0, 11.0)}) == "a"  # both inside: a, named first
     # ranges that overlap (9-10.6 against 10.5-12) with neither median inside the other's: beyond the noise
     assert nb.noise_side({"a": (9.5, 9.0, 10.6), "b": (11.0, 10.5, 12.0)}) is None
+
+
+def test_step_spread_reads_a_rows_median_and_percentiles():
+    row = {"step_ms": 10.0, "step_ms_p10": 9.0, "step_ms_p90": 11.0, "us": 5.0}
+    assert nb.step_spread(row) == (10.0, 9.0, 11.0)
+    assert nb.step_spread(row, key="us") == (5.0, None, None)  # missing percentiles read None
+    assert nb.step_spread(pd.Series(row)) == (10.0, 9.0, 11.0)
