@@ -109,12 +109,13 @@ nb.answer(ctx, "nsys_profile", "d", kp.answer_d(shares, summary, device=ctx.devi
 # FLOPs are analytic: each of QKᵀ and PV costs 2·B·H·T²·d_head per layer (naive attention computes
 # every pair, then masks); the softmax `flops.SOFTMAX_FLOPS_PER_ELEMENT` FLOPs per score element.
 # Runtime: the kernels in the forward pass's `softmax` range against the matmul kernels in its
-# `attention scores` and `final matmul` ranges.
+# `attention scores` and `final matmul` ranges. Rates: the softmax's least traffic (one read of the
+# scores, one write of the probabilities) and its FLOPs over its time, against the GPU's named peaks.
 
 # %%
-soft = kp.softmax_table(summary)
+soft = kp.softmax_table(summary, gpu=ctx.gpu)
 nb.show(soft, caption="forward: softmax vs the attention matmuls (all layers, per pass)")
-nb.answer(ctx, "nsys_profile", "e", kp.answer_e(soft))
+nb.answer(ctx, "nsys_profile", "e", kp.answer_e(soft, gpu=ctx.gpu))
 
 # %% [markdown]
 # ## One train step over time

@@ -150,6 +150,23 @@ def attention_flops(cfg: BenchmarkConfig) -> dict:
             "softmax_flops": flops.softmax_flops(**shape) * m.n_layers}
 
 
+# bytes a score element takes where the softmax reads it and writes its probability, by the
+# sweep's precision; fp32 only: under autocast the softmax's input passes through a cast first,
+# whose traffic a count of the softmax's own would leave out
+SCORE_ELEMENT_BYTES = {"fp32": 4}
+
+
+def softmax_bytes(cfg: BenchmarkConfig) -> int | None:
+    """The least memory traffic of one forward pass's softmaxes, all layers: one read of the
+    B·H·T² scores and one write of the probabilities. None where ``SCORE_ELEMENT_BYTES`` has no
+    entry for the precision."""
+    size = SCORE_ELEMENT_BYTES.get(cfg.precision)
+    if size is None:
+        return None
+    m = cfg.model_config()
+    return 2 * size * cfg.batch_size * m.n_heads * cfg.context_length ** 2 * m.n_layers
+
+
 def summarize(res: ProfileResult, harness: dict | None = None, *, label: str | None = None) -> dict:
     """One flat row of the numbers the kernel-profiling questions use.
 
@@ -224,6 +241,7 @@ def summarize(res: ProfileResult, harness: dict | None = None, *, label: str | N
         row[f"{key}_matmul_s"] = inside.loc[inside["category"] == "matmul", "dur"].sum() / 1e6 / max(res.n_steps, 1)
     fl = attention_flops(cfg)
     row.update(fl)
+    row["softmax_bytes"] = softmax_bytes(cfg)
     mm_time = row["attention_scores_matmul_s"] + row["final_matmul_matmul_s"]
     row["softmax_to_matmul_time"] = row["softmax_s"] / mm_time if mm_time > 0 else None
     row["softmax_to_matmul_flops"] = fl["softmax_flops"] / (fl["scores_matmul_flops"] + fl["final_matmul_flops"])

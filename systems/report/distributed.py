@@ -381,7 +381,7 @@ def overlap_answer(ddp: pd.DataFrame) -> str:
             slowed, over = o["backward_ms"] - base["backward_ms"], o["step_ms"] - base["step_ms"]
             if 0 <= slowed <= over:
                 text += (f", and of its {over:.3g} ms over the no-communication step, {slowed:.3g} ms is a longer "
-                         + ("backward: the NCCL kernels running beside it take SMs and memory bandwidth"
+                         + ("backward, which shares the GPU with the all-reduce kernels launched during it"
                             if o["device"] != "cpu" else "backward (gloo's threads share the CPU with it)"))
             else:
                 # medians of different quantities: they need not add up, and here they do not

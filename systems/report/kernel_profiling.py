@@ -19,6 +19,8 @@ from pathlib import Path
 import pandas as pd
 
 from systems.config import get_config
+from systems.measure.flops import SOFTMAX_FLOPS_PER_ELEMENT
+from systems.measure.hardware import lookup_peak
 from systems.measure.profiler import (ATTENTION_RANGES, CATEGORIES, PHASE_RANGES, attribute, kernel_family,
                                       kernel_layout, parse_trace)
 from systems.measure.trace import STEP_RANGE
@@ -552,8 +554,11 @@ def plot_category_shares(shares: pd.DataFrame, *, title: str):
 # ----------------------------------------------------------------------------- (e)
 
 
-def softmax_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """Forward pass: softmax kernel time against the two attention matmuls', and the same for FLOPs."""
+def softmax_table(summary: pd.DataFrame, *, gpu: str | None = None) -> pd.DataFrame:
+    """Forward pass: softmax kernel time against the two attention matmuls', and the same for FLOPs;
+    the softmax's rates (its least traffic, ``systems.bench.profile.softmax_bytes``, and its FLOPs,
+    over its time) and, where ``gpu`` has a named peak (``systems.measure.hardware``), their shares
+    of its datasheet HBM bandwidth and fp32 rate."""
     ok = _ok(summary, "forward")
     mm = ok["attention_scores_matmul_s"] + ok["final_matmul_matmul_s"]
     e = pd.DataFrame({
@@ -561,17 +566,55 @@ def softmax_table(summary: pd.DataFrame) -> pd.DataFrame:
         "attention matmuls ms": mm * MS, "softmax / matmul time": ok["softmax_to_matmul_time"],
         "softmax / matmul FLOPs": ok["softmax_to_matmul_flops"]})
     e["time ratio / FLOP ratio"] = e["softmax / matmul time"] / e["softmax / matmul FLOPs"]
+    traffic = (ok["softmax_bytes"] if "softmax_bytes" in ok.columns else pd.Series(None, index=ok.index)).astype(float)
+    # the bytes a score element costs, from the same rows (the count's element size by precision)
+    e["bytes / element"] = traffic / (ok["softmax_flops"] / SOFTMAX_FLOPS_PER_ELEMENT)
+    e["softmax TB/s"] = traffic / ok["softmax_s"] / 1e12
+    e["softmax TFLOP/s"] = ok["softmax_flops"] / ok["softmax_s"] / 1e12
+    e["matmuls TFLOP/s"] = (ok["scores_matmul_flops"] + ok["final_matmul_flops"]) / mm / 1e12
+    peak = lookup_peak(gpu)
+    e["of HBM peak"] = e["softmax TB/s"] / peak.hbm_tb_s if peak else float("nan")
+    e["of fp32 peak"] = e["softmax TFLOP/s"] / peak.fp32_tflops if peak else float("nan")
+    e["matmuls of fp32 peak"] = e["matmuls TFLOP/s"] / peak.fp32_tflops if peak else float("nan")
     return e.reset_index(drop=True)
 
 
-def answer_e(table: pd.DataFrame) -> str:
+def _roofline_text(table: pd.DataFrame, *, gpu: str | None) -> str:
+    """What the softmax's rates say against ``gpu``'s named peaks, or why the run cannot say."""
+    peak = lookup_peak(gpu)
+    if peak is None:
+        return (f" No named peak covers {gpu or 'this device'} (systems.measure.hardware), so the run cannot say "
+                f"whether the softmax's memory traffic or its arithmetic bounds its time; the time per FLOP above "
+                f"is what it measured.")
+    counted = table.dropna(subset=["bytes / element"])
+    if counted.empty:
+        return (" These rows carry no count of the softmax's memory traffic (a precision without one, or rows "
+                "from before the count): profile again in fp32 for its bandwidth.")
+    per_element = counted["bytes / element"].max()
+    # the time one score element takes at each peak: streamed in and out, and computed
+    memory_s = per_element / (peak.hbm_tb_s * 1e12)
+    compute_s = SOFTMAX_FLOPS_PER_ELEMENT / (peak.fp32_tflops * 1e12)
+    text = (f" Its least traffic, one read of the scores and one write of the probabilities ({per_element:g} bytes "
+            f"per score element), moves at {value_range(counted['softmax TB/s'], '{:.3g}')} TB/s, "
+            f"{_percent_range(counted['of HBM peak'])} of the {peak.name}'s datasheet HBM bandwidth "
+            f"({peak.hbm_tb_s:g} TB/s), while its arithmetic runs at {_percent_range(counted['of fp32 peak'], 2)} of "
+            f"the fp32 peak ({peak.fp32_tflops:g} TFLOP/s). At those peaks an element's bytes take "
+            f"{memory_s / compute_s:.3g}x as long as its {SOFTMAX_FLOPS_PER_ELEMENT} FLOPs")
+    if memory_s > compute_s:
+        return text + (f", so moving the scores, not computing on them, bounds the softmax's time: the measured time "
+                       f"is {value_range(1 / counted['of HBM peak'], '{:.2g}')}x that traffic's floor. The two "
+                       f"matmuls, on the same rows, run at {_percent_range(counted['matmuls of fp32 peak'])} of the "
+                       f"fp32 peak.")
+    return text + ", so on this GPU the arithmetic, not the traffic, bounds the softmax's time."
+
+
+def answer_e(table: pd.DataFrame, *, gpu: str | None = None) -> str:
     if table.empty:
         return "No forward-only configuration ran."
     return (f"The softmax performs {_percent_range(table['softmax / matmul FLOPs'], 2)} of the two attention "
             f"matmuls' FLOPs (QKᵀ and PV) but takes {value_range(table['softmax / matmul time'], '{:.3g}')}× their "
-            f"runtime: per FLOP it is {value_range(table['time ratio / FLOP ratio'], '{:.3g}')}× slower. "
-            f"The matmuls reuse each loaded element d_head times; the softmax reads and writes the whole B·H·T² "
-            f"score tensor for a handful of FLOPs per element, so memory bandwidth, not arithmetic, sets its time.")
+            f"runtime: per FLOP it is {value_range(table['time ratio / FLOP ratio'], '{:.3g}')}× slower."
+            + _roofline_text(table, gpu=gpu))
 
 
 # ----------------------------------------------------------------------------- timeline

@@ -113,6 +113,9 @@ def test_attention_flops_reference():
     assert fl["scores_matmul_flops"] == 2 * 3 * m.n_heads * 64 * 64 * m.d_head * m.n_layers
     assert fl["final_matmul_flops"] == fl["scores_matmul_flops"]
     assert fl["softmax_flops"] == flops.SOFTMAX_FLOPS_PER_ELEMENT * 3 * m.n_heads * 64 * 64 * m.n_layers
+    # one fp32 read of the scores and one fp32 write of the probabilities per element
+    assert BP.softmax_bytes(cfg) == 2 * 4 * 3 * m.n_heads * 64 * 64 * m.n_layers
+    assert BP.softmax_bytes(BenchmarkConfig(model="debug", context_length=64, precision="bf16", device="cpu")) is None
 
 
 def test_cuda_trace_attribution(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 from systems.bench import profile as BP
 from systems.config import get_config
 from systems.measure import profiler as P
+from systems.measure.hardware import lookup_peak
 from systems.report import kernel_profiling as KP
 from tests.fixtures.traces import write_cuda_trace
 
@@ -299,7 +300,35 @@ def test_softmax_table_and_answer_e(sweep):
     assert (e["softmax ms"] > 0).all() and (e["attention matmuls ms"] > 0).all()
     assert e["time ratio / FLOP ratio"].to_numpy() == pytest.approx(
         (e["softmax / matmul time"] / e["softmax / matmul FLOPs"]).to_numpy())
-    assert "memory bandwidth" in KP.answer_e(e)
+    # CPU rows: fp32 traffic counted, no named peak to hold it against
+    assert (e["softmax TB/s"] > 0).all() and e["of HBM peak"].isna().all()
+    assert "No named peak covers CPU" in KP.answer_e(e, gpu="CPU")
+
+
+def test_answer_e_holds_the_softmax_against_the_named_peaks():
+    # one fp32 point: 1e9 score elements, 8 bytes each in the least traffic, in 4 ms -> 2 TB/s;
+    # 5e9 FLOPs in 4 ms -> 1.25 TFLOP/s
+    elements = 10 ** 9
+    summary = pd.DataFrame([{
+        "label": "x", "context_length": 1024, "mode": "forward", "status": "ok", "softmax_s": 4e-3,
+        "attention_scores_matmul_s": 1e-3, "final_matmul_matmul_s": 1e-3, "softmax_to_matmul_time": 2.0,
+        "softmax_to_matmul_flops": 0.01, "softmax_flops": 5 * elements, "softmax_bytes": 8 * elements,
+        "scores_matmul_flops": 20 * elements, "final_matmul_flops": 20 * elements}])
+    e = KP.softmax_table(summary, gpu="NVIDIA H200")
+    h200 = lookup_peak("NVIDIA H200")
+    assert e["softmax TB/s"].item() == pytest.approx(2.0)
+    assert e["of HBM peak"].item() == pytest.approx(2.0 / h200.hbm_tb_s)
+    assert e["of fp32 peak"].item() == pytest.approx(1.25 / h200.fp32_tflops)
+    text = KP.answer_e(e, gpu="NVIDIA H200")
+    # at the H200's peaks 8 bytes take (8 / 4.8e12) / (5 / 66.9e12) = 22.3x as long as 5 FLOPs
+    assert "22.3x as long" in text and "moving the scores, not computing on them" in text
+    assert f"{h200.hbm_tb_s / 2.0:.2g}x that traffic's floor" in text
+    # the matmuls: 4e10 FLOPs in 2 ms -> 20 TFLOP/s
+    assert e["matmuls TFLOP/s"].item() == pytest.approx(20.0)
+    assert f"{20.0 / h200.fp32_tflops:.1%} of the fp32 peak." in text
+    # rows without the traffic count (older runs) say so instead of guessing
+    old = KP.softmax_table(summary.drop(columns="softmax_bytes"), gpu="NVIDIA H200")
+    assert "no count of the softmax's memory traffic" in KP.answer_e(old, gpu="NVIDIA H200")
 
 
 def test_coverage_names_oom_and_skipped_points():
