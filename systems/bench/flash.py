@@ -68,6 +68,14 @@ TRITON_VARIANTS = {"triton": {}, "triton_split": dict(forward="pointer", backwar
                    "triton_tf32x3": dict(fp32_dot="tf32x3"), "triton_ieee": dict(fp32_dot="ieee"),
                    "triton_pytorch_bwd": dict(backward="pytorch"), "triton_per_head": dict(launch_order="per_head")}
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
+# this project's implementations among systems.attention's backends; the others are baselines
+OUR_BACKENDS = ("flash_pytorch", "flash_triton")
+
+
+def is_ours(impl: str) -> bool:
+    """Whether ``impl`` names one of this project's FlashAttention-2 implementations (a Triton
+    variant, or a backend in OUR_BACKENDS) rather than a baseline (naive, SDPA's backends)."""
+    return impl in TRITON_VARIANTS or impl in OUR_BACKENDS
 
 
 def _sdpa_with(backend: str) -> Callable:

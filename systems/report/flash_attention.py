@@ -11,7 +11,7 @@ import pandas as pd
 
 from systems.bench.budget import SKIPPED
 from systems.bench.flash import (ERROR_NAMES, LEADERBOARD, LEADERBOARD_TARGET, PASSES, SKIPPED_MEMORY,
-                                 SPEED_TARGETS)
+                                 SPEED_TARGETS, TRITON_VARIANTS, is_ours)
 from systems.measure import flops as flop_count
 from systems.report.notebook import faster_or_slower
 
@@ -82,7 +82,7 @@ def forward_answers(table: pd.DataFrame, *, triton_where: str) -> dict[tuple[str
         f"online softmax over {TILE_Q} x {TILE_K} tiles, saving Q, K, V, O and the logsumexp L. Against float64 autograd of "
         f"the direct formula: {_worst(table, 'flash_pytorch')}; L was saved (a tensor shaped (..., n_queries)) in "
         f"{int(pt['saves_lse'].sum())} of {len(pt)} cases.")
-    tri = table[table["impl"].str.startswith("triton")]
+    tri = table[table["impl"].isin(TRITON_VARIANTS)]
     if tri.empty:
         return answers
     answers[("flash_forward", "b")] = (
@@ -125,7 +125,7 @@ def latency_table(sweep: pd.DataFrame, pass_: str, *, ours: str, baseline: str =
     ok = sweep[sweep["status"] == "ok"]
     table = ok.pivot_table(index=["dtype", "d", "seq"], columns="impl", values=f"{pass_}_ms", aggfunc="first")
     # ours first, then our other variants, then the baselines in the order they ran
-    order = sorted(dict.fromkeys(sweep["impl"]), key=lambda c: (c != ours, not c.startswith(ours.split("_")[0])))
+    order = sorted(dict.fromkeys(sweep["impl"]), key=lambda c: (c != ours, not is_ours(c)))
     table = table[[c for c in order if c in table.columns]]
     table.columns = [f"{c} ms" for c in table.columns]
     mine = ok[ok["impl"] == ours].set_index(["dtype", "d", "seq"])
@@ -198,9 +198,12 @@ def _wide(sweep: pd.DataFrame, value: str) -> pd.DataFrame:
     return ok.pivot_table(index=["dtype", "d", "seq"], columns="impl", values=value, aggfunc="first")
 
 
-def benchmark_answer(sweep: pd.DataFrame, *, ours: str, baseline: str = "naive", device: str, handout: str) -> str:
+def benchmark_answer(sweep: pd.DataFrame, *, ours: str, baseline: str = "naive", device: str, handout: str,
+                     like_for_like: bool = True) -> str:
     """flash_benchmarking (a): where ours beats the baseline end to end and by how much, where the
-    baseline did not run, read from the sweep; the handout's GPU beside this run's."""
+    baseline did not run, read from the sweep; the handout's GPU beside this run's. Where ours and
+    the baseline multiply at different precisions, ``like_for_like`` adds the comparison with our
+    variant whose dots match; False where ``fp32_answer`` follows and makes it."""
     wide = _wide(sweep, "e2e_ms")
     if ours not in wide or baseline not in wide:
         return f"`{ours}` and `{baseline}` have no point in common in this run."
@@ -219,7 +222,7 @@ def benchmark_answer(sweep: pd.DataFrame, *, ours: str, baseline: str = "naive",
             seqs = slower.index.get_level_values("seq")
             text += (f"; ours is slower at {len(slower)} points, seq {seqs.min()}-{seqs.max()}, where it takes "
                      f"{_fmt_ms(wide.loc[slower.index, ours].min())}-{_fmt_ms(wide.loc[slower.index, ours].max())}")
-        text += _unlike_dots(sweep, wide, dtype=dtype, ours=ours, baseline=baseline)
+        text += _unlike_dots(sweep, wide, dtype=dtype, ours=ours, baseline=baseline, like_for_like=like_for_like)
         for impl in (ours, baseline):
             text += _missing_points(sweep, impl=impl, dtype=dtype)
         parts.append(text + ".")
@@ -244,14 +247,18 @@ def _missing_points(sweep: pd.DataFrame, *, impl: str, dtype: str) -> str:
     return text
 
 
-def _unlike_dots(sweep: pd.DataFrame, wide: pd.DataFrame, *, dtype: str, ours: str, baseline: str) -> str:
+def _unlike_dots(sweep: pd.DataFrame, wide: pd.DataFrame, *, dtype: str, ours: str, baseline: str,
+                 like_for_like: bool) -> str:
     """Where ours and the baseline multiply at different precisions (fp32: our tf32x3 against
-    IEEE), the comparison with our variant whose dots match the baseline's, if one ran."""
+    IEEE), that, and with ``like_for_like`` the comparison with our variant whose dots match the
+    baseline's, if one ran."""
     dots = sweep[(sweep.dtype == dtype) & (sweep.status == "ok")].groupby("impl")["dot"].first()
     if ours not in dots or baseline not in dots or dots[ours] == dots[baseline]:
         return ""
     text = f" (ours multiplies in {dots[ours]}, `{baseline}` in {dots[baseline]}"
-    alike = [i for i in dots.index if i != ours and i.startswith(ours.split("_")[0]) and dots[i] == dots[baseline]]
+    if not like_for_like:
+        return text + f": the {dtype} paragraph below compares like for like)"
+    alike = [i for i in dots.index if i != ours and is_ours(i) and dots[i] == dots[baseline]]
     if alike and alike[0] in wide:
         ratio = (wide.xs(dtype, level="dtype")[baseline] / wide.xs(dtype, level="dtype")[alike[0]]).dropna()
         if len(ratio):
@@ -273,7 +280,7 @@ def fp32_answer(sweep: pd.DataFrame, *, ceilings: list[dict], kernels: pd.DataFr
     ceiling = {c["dot"]: c["tflops"] for c in ceilings}
     parts = [f"**fp32** (dot precision per side, from the rows: "
              + ", ".join(f"`{impl}` {dot}" for impl, dot in dots.items()) + ")."]
-    for impl in (c for c in wide.columns if c.startswith("triton") and c in long):
+    for impl in (c for c in wide.columns if is_ours(c) and c in long):
         r = (long[impl] / long["naive"]).dropna()
         if len(r):
             gm = float(np.exp(np.log(r).mean()))
@@ -296,7 +303,7 @@ def fp32_answer(sweep: pd.DataFrame, *, ceilings: list[dict], kernels: pd.DataFr
                          "full score matrix they compute.")
     naive_dot = dots.get("naive")
     naive_tf32 = kernels is not None and bool(kernels["tf32"].any())
-    ours_by_dot = {dot: impl for impl, dot in dots.items() if impl.startswith("triton") and impl in long}
+    ours_by_dot = {dot: impl for impl, dot in dots.items() if is_ours(impl) and impl in long}
     ieee, x3 = ours_by_dot.get("ieee"), ours_by_dot.get("tf32x3")
     if ieee is not None:
         mine = fp[(fp.impl == ieee) & (fp.seq >= long_from)]["e2e_tflops"].max()

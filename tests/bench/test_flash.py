@@ -83,6 +83,11 @@ def test_dot_precision_of_each_side():
     assert flash.dot_of("triton_tf32x3", "fp32") == "tf32x3" and flash.dot_of("triton_ieee", "fp32") == "ieee"
 
 
+def test_ours_are_the_projects_implementations_not_the_baselines():
+    assert all(flash.is_ours(name) for name in (*flash.TRITON_VARIANTS, "flash_pytorch", "flash_triton"))
+    assert not any(flash.is_ours(name) for name in ("naive", "sdpa", *flash.SDPA_BACKENDS))
+
+
 def test_budget_skips_what_it_cannot_afford(monkeypatch):
     # each pass takes seq / 32 * 10 ms (a fake timing) and each clock reading advances 1 s. Seq 64 is
     # estimated from seq 32 at 10 ms x 2080 / 528 pairs per pass: (6 untimed + 1 warm-up + 3 timed

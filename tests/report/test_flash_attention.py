@@ -81,6 +81,10 @@ def test_benchmark_answer_reads_the_rows(sweep):
     assert ("(ours multiplies in tf32x3, `naive` in ieee; like for like, `triton_ieee` (ieee) is faster at 0 of 4 "
             "points, naive's time over its 0.5x-0.5x)") in text
     assert text.count("like for like") == 1  # bf16's dots are alike
+    # where the fp32 paragraph follows, it alone compares like for like
+    short = report.benchmark_answer(sweep, ours="triton", device="NVIDIA H100", handout="2026", like_for_like=False)
+    assert "(ours multiplies in tf32x3, `naive` in ieee: the fp32 paragraph below compares like for like)" in short
+    assert "`triton_ieee`" not in short
     ieee = report.benchmark_answer(sweep, ours="triton_ieee", device="NVIDIA H100", handout="2026")
     assert "at 0 of 4 points" in ieee and "ours is slower at 4 points, seq 1024-4096" in ieee
     assert "one H100" in report.benchmark_answer(sweep, ours="triton", device="x", handout="2025")
