@@ -1,5 +1,6 @@
 """The one timer: named time points in a stream of work (``Marks``), the timing of a callable
-(``time_fn``), and the statistics every table reports (median with 10th / 90th percentiles)."""
+(``time_fn``), the host's pace at issuing small ops (``launch_pace``), and the statistics every
+table reports (median with 10th / 90th percentiles)."""
 
 from __future__ import annotations
 
@@ -145,3 +146,33 @@ def time_fn(fn: Callable[[], object], *, device: torch.device | str, warmup_ms: 
         times.append((time.perf_counter() - t0) * 1e3)
     median, p10, p90 = median_p10_p90(times)
     return {"median_ms": median, "p10_ms": p10, "p90_ms": p90}
+
+
+def launch_pace(device: torch.device | str, *, ops: int = 1000, repeats: int = 7) -> dict[str, float]:
+    """Microseconds per op when ``ops`` in-place adds on a one-element tensor are issued back to
+    back, each batch synchronised: ``{"median_us", "p10_us", "p90_us"}`` over ``repeats`` batches
+    after one of warm-up. Whichever is slower sets it, the host issuing the ops (PyTorch's
+    dispatch, the launch) or the device running them one after another; on a GPU the host, as a
+    rule. It is the floor under a step made of many short kernels, and it differs between hosts
+    with the same GPU: two runs of one notebook on two such hosts differ at their shortest points
+    by it."""
+    if ops < 1 or repeats < 1:
+        raise ValueError(f"launch_pace needs ops >= 1 and repeats >= 1, got ops={ops}, repeats={repeats}")
+    dev = torch.device(device)
+    x = torch.zeros(1, device=dev)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+    def batch() -> None:
+        for _ in range(ops):
+            x.add_(1.0)
+
+    batch()
+    sync()
+    per_op = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        batch()
+        sync()
+        per_op.append((time.perf_counter() - start) / ops * 1e6)
+    median, p10, p90 = median_p10_p90(per_op)
+    return {"median_us": median, "p10_us": p10, "p90_us": p90}

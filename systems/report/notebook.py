@@ -19,6 +19,7 @@ import pandas as pd
 from systems.config import DEFAULT_HANDOUT, check_choice, check_handout
 from systems.measure.env import environment
 from systems.measure.results import ResultWriter
+from systems.measure.timer import launch_pace
 
 PROFILES = ("smoke", "full")
 
@@ -72,8 +73,13 @@ def setup(*, name: str, profile: str, out_dir: str | Path, handout: str = DEFAUL
     if show_env:
         keys = ["gpu", "driver", "torch", "triton", "cuda", "git_commit", "date"]
         # A CPU run has no driver or CUDA version; leaving them out reads better than "None".
+        # the host's pace, measured here: the shortest points of a sweep run at it, and it differs
+        # between hosts with the same GPU (docs/flash_attention_notes.md, entry 30)
+        pace = launch_pace(ctx.device)
         md(f"**Run:** profile `{profile}`, {handout} handout, on {ctx.gpu}; "
-           + ", ".join(f"{k} `{ctx.env[k]}`" for k in keys[1:] if ctx.env.get(k) is not None))
+           + ", ".join(f"{k} `{ctx.env[k]}`" for k in keys[1:] if ctx.env.get(k) is not None)
+           + f"; host pace {pace['median_us']:.3g} us per small op issued back to back "
+             f"({pace['p10_us']:.3g}-{pace['p90_us']:.3g}, `systems.measure.timer.launch_pace`)")
     return ctx
 
 

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from systems.measure.timer import Marks, median_p10_p90, slowest_rank_median
+from systems.measure.timer import Marks, launch_pace, median_p10_p90, slowest_rank_median
 
 
 def test_median_and_percentiles():
@@ -43,3 +43,17 @@ def test_marks_across_steps_span_them():
     assert span == pytest.approx((second.points["optimizer"] - first.points["start"]) * 1e3)
     with pytest.raises(KeyError, match="no mark"):
         second.ms_since(first, "forward", "optimizer")
+
+
+def test_launch_pace_times_the_ops_it_issues(monkeypatch):
+    # a clock that advances 5 us per call: one read before and one after each batch of 10 ops
+    # (the adds themselves do not read it) gives 5 us / 10 ops = 0.5 us per op in every batch
+    ticks = iter(range(10 ** 6))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 5e-6)
+    pace = launch_pace("cpu", ops=10, repeats=3)
+    assert pace == pytest.approx({"median_us": 0.5, "p10_us": 0.5, "p90_us": 0.5})
+    monkeypatch.undo()
+    real = launch_pace("cpu", ops=200, repeats=5)
+    assert 0 < real["p10_us"] <= real["median_us"] <= real["p90_us"]
+    with pytest.raises(ValueError, match="ops >= 1"):
+        launch_pace("cpu", ops=0)

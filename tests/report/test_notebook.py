@@ -3,6 +3,7 @@ formatting the report's tables go through."""
 
 import json
 import math
+import re
 
 import pandas as pd
 import pytest
@@ -23,6 +24,7 @@ def test_setup_makes_folders_and_names_the_run_without_missing_fields(tmp_path, 
     # On this CPU machine driver and CUDA are None; the line leaves them out instead of printing None.
     assert "None" not in line
     assert f"torch `{ctx.env['torch']}`" in line
+    assert re.search(r"; host pace [0-9.]+ us per small op issued back to back \([0-9.]+-[0-9.]+, ", line)
 
 
 @pytest.mark.parametrize("kwargs, message", [
