@@ -109,8 +109,8 @@ if ctx.full:
     nb.show(kernels[["name", "category", "calls", "ms", "tf32"]].head(8),
             caption="naive fp32 attention, seq 4096, d 64: the kernels of one forward + backward")
     nb.answer(ctx, "flash_benchmarking", "a",
-              report.benchmark_answer(sweep, ours=ours, device=ctx.gpu, handout=ctx.handout, like_for_like=False) + "\n\n"
-              + report.fp32_answer(sweep, ceilings=ceilings, kernels=kernels))
+              report.benchmark_answer(sweep, ours=ours, device=ctx.gpu, handout=ctx.handout, like_for_like=False)
+              + "\n\n" + report.fp32_answer(sweep, ceilings=ceilings, kernels=kernels))
 else:
     nb.md("**CPU reading.** " + report.benchmark_answer(sweep, ours=ours, device=ctx.gpu, handout=ctx.handout))
     nb.not_run(ctx, "flash_benchmarking", "a", "the deliverable times the Triton kernels on a GPU (the full "

@@ -130,12 +130,12 @@ def agreement(*, impls=IMPLS, bf16_shapes=BF16_SHAPES, fp32_shapes=FP32_SHAPES, 
     """Per (dtype, shape, Triton implementation): the largest difference of each output from
     AGREE_BASELINE's, over max(1, max |baseline|), and whether all are within AGREE_TOL. ``run``
     is outputs' signature (tests pass a fake one)."""
-    from systems.bench.flash import scaled_errors
+    from systems.bench.flash import TRITON_VARIANTS, scaled_errors
 
     run = run or outputs
     rows = []
     for dtype, shapes in (("bf16", bf16_shapes), ("fp32", fp32_shapes)):
-        ours = [i for i in impls[dtype] if i.startswith("triton")]
+        ours = [i for i in impls[dtype] if i in TRITON_VARIANTS]
         for bh, seq, d in shapes if ours else ():
             want = run(AGREE_BASELINE[dtype], bh=bh, seq=seq, d=d, dtype=dtype)
             for impl in ours:

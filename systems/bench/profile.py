@@ -186,7 +186,8 @@ def summarize(res: ProfileResult, harness: dict | None = None, *, label: str | N
     row = {"label": label or cfg.model, "model": cfg.model, "model_overrides": dict(cfg.model_overrides),
            "n_layers": model.n_layers, "fused_projections": model.fused_projections,
            "context_length": cfg.context_length,
-           "batch_size": cfg.batch_size, "mode": cfg.mode, "precision": cfg.precision, "device": res.device,
+           "batch_size": cfg.batch_size, "mode": cfg.mode, "precision": cfg.precision, "tf32": cfg.tf32,
+           "device": res.device,
            "status": "ok", "n_steps": res.n_steps, **harness}
     row.update(res.timings)
     spans = res.phase_spans_ms("forward")

@@ -153,9 +153,8 @@ def launch_pace(device: torch.device | str, *, ops: int = 1000, repeats: int = 7
     back, each batch synchronised: ``{"median_us", "p10_us", "p90_us"}`` over ``repeats`` batches
     after one of warm-up. Whichever is slower sets it, the host issuing the ops (PyTorch's
     dispatch, the launch) or the device running them one after another; on a GPU the host, as a
-    rule. It is the floor under a step made of many short kernels, and it differs between hosts
-    with the same GPU: two runs of one notebook on two such hosts differ at their shortest points
-    by it."""
+    rule. A call that issues n launches cannot take less than about n times it, and it differs
+    between hosts with the same GPU, so it bounds a sweep's shortest points differently on each."""
     if ops < 1 or repeats < 1:
         raise ValueError(f"launch_pace needs ops >= 1 and repeats >= 1, got ops={ops}, repeats={repeats}")
     dev = torch.device(device)

@@ -572,10 +572,17 @@ def softmax_table(summary: pd.DataFrame, *, gpu: str | None = None) -> pd.DataFr
     e["softmax TB/s"] = traffic / ok["softmax_s"] / 1e12
     e["softmax TFLOP/s"] = ok["softmax_flops"] / ok["softmax_s"] / 1e12
     e["matmuls TFLOP/s"] = (ok["scores_matmul_flops"] + ok["final_matmul_flops"]) / mm / 1e12
+    # the matmuls' peak is their precision's (TF32's where the row allowed it; rows from before the
+    # flag was recorded ran without); the softmax computes in fp32 on the CUDA cores whatever the
+    # precision, so its FLOPs go against the fp32 peak
+    precision = ok["precision"].tolist()
+    tf32 = ok["tf32"].fillna(False).astype(bool).tolist() if "tf32" in ok.columns else [False] * len(ok)
+    e["matmul peak"] = ["fp32 with TF32" if p == "fp32" and t else p for p, t in zip(precision, tf32)]
     peak = lookup_peak(gpu)
     e["of HBM peak"] = e["softmax TB/s"] / peak.hbm_tb_s if peak else float("nan")
     e["of fp32 peak"] = e["softmax TFLOP/s"] / peak.fp32_tflops if peak else float("nan")
-    e["matmuls of fp32 peak"] = e["matmuls TFLOP/s"] / peak.fp32_tflops if peak else float("nan")
+    e["matmuls of peak"] = (e["matmuls TFLOP/s"] / [peak.tflops(p, tf32=t) for p, t in zip(precision, tf32)]
+                            if peak else float("nan"))
     return e.reset_index(drop=True)
 
 
@@ -600,12 +607,15 @@ def _roofline_text(table: pd.DataFrame, *, gpu: str | None) -> str:
             f"({peak.hbm_tb_s:g} TB/s), while its arithmetic runs at {_percent_range(counted['of fp32 peak'], 2)} of "
             f"the fp32 peak ({peak.fp32_tflops:g} TFLOP/s). At those peaks an element's bytes take "
             f"{memory_s / compute_s:.3g}x as long as its {SOFTMAX_FLOPS_PER_ELEMENT} FLOPs")
+    matmul_peaks = sorted(set(counted["matmul peak"]))
+    matmuls = (f" The two matmuls, on the same rows, run at {_percent_range(counted['matmuls of peak'])} of the "
+               f"{join_words(matmul_peaks)} peak{'s' if len(matmul_peaks) > 1 else ''}.")
     if memory_s > compute_s:
-        return text + (f", so moving the scores, not computing on them, bounds the softmax's time: the measured time "
-                       f"is {value_range(1 / counted['of HBM peak'], '{:.2g}')}x that traffic's floor. The two "
-                       f"matmuls, on the same rows, run at {_percent_range(counted['matmuls of fp32 peak'])} of the "
-                       f"fp32 peak.")
-    return text + ", so on this GPU the arithmetic, not the traffic, bounds the softmax's time."
+        return text + (f", so moving the scores, not computing on them, bounds the softmax's time: the "
+                       f"measured time is {value_range(1 / counted['of HBM peak'], '{:.2g}')}x that traffic's "
+                       f"floor." + matmuls)
+    return text + (", so the arithmetic, not the traffic, bounds the softmax's time on this GPU."
+                   + matmuls)
 
 
 def answer_e(table: pd.DataFrame, *, gpu: str | None = None) -> str:

@@ -73,8 +73,9 @@ def setup(*, name: str, profile: str, out_dir: str | Path, handout: str = DEFAUL
     if show_env:
         keys = ["gpu", "driver", "torch", "triton", "cuda", "git_commit", "date"]
         # A CPU run has no driver or CUDA version; leaving them out reads better than "None".
-        # the host's pace, measured here: the shortest points of a sweep run at it, and it differs
-        # between hosts with the same GPU (docs/flash_attention_notes.md, entry 30)
+        # the host's pace, measured here: it bounds a sweep's shortest points (a call of n launches
+        # takes at least about n times it) and differs between hosts with the same GPU
+        # (docs/flash_attention_notes.md, entry 30)
         pace = launch_pace(ctx.device)
         md(f"**Run:** profile `{profile}`, {handout} handout, on {ctx.gpu}; "
            + ", ".join(f"{k} `{ctx.env[k]}`" for k in keys[1:] if ctx.env.get(k) is not None)

@@ -3,6 +3,7 @@ the coverage text for out-of-memory and skipped points, and the timeline figure.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pandas as pd
@@ -305,12 +306,12 @@ def test_softmax_table_and_answer_e(sweep):
     assert "No named peak covers CPU" in KP.answer_e(e, gpu="CPU")
 
 
-def test_answer_e_holds_the_softmax_against_the_named_peaks():
+def test_answer_e_holds_the_softmax_against_the_named_peaks(monkeypatch):
     # one fp32 point: 1e9 score elements, 8 bytes each in the least traffic, in 4 ms -> 2 TB/s;
     # 5e9 FLOPs in 4 ms -> 1.25 TFLOP/s
     elements = 10 ** 9
     summary = pd.DataFrame([{
-        "label": "x", "context_length": 1024, "mode": "forward", "status": "ok", "softmax_s": 4e-3,
+        "label": "x", "context_length": 1024, "mode": "forward", "status": "ok", "precision": "fp32", "softmax_s": 4e-3,
         "attention_scores_matmul_s": 1e-3, "final_matmul_matmul_s": 1e-3, "softmax_to_matmul_time": 2.0,
         "softmax_to_matmul_flops": 0.01, "softmax_flops": 5 * elements, "softmax_bytes": 8 * elements,
         "scores_matmul_flops": 20 * elements, "final_matmul_flops": 20 * elements}])
@@ -326,6 +327,16 @@ def test_answer_e_holds_the_softmax_against_the_named_peaks():
     # the matmuls: 4e10 FLOPs in 2 ms -> 20 TFLOP/s
     assert e["matmuls TFLOP/s"].item() == pytest.approx(20.0)
     assert f"{20.0 / h200.fp32_tflops:.1%} of the fp32 peak." in text
+    # a GPU whose memory outruns its arithmetic (a made-up peak: 1,000 TB/s) turns the verdict round
+    fast_memory = dataclasses.replace(h200, hbm_tb_s=1000.0)
+    monkeypatch.setattr(KP, "lookup_peak", lambda name: fast_memory)
+    flipped = KP.answer_e(KP.softmax_table(summary, gpu="x"), gpu="x")
+    assert "the arithmetic, not the traffic, bounds" in flipped and "moving the scores" not in flipped
+    monkeypatch.undo()
+    # rows that allowed TF32 hold their matmuls against the TF32 peak
+    tf32 = KP.softmax_table(summary.assign(tf32=True), gpu="NVIDIA H200")
+    assert tf32["matmuls of peak"].item() == pytest.approx(20.0 / h200.tf32_tflops)
+    assert "of the fp32 with TF32 peak." in KP.answer_e(tf32, gpu="NVIDIA H200")
     # rows without the traffic count (older runs) say so instead of guessing
     old = KP.softmax_table(summary.drop(columns="softmax_bytes"), gpu="NVIDIA H200")
     assert "no count of the softmax's memory traffic" in KP.answer_e(old, gpu="NVIDIA H200")
