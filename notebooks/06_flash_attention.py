@@ -78,11 +78,13 @@ nb.answer(ctx, "flash_backward", "", report.backward_answer(check))
 # (`FlashVariant(fp32_dot="ieee")`).
 # **TFLOP/s are model FLOPs** (`systems.measure.flops`): matmuls only, causal attention counts the
 # pairs its mask keeps, the backward is 2x the forward, and FlashAttention's recomputed Q K^T is
-# not counted (naive attention computes the full score matrix: about twice the work counted).
+# not counted (naive attention computes the full score matrix: about twice the work counted). The
+# tiles our kernels ran with, as the autotuner picked them: `results/06_flash_attention_plans.jsonl`.
 
 # %%
 cfg = flash.full_profile_grid(budget_s=budget_s - (time.perf_counter() - start)) if ctx.full else flash.smoke_grid()
-sweep = flash.flash_benchmarking(cfg, writer=ResultWriter(ctx.result_path("sweep")), device=ctx.device)
+sweep = flash.flash_benchmarking(cfg, writer=ResultWriter(ctx.result_path("sweep")), device=ctx.device,
+                                 plans_writer=ResultWriter(ctx.result_path("plans")))
 for pass_ in flash.PASSES:
     nb.show(report.latency_table(sweep, pass_, ours=ours),
             caption=f"{report.PASS_NAMES[pass_]}: median ms per implementation, ours' spread and rate, "

@@ -363,10 +363,14 @@ def _scaled(prev: dict | None, *, seq: int, cfg: SweepConfig) -> dict[str, float
 
 
 def flash_benchmarking(cfg: SweepConfig, *, writer: ResultWriter | None = None, progress: bool = True,
-                       device: str = "cuda", clock: Callable[[], float] = time.perf_counter) -> pd.DataFrame:
+                       device: str = "cuda", clock: Callable[[], float] = time.perf_counter,
+                       plans_writer: ResultWriter | None = None) -> pd.DataFrame:
     """Every (dtype, d, seq, impl) of the grid; each row goes to ``writer`` as soon as it exists.
     With ``cfg.budget_s``, a point whose estimated time (its series' previous point scaled by the
-    FLOPs, estimate_point_s) would overrun the budget becomes a "skipped (budget)" row."""
+    FLOPs, estimate_point_s) would overrun the budget becomes a "skipped (budget)" row.
+    ``plans_writer``: after the sweep, one row per tile plan this process's Triton kernels ran
+    with (``sweep_plans``), so that two runs whose times differ can be told apart by their
+    autotuner's picks."""
     from tqdm.auto import tqdm
 
     budget = Budget(seconds=cfg.budget_s, clock=clock)
@@ -387,7 +391,22 @@ def flash_benchmarking(cfg: SweepConfig, *, writer: ResultWriter | None = None, 
         if writer is not None:
             writer.write(row)
         rows.append(row)
+    if plans_writer is not None:
+        for plan in sweep_plans(cfg):
+            plans_writer.write(plan)
     return pd.DataFrame(rows)
+
+
+def sweep_plans(cfg: SweepConfig) -> list[dict]:
+    """The tile plans (kernel, dtype, autotune key, config, origin: ``flash_triton.tuned_plans``)
+    this process holds, where the sweep runs a Triton variant; [] otherwise. The autotuner picks
+    once per key and process (or reads the persisted plans), so these are the sweep's own picks,
+    together with those of any Triton call before it in the process."""
+    if not any(impl in TRITON_VARIANTS for impls in cfg.impls.values() for impl in impls):
+        return []
+    from systems.attention.flash_triton import tuned_plans
+
+    return tuned_plans()
 
 
 def full_profile_grid(*, budget_s: float | None = None) -> SweepConfig:

@@ -14,6 +14,7 @@ from systems.bench import flash
 from systems.bench.budget import SKIPPED
 from systems.bench.flash import geomean_ratios, speed_ratios
 from systems.measure import flops
+from systems.measure.results import ResultWriter, read_records
 
 
 def _row(impl, seq, d, fwd, bwd, dtype="bf16", status="ok"):
@@ -107,6 +108,20 @@ def test_budget_skips_what_it_cannot_afford(monkeypatch):
     rows = flash.flash_benchmarking(cfg, device="cpu", progress=False, clock=lambda: float(next(ticks)))
     assert list(rows["status"]) == ["ok", "ok", SKIPPED]
     assert "4.5 s budget" in rows["error"].iloc[-1] and pd.isna(rows["e2e_tflops"].iloc[-1])
+
+
+def test_the_sweep_records_the_tile_plans_its_triton_points_ran_with(monkeypatch, tmp_path):
+    flash_triton = pytest.importorskip("systems.attention.flash_triton")
+    plan = dict(kernel="fwd", dtype="torch.bfloat16", SEQ_BUCKET=1024, HEAD_DIM=64, IS_CAUSAL=True,
+                INPUT_PRECISION="ieee", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, origin="tuned", compiled=1)
+    monkeypatch.setattr(flash_triton, "tuned_plans", lambda: [plan])
+    monkeypatch.setattr(flash, "time_attention", lambda impl, **kw: dict(impl=impl, status="ok"))
+    for impls, expected in ((("naive", "triton"), [plan]), (("naive",), [])):
+        path = tmp_path / f"plans_{len(impls)}.jsonl"
+        cfg = flash.SweepConfig(seq_lens=(128,), head_dims=(64,), dtypes=("bf16",), impls={"bf16": impls})
+        flash.flash_benchmarking(cfg, device="cpu", progress=False, plans_writer=ResultWriter(path))
+        # the rows as written, less the environment stamp every results row carries
+        assert [{k: v for k, v in r.items() if k != "env"} for r in read_records(path)] == expected
 
 
 def test_our_points_run_before_the_baselines():
