@@ -115,7 +115,7 @@ nb.answer(ctx, "nsys_profile", "d", kp.answer_d(shares, summary, device=ctx.devi
 # %%
 soft = kp.softmax_table(summary, gpu=ctx.gpu)
 nb.show(soft, caption="forward: softmax vs the attention matmuls (all layers, per pass)")
-nb.answer(ctx, "nsys_profile", "e", kp.answer_e(soft, gpu=ctx.gpu))
+nb.answer(ctx, "nsys_profile", "e", kp.answer_e(soft))
 
 # %% [markdown]
 # ## One train step over time

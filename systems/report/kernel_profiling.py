@@ -558,7 +558,8 @@ def softmax_table(summary: pd.DataFrame, *, gpu: str | None = None) -> pd.DataFr
     """Forward pass: softmax kernel time against the two attention matmuls', and the same for FLOPs;
     the softmax's rates (its least traffic, ``systems.bench.profile.softmax_bytes``, and its FLOPs,
     over its time) and, where ``gpu`` has a named peak (``systems.measure.hardware``), their shares
-    of its datasheet HBM bandwidth and fp32 rate."""
+    of its datasheet HBM bandwidth and fp32 rate. ``attrs``: the ``gpu`` and its ``peak`` (or None),
+    which ``answer_e`` reads."""
     ok = _ok(summary, "forward")
     mm = ok["attention_scores_matmul_s"] + ok["final_matmul_matmul_s"]
     e = pd.DataFrame({
@@ -583,12 +584,15 @@ def softmax_table(summary: pd.DataFrame, *, gpu: str | None = None) -> pd.DataFr
     e["of fp32 peak"] = e["softmax TFLOP/s"] / peak.fp32_tflops if peak else float("nan")
     e["matmuls of peak"] = (e["matmuls TFLOP/s"] / [peak.tflops(p, tf32=t) for p, t in zip(precision, tf32)]
                             if peak else float("nan"))
-    return e.reset_index(drop=True)
+    e = e.reset_index(drop=True)
+    e.attrs.update(gpu=gpu, peak=peak)
+    return e
 
 
-def _roofline_text(table: pd.DataFrame, *, gpu: str | None) -> str:
-    """What the softmax's rates say against ``gpu``'s named peaks, or why the run cannot say."""
-    peak = lookup_peak(gpu)
+def _roofline_text(table: pd.DataFrame) -> str:
+    """What the softmax's rates say against the named peaks ``softmax_table`` found, or why the run
+    cannot say."""
+    gpu, peak = table.attrs.get("gpu"), table.attrs.get("peak")
     if peak is None:
         return (f" No named peak covers {gpu or 'this device'} (systems.measure.hardware), so the run cannot say "
                 f"whether the softmax's memory traffic or its arithmetic bounds its time; the time per FLOP above "
@@ -618,13 +622,13 @@ def _roofline_text(table: pd.DataFrame, *, gpu: str | None) -> str:
                    + matmuls)
 
 
-def answer_e(table: pd.DataFrame, *, gpu: str | None = None) -> str:
+def answer_e(table: pd.DataFrame) -> str:
     if table.empty:
         return "No forward-only configuration ran."
     return (f"The softmax performs {_percent_range(table['softmax / matmul FLOPs'], 2)} of the two attention "
             f"matmuls' FLOPs (QKᵀ and PV) but takes {value_range(table['softmax / matmul time'], '{:.3g}')}× their "
             f"runtime: per FLOP it is {value_range(table['time ratio / FLOP ratio'], '{:.3g}')}× slower."
-            + _roofline_text(table, gpu=gpu))
+            + _roofline_text(table))
 
 
 # ----------------------------------------------------------------------------- timeline

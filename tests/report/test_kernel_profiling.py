@@ -297,13 +297,13 @@ def test_category_shares_and_answer_d(sweep):
 
 def test_softmax_table_and_answer_e(sweep):
     _, summary, _, _ = sweep
-    e = KP.softmax_table(summary)
+    e = KP.softmax_table(summary, gpu="CPU")
     assert (e["softmax ms"] > 0).all() and (e["attention matmuls ms"] > 0).all()
     assert e["time ratio / FLOP ratio"].to_numpy() == pytest.approx(
         (e["softmax / matmul time"] / e["softmax / matmul FLOPs"]).to_numpy())
     # CPU rows: fp32 traffic counted, no named peak to hold it against
     assert (e["softmax TB/s"] > 0).all() and e["of HBM peak"].isna().all()
-    assert "No named peak covers CPU" in KP.answer_e(e, gpu="CPU")
+    assert "No named peak covers CPU" in KP.answer_e(e)
 
 
 def test_answer_e_holds_the_softmax_against_the_named_peaks(monkeypatch):
@@ -320,7 +320,7 @@ def test_answer_e_holds_the_softmax_against_the_named_peaks(monkeypatch):
     assert e["softmax TB/s"].item() == pytest.approx(2.0)
     assert e["of HBM peak"].item() == pytest.approx(2.0 / h200.hbm_tb_s)
     assert e["of fp32 peak"].item() == pytest.approx(1.25 / h200.fp32_tflops)
-    text = KP.answer_e(e, gpu="NVIDIA H200")
+    text = KP.answer_e(e)
     # at the H200's peaks 8 bytes take (8 / 4.8e12) / (5 / 66.9e12) = 22.3x as long as 5 FLOPs
     assert "22.3x as long" in text and "moving the scores, not computing on them" in text
     assert f"{h200.hbm_tb_s / 2.0:.2g}x that traffic's floor" in text
@@ -330,16 +330,16 @@ def test_answer_e_holds_the_softmax_against_the_named_peaks(monkeypatch):
     # a GPU whose memory outruns its arithmetic (a made-up peak: 1,000 TB/s) turns the verdict round
     fast_memory = dataclasses.replace(h200, hbm_tb_s=1000.0)
     monkeypatch.setattr(KP, "lookup_peak", lambda name: fast_memory)
-    flipped = KP.answer_e(KP.softmax_table(summary, gpu="x"), gpu="x")
+    flipped = KP.answer_e(KP.softmax_table(summary, gpu="x"))
     assert "the arithmetic, not the traffic, bounds" in flipped and "moving the scores" not in flipped
     monkeypatch.undo()
     # rows that allowed TF32 hold their matmuls against the TF32 peak
     tf32 = KP.softmax_table(summary.assign(tf32=True), gpu="NVIDIA H200")
     assert tf32["matmuls of peak"].item() == pytest.approx(20.0 / h200.tf32_tflops)
-    assert "of the fp32 with TF32 peak." in KP.answer_e(tf32, gpu="NVIDIA H200")
+    assert "of the fp32 with TF32 peak." in KP.answer_e(tf32)
     # rows without the traffic count (older runs) say so instead of guessing
     old = KP.softmax_table(summary.drop(columns="softmax_bytes"), gpu="NVIDIA H200")
-    assert "no count of the softmax's memory traffic" in KP.answer_e(old, gpu="NVIDIA H200")
+    assert "no count of the softmax's memory traffic" in KP.answer_e(old)
 
 
 def test_coverage_names_oom_and_skipped_points():
