@@ -24,6 +24,8 @@ Variants, timed in this order:
   spreads the copies over N side streams, which may run on several copy engines at once;
   ``peer_update:graphs`` replays each block's copies as one CUDA graph (one host call instead of
   one per gradient, for the default compile mode, whose backward waits on the host);
+  ``peer_update:read`` (2 GPUs) makes no copies: each update reads the other rank's gradients over
+  NVLink where autograd put them (``DDPPeer(read_peers=True)``);
 - ``torch_ddp``: torch.nn.parallel.DistributedDataParallel with its defaults, last (it keeps
   hooks on the parameters until it is deleted).
 
@@ -203,8 +205,9 @@ def variant_plan(name: str) -> ParallelPlan:
     if kind == "bucketed_update":
         variant_sm_carveout(name)  # a malformed <N> fails with the plan
         return ParallelPlan(data_parallel="bucketed", update_per_bucket=True)
-    if kind == "peer_update":  # options joined by "+": <N> copy streams, "graphs", "thread", "deferred"
-        switches = {"graphs": "copy_graphs", "thread": "issue_thread", "deferred": "defer_copies"}
+    if kind == "peer_update":  # options joined by "+": <N> copy streams, "graphs", "thread", "deferred", "read"
+        switches = {"graphs": "copy_graphs", "thread": "issue_thread", "deferred": "defer_copies",
+                    "read": "read_peers"}
         options = {"copy_streams": 1}
         for option in arg.split("+") if arg else []:
             if option in switches:
@@ -213,7 +216,7 @@ def variant_plan(name: str) -> ParallelPlan:
                 options["copy_streams"] = int(option)
             else:
                 raise ValueError(f"peer_update:<options> takes options joined by '+': a positive count of copy "
-                                 f"streams, 'graphs', 'thread' or 'deferred'; got {option!r} in {name!r}")
+                                 f"streams, 'graphs', 'thread', 'deferred' or 'read'; got {option!r} in {name!r}")
         return ParallelPlan(data_parallel="peer", **options)
     return ParallelPlan(data_parallel=kind)
 

@@ -212,6 +212,29 @@ class _CopyEngineTransport:
         torch.cuda.current_stream().wait_event(self.group_events.pop(group))
 
 
+class _ReadTransport:
+    """No copies: each rank's update reads the other rank's gradients over NVLink where autograd
+    put them (``systems.parallel.peer_memory``); symmetric memory only for the barriers, on the
+    compute stream."""
+
+    def __init__(self, group, device: torch.device, timeout_s: float):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        from systems.parallel.peer_memory import PeerTensors
+
+        self.timeout_ms = int(timeout_s * 1000)
+        group = group if group is not None else dist.group.WORLD
+        self.signals = symm_mem.empty(ALIGN_BYTES, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.signals, group)
+        self.peers = PeerTensors(group)
+
+    def barrier(self) -> None:
+        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+
+    def close(self) -> None:
+        self.peers.close()
+
+
 class _GatherTransport:
     """gloo: each group's gradients all-gathered when the group is waited for (in finish, after
     the ranks agreed on which gradients exist: a mismatch then raises instead of pairing wrong)."""
@@ -328,11 +351,17 @@ class DDPPeer(_DDPBase):
     copies issued in finish, after the backward, each group's update waiting for its own copies
     (where the backward waits on the host and the update does not, the copies' host calls then
     cost the step nothing, and their transfers run beside the update instead of the backward).
+    ``read_peers`` (two GPUs): no copies at all; each update reads the other rank's gradient over
+    NVLink from the memory autograd put it in (``_ReadTransport``): after the backward, the ranks
+    exchange where their gradients lie (a host round trip), a barrier on each compute stream waits
+    until both backwards are done, the updates run, and a second barrier keeps either rank from
+    reusing its gradients' memory before the other has read them.
     ``hook_seconds`` sums the host time spent inside the hooks, over steps."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *, optimizer,
                  copy_streams: int = 1, copy_graphs: bool = False, issue_thread: bool = False,
-                 defer_copies: bool = False, check_gradients: bool = True, timeout_s: float = 300.0):
+                 defer_copies: bool = False, read_peers: bool = False, check_gradients: bool = True,
+                 timeout_s: float = 300.0):
         if not (hasattr(optimizer, "groups") and hasattr(optimizer, "step_group")
                 and hasattr(optimizer, "fold_gradients")):
             raise ValueError("DDPPeer updates each group as its gradients land and folds the other ranks' gradients "
@@ -340,10 +369,19 @@ class DDPPeer(_DDPBase):
                              "(build_optimizer(model, OptimizerSpec(kind='fused', grouped=True, ...)))")
         if not (isinstance(copy_streams, int) and copy_streams >= 1):
             raise ValueError(f"copy_streams must be a positive integer, got {copy_streams!r}")
+        if read_peers and (copy_streams != 1 or copy_graphs or issue_thread or defer_copies):
+            raise ValueError("read_peers makes no copies: leave copy_streams, copy_graphs, issue_thread and "
+                             "defer_copies at their defaults with it")
         super().__init__(module, process_group, check_gradients=check_gradients)
         if self.world_size < 2:
             raise ValueError("DDPPeer needs at least 2 ranks (it copies gradients to the other ranks)")
         params = self._params
+        if read_peers and self.world_size != 2:
+            raise ValueError(f"read_peers folds the one other rank's gradient into the update: it needs 2 ranks, "
+                             f"got {self.world_size}; use the copies (read_peers=False) for more")
+        if read_peers and params[0].device.type != "cuda":
+            raise ValueError("read_peers maps the other GPU's memory (CUDA IPC): on CPU ranks (gloo) leave it off "
+                             "(DDPPeer then all-gathers the gradients)")
         position = {id(p): i for i, p in enumerate(params)}
         self.optimizer = optimizer
         self._groups: list[list[int]] = []
@@ -368,7 +406,10 @@ class DDPPeer(_DDPBase):
         self._next_order: list[int] | None = None
         self.layout = _Layout(params)
         device = params[0].device
-        if device.type == "cuda":
+        self.read_peers = read_peers
+        if read_peers:
+            self.transport = _ReadTransport(process_group, device, timeout_s)
+        elif device.type == "cuda":
             self.transport = _CopyEngineTransport(params, self.layout, process_group, self.rank, self.world_size,
                                                   device, timeout_s, copy_streams, copy_graphs)
         elif copy_graphs:
@@ -383,14 +424,17 @@ class DDPPeer(_DDPBase):
             self.issue = IssueThread(self.transport, mark=self._mark, device=device, timeout_s=timeout_s)
         self.hook_seconds = 0.0
         self.defer_copies = defer_copies
-        self._slots = [[self.layout.view(self.transport.buffer, s, i, p) for s in range(self.world_size - 1)]
-                       for i, p in enumerate(params)]
         # the optimizer was built first, maybe from this rank's own initial weights
         broadcast_optimizer_state(optimizer, process_group)
-        # each parameter's addend is the first peer's slot, into which finish adds the others'
-        optimizer.fold_gradients({p: slots[0] for p, slots in zip(params, self._slots)}, scale=1.0 / self.world_size)
+        self._peer_grads: list | None = None  # read_peers: the other rank's gradients the update folds in
+        if not read_peers:
+            self._slots = [[self.layout.view(self.transport.buffer, s, i, p) for s in range(self.world_size - 1)]
+                           for i, p in enumerate(params)]
+            # each parameter's addend is the first peer's slot, into which finish adds the others'
+            optimizer.fold_gradients({p: slots[0] for p, slots in zip(params, self._slots)},
+                                     scale=1.0 / self.world_size)
         self._reset_step()
-        for p in params if not defer_copies else []:
+        for p in params if not (defer_copies or read_peers) else []:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def _reset_step(self) -> None:
@@ -409,6 +453,10 @@ class DDPPeer(_DDPBase):
     def remove_hooks(self) -> None:
         super().remove_hooks()
         self.optimizer.fold_gradients(None)  # the next wrapper's (or none's) plain gradients
+        if self.read_peers:  # every read of the peer's memory done before it is unmapped
+            torch.cuda.synchronize(self._params[0].device)
+            self.transport.close()
+            self._peer_grads = None
         if isinstance(self.issue, IssueThread):
             self.issue.stop()
             self.issue = self.transport
@@ -462,7 +510,38 @@ class DDPPeer(_DDPBase):
             self._closed += 1
 
     @torch.no_grad()
+    def _finish_reading(self) -> None:
+        """``read_peers``: the updates read the other rank's gradients where they lie."""
+        self._ready = {i for i, p in enumerate(self._params) if p.grad is not None}
+        pending = self._start_check()
+        try:
+            grads = [p.grad if i in self._ready else None for i, p in enumerate(self._params)]
+            (peer,) = self.transport.peers.exchange(grads).values()
+            # the agreement's all-reduce ran beside the exchange: complete it before any update, so
+            # that a gradient one rank lacks raises, named, on both, with no barrier left unpaired
+            agreement, pending = pending, None
+            self._complete_check(agreement)
+            if not self._ready:
+                return
+            if peer is not self._peer_grads:  # the other rank's gradients moved (or the first step)
+                self.optimizer.fold_gradients({self._params[i]: peer[i] for i in sorted(self._ready)},
+                                              scale=1.0 / self.world_size)
+                self._peer_grads = peer
+            self.transport.barrier()  # both backwards done: every gradient either update reads is written
+            for g in self._order:
+                if any(i in self._ready for i in self._groups[g]):
+                    self.optimizer.step_group([self._params[i] for i in self._groups[g]])
+            # both ranks' updates done: neither reuses its gradients' memory before the other read them
+            self.transport.barrier()
+        finally:
+            self._complete_check(pending)
+            self._reset_step()
+
+    @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
+        if self.read_peers:
+            self._finish_reading()
+            return
         if self.defer_copies:  # no hooks: the gradients as the backward left them
             self._ready = {i for i, p in enumerate(self._params) if p.grad is not None}
         pending = self._start_check()

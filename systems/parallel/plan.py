@@ -65,6 +65,8 @@ class ParallelPlan:
     issue_thread: bool = False
     # peer: no hooks; every copy issued after the backward, each group's update waiting for its own
     defer_copies: bool = False
+    # peer, 2 GPUs: no copies; each update reads the other rank's gradients over NVLink where they lie
+    read_peers: bool = False
     param_dtype: str | None = None  # fsdp / fsdp2: compute (and communicate) in this dtype ("bf16")
     prefetch: int = 1  # fsdp: units whose all-gather runs ahead of the forward
 
@@ -95,7 +97,7 @@ class ParallelPlan:
             raise ValueError(f"copy_streams must be a positive integer, got {self.copy_streams!r}")
         if self.copy_streams != 1 and self.data_parallel != "peer":
             raise ValueError("copy_streams applies to data_parallel='peer' only")
-        for name in ("copy_graphs", "issue_thread", "defer_copies"):
+        for name in ("copy_graphs", "issue_thread", "defer_copies", "read_peers"):
             if getattr(self, name) and self.data_parallel != "peer":
                 raise ValueError(f"{name} applies to data_parallel='peer' only")
         if self.last_bucket_mb is not None and not self.last_bucket_mb > 0:
@@ -156,7 +158,7 @@ def _data_parallel(model: nn.Module, plan: ParallelPlan, device: torch.device,
         from systems.parallel.peer import DDPPeer
 
         ddp = DDPPeer(model, optimizer=optimizer, copy_streams=plan.copy_streams, copy_graphs=plan.copy_graphs,
-                      issue_thread=plan.issue_thread, defer_copies=plan.defer_copies)
+                      issue_thread=plan.issue_thread, defer_copies=plan.defer_copies, read_peers=plan.read_peers)
         return ddp, ddp
     if kind in OURS_DDP:
         from systems.parallel.ddp import make_ddp

@@ -116,6 +116,7 @@ def test_ddp_bench_config_rejects_unknown_compiled_precision():
     assert both.copy_graphs and both.issue_thread and both.copy_streams == 2
     assert not variant_plan("peer_update").issue_thread
     assert variant_plan("peer_update:deferred").defer_copies and not variant_plan("peer_update:graphs").defer_copies
+    assert variant_plan("peer_update:read").read_peers and not variant_plan("peer_update").read_peers
     with pytest.raises(ValueError, match="options joined by '\\+'.*got 'threads'"):
         variant_plan("peer_update:graphs+threads")
     with pytest.raises(ValueError, match="positive count of SMs"):

@@ -248,6 +248,10 @@ def _errors_worker(ctx):
                  lambda: DDPPeer(model, optimizer=GroupedOptimizer([[model.fc1.weight]],
                                                                    make_optimizer=lambda ps: FusedAdamW(ps))),
                  lambda: DDPPeer(model, copy_graphs=True, optimizer=GroupedOptimizer(
+                     [[p for p in model.parameters() if p.requires_grad]], make_optimizer=lambda ps: FusedAdamW(ps))),
+                 lambda: DDPPeer(model, read_peers=True, defer_copies=True, optimizer=GroupedOptimizer(
+                     [[p for p in model.parameters() if p.requires_grad]], make_optimizer=lambda ps: FusedAdamW(ps))),
+                 lambda: DDPPeer(model, read_peers=True, optimizer=GroupedOptimizer(
                      [[p for p in model.parameters() if p.requires_grad]], make_optimizer=lambda ps: FusedAdamW(ps)))):
         try:
             make()
@@ -260,10 +264,12 @@ def _errors_worker(ctx):
 @pytest.mark.slow
 def test_peer_refuses_optimizers_it_cannot_fold_into_and_uncovered_parameters():
     messages = spawn(_errors_worker, 2, "gloo", timeout_s=30, deadline_s=90)[0]
-    assert len(messages) == 3
+    assert len(messages) == 5
     assert "GroupedOptimizer of FusedAdamW" in messages[0]
     assert "in no optimizer group" in messages[1]
     assert "copy_graphs replays CUDA copies" in messages[2]
+    assert "read_peers makes no copies: leave copy_streams" in messages[3]
+    assert "read_peers maps the other GPU's memory (CUDA IPC): on CPU ranks (gloo) leave it off" in messages[4]
 
 
 def _state_broadcast_worker(ctx):
@@ -340,7 +346,7 @@ def test_copy_graphs_replay_while_the_gradients_stay_put_and_give_up_on_a_group_
 def test_the_peer_wrappers_options_apply_to_it_only():
     from systems.parallel.plan import ParallelPlan
 
-    for option in ("copy_graphs", "issue_thread", "defer_copies"):
+    for option in ("copy_graphs", "issue_thread", "defer_copies", "read_peers"):
         with pytest.raises(ValueError, match=f"{option} applies to data_parallel='peer' only"):
             ParallelPlan(data_parallel="bucketed", bucket_size_mb=10.0, **{option: True})
         assert getattr(ParallelPlan(data_parallel="peer", **{option: True}), option)
@@ -349,7 +355,7 @@ def test_the_peer_wrappers_options_apply_to_it_only():
 # ----------------------------------------------------------------------------- GPU (copy engines)
 
 
-def _gpu_worker(ctx, copy_streams, copy_graphs=False, issue_thread=False, defer_copies=False):
+def _gpu_worker(ctx, copy_streams, copy_graphs=False, issue_thread=False, defer_copies=False, read_peers=False):
     """The copy-engine path on the debug model: bf16 weights, split fp32 masters, one group a block."""
     from systems.config import get_config
     from systems.model import TransformerLM
@@ -360,7 +366,7 @@ def _gpu_worker(ctx, copy_streams, copy_graphs=False, issue_thread=False, defer_
     opt = build_optimizer(model, OptimizerSpec(kind="fused", lr=1e-3, master_weights=True, split_masters=True,
                                                grouped=True))
     ddp = DDPPeer(model, optimizer=opt, copy_streams=copy_streams, copy_graphs=copy_graphs, issue_thread=issue_thread,
-                  defer_copies=defer_copies)
+                  defer_copies=defer_copies, read_peers=read_peers)
     g = torch.Generator().manual_seed(ctx.rank)
     vocab = model.cfg.vocab_size
     for _ in range(4):
@@ -374,8 +380,10 @@ def _gpu_worker(ctx, copy_streams, copy_graphs=False, issue_thread=False, defer_
         opt.step()
     ddp.remove_hooks()
     torch.cuda.synchronize()
-    graphs = ddp.transport.copy_graphs
+    graphs = getattr(ddp.transport, "copy_graphs", None)
     captures = sum(graphs.captures.values()) if graphs is not None else None
+    if read_peers:  # the segments this rank mapped (the peer's gradients kept their places: few)
+        captures = ddp.transport.peers.opens
     return {n: p.detach().float().cpu() for n, p in model.named_parameters()}, captures, len(ddp._groups)
 
 
@@ -396,3 +404,21 @@ def test_gpu_copy_engines_keep_the_replicas_equal(copy_streams, copy_graphs, iss
         torch.testing.assert_close(states1[name], states0[name], atol=0, rtol=0, msg=name)
     if copy_graphs:  # the gradients came back to their addresses: some of the 4 steps replayed a graph
         assert groups <= captures < 4 * groups
+
+
+def _read_and_copy_worker(ctx):
+    return _gpu_worker(ctx, 1), _gpu_worker(ctx, 1, read_peers=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_reading_the_peers_gradients_trains_as_the_copies_do():
+    # the same arithmetic as the copies (each update reads its own gradient and the other rank's,
+    # summed in fp32), only the other rank's is read where it lies: equal bit for bit, on both ranks
+    ranks = spawn(_read_and_copy_worker, 2, "nccl", timeout_s=120, deadline_s=300)
+    for rank, ((copied, _, _), (read, opens, _)) in enumerate(ranks):
+        for name in copied:
+            torch.testing.assert_close(read[name], copied[name], atol=0, rtol=0, msg=f"rank {rank}: {name}")
+        assert opens >= 1, rank
+    for name in ranks[0][1][0]:
+        torch.testing.assert_close(ranks[1][1][0][name], ranks[0][1][0][name], atol=0, rtol=0, msg=name)
