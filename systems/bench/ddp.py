@@ -313,6 +313,7 @@ def _time_variant(name: str, model, opt, precision: str, tokens, targets, ctx: D
     ctx.barrier()
     check_s0 = getattr(par.wrapper, "check_seconds", None)
     hook_s0 = getattr(par.wrapper, "hook_seconds", None)
+    exchange_s0 = getattr(par.wrapper, "exchange_seconds", None)
     issue = getattr(par.wrapper, "issue", None)
     issue_s0 = getattr(issue, "busy_seconds", None)
     samples = []
@@ -335,6 +336,8 @@ def _time_variant(name: str, model, opt, precision: str, tokens, targets, ctx: D
         row["grad_check_ms"] = (par.wrapper.check_seconds - check_s0) / cfg.steps * 1e3
     if hook_s0 is not None:  # host time inside the wrapper's gradient hooks, per step (rank 0's)
         row["hook_ms"] = (par.wrapper.hook_seconds - hook_s0) / cfg.steps * 1e3
+    if exchange_s0 is not None:  # read_peers: where the other rank's gradients lie, per step (rank 0's)
+        row["exchange_ms"] = (par.wrapper.exchange_seconds - exchange_s0) / cfg.steps * 1e3
     if issue_s0 is not None:  # the issue thread's time in the transport's calls, per step
         row["issue_thread_ms"] = (issue.busy_seconds - issue_s0) / cfg.steps * 1e3
     row.update(first_step_s=first_step_s, n_buckets=getattr(par.wrapper, "n_buckets", None),
@@ -461,6 +464,8 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             if ctx.is_main:
                 rows.append(writer.write(row))
                 hooks = f", hooks {row['hook_ms']:.2f} ms" if row.get("hook_ms") is not None else ""
+                if row.get("exchange_ms") is not None:
+                    hooks += f", exchange {row['exchange_ms']:.2f} ms"
                 print(f"[{setting}] {name:>16}: " + (f"{row['step_ms']:8.2f} ms/step (sync wait {row['sync_wait_ms']:.2f} ms"
                                                     f"{hooks})" if row["status"] == "ok" else row["status"]), flush=True)
 

@@ -462,6 +462,12 @@ class DDPPeer(_DDPBase):
             self.issue = self.transport
 
     @property
+    def exchange_seconds(self) -> float | None:
+        """``read_peers``: host time spent learning where the other rank's gradients lie (its round
+        trip waits for the other host), summed over steps; ``None`` for the copies."""
+        return self.transport.peers.seconds if self.read_peers else None
+
+    @property
     def group_order(self) -> list[int]:
         """The optimizer groups' indices in the order their barriers close and their updates run."""
         return list(self._order)

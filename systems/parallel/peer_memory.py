@@ -22,6 +22,8 @@ reuse the gradients' memory).
 from __future__ import annotations
 
 import ctypes
+import struct
+import time
 from typing import Sequence
 
 import torch
@@ -114,22 +116,31 @@ class PeerTensors:
         # address -> its segment's base, for addresses seen since the allocator last freed a segment
         self._segments: dict[int, int] = {}
         self._frees = -1
+        self._places: tuple | None = None  # where the tensors of the last rows lay
+        self._my_rows = torch.empty(0, _ROW, dtype=torch.int64)
         self._opened: dict[bytes, int] = {}  # a peer segment's handle -> its base here
         self._last: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]] = {}  # peer -> (rows, views)
         self.opens = 0  # segments mapped so far (each a driver call that the next exchanges skip)
+        self.seconds = 0.0  # host time in exchange, waiting for the other ranks included, over calls
 
     def _rows(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        rows = torch.zeros(len(tensors), _ROW, dtype=torch.int64)
+        """This rank's rows; the previous exchange's when every tensor is where it was then and no
+        segment went back to the driver since (a step's host time: the rows take milliseconds)."""
         present = [t for t in tensors if t is not None]
         frees = self.driver.segment_frees(present[0].device) if present else self._frees
+        places = (frees, tuple(t.data_ptr() if t is not None else None for t in tensors),
+                  tuple(t.numel() * t.element_size() if t is not None else -1 for t in tensors))
+        if places == self._places:
+            return self._my_rows
         if frees != self._frees:  # a segment went back to the driver: a remembered base may be stale
             self._segments.clear()
             self._frees = frees
-        handles: dict[int, torch.Tensor] = {}  # exported once per segment and exchange: a segment
+        handles: dict[int, list[int]] = {}  # exported once per segment and exchange: a segment
         # freed and allocated again at its base gets a new handle
+        rows = []
         for i, t in enumerate(tensors):
             if t is None:
-                rows[i, -1] = -1
+                rows.append([0] * (_ROW - 1) + [-1])
                 continue
             if not t.is_contiguous():  # the peer builds a dense view of the bytes
                 raise ValueError(f"PeerTensors: tensor {i} is not contiguous: exchange dense tensors only")
@@ -138,15 +149,16 @@ class PeerTensors:
             if base is None:
                 base = self._segments[address] = self.driver.segment(address)[0]
             if base not in handles:
-                handles[base] = torch.frombuffer(bytearray(self.driver.export(base)), dtype=torch.int64)
-            rows[i, :-2] = handles[base]
-            rows[i, -2], rows[i, -1] = address - base, t.numel() * t.element_size()
-        return rows
+                handles[base] = list(struct.unpack(f"<{HANDLE_BYTES // 8}q", self.driver.export(base)))
+            rows.append(handles[base] + [address - base, t.numel() * t.element_size()])
+        self._places, self._my_rows = places, torch.tensor(rows, dtype=torch.int64).view(len(tensors), _ROW)
+        return self._my_rows
 
     def exchange(self, tensors: Sequence[torch.Tensor | None]) -> dict[int, list[torch.Tensor | None]]:
         """Per other rank, its tensors at the same positions (``None`` where it sent none), as views
         shaped like this rank's; every rank calls this with the same count of tensors. Where a
         position holds ``None`` on one rank, the other rank's tensor there comes back as ``None``."""
+        start = time.perf_counter()
         rows = self._rows(tensors)
         gathered = [torch.empty_like(rows) for _ in range(self.world_size)]
         dist.all_gather(gathered, rows, group=self._rows_group)
@@ -167,7 +179,7 @@ class PeerTensors:
                     raise ValueError(f"PeerTensors: tensor {i} is {row[-1]} bytes on rank {peer} and "
                                      f"{like.numel() * like.element_size()} here: every rank must send tensors "
                                      "of the same shapes and dtypes in the same order")
-                handle = torch.tensor(row[:-2], dtype=torch.int64).numpy().tobytes()
+                handle = struct.pack(f"<{HANDLE_BYTES // 8}q", *row[:-2])
                 base = self._opened.get(handle)
                 if base is None:
                     base = self._opened[handle] = self.driver.open(handle)
@@ -175,6 +187,7 @@ class PeerTensors:
                 views.append(view_at(base + row[-2], like))
             self._last[peer] = (peer_rows, views)
             out[peer] = views
+        self.seconds += time.perf_counter() - start
         return out
 
     def close(self) -> None:
