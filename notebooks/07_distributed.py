@@ -92,8 +92,11 @@ if ctx.handout == "2025":
 # `sync_wait_ms` holds those updates). `peer_update` sends no all-reduce: the GPUs' copy engines
 # copy each block's gradients into the other rank's memory as soon as the backward has produced
 # them (no SM moves a byte), and each block's fused update reads its own and the received
-# gradients and averages them in the same pass (`systems.parallel.peer`). Every wrapper agrees with the other ranks on which
-# gradients it reduces (`grad_check_ms`, a CPU round trip per step). Each variant's steps run in one
+# gradients and averages them in the same pass (`systems.parallel.peer`); `peer_update:read` (two
+# GPUs) copies nothing: after the backward each block's update reads the other GPU's gradients over
+# NVLink from where its backward left them (`systems.parallel.peer_memory`), between two barriers.
+# Every wrapper agrees with the other ranks on which gradients it reduces (`grad_check_ms`, a CPU
+# round trip per step). Each variant's steps run in one
 # block after the previous variant's, so a machine whose speed drifts moves the difference between
 # two blocks; in the master-weights setting, rounds that alternate `nosync` and the fastest of our
 # variants (ABBA, a fresh warm-up each) then give the overhead within each round.

@@ -94,6 +94,7 @@ VARIANT_KINDS = ("nosync", "naive", "flat", "overlap", "bucketed", "bucketed_tai
 GROUPED_KINDS = ("bucketed_update", "peer_update")
 MASTER_SETTING = "bf16-master"
 HANDOUT_BUCKETS_MB = (1.0, 10.0, 100.0, 1000.0)
+NEEDS_TWO_GPUS = "not run (needs 2 GPUs)"  # peer_update:read maps the one other GPU's memory
 
 
 @dataclass
@@ -114,7 +115,7 @@ class DDPBenchConfig(RunConfig):
     # after the other settings: bf16 with bf16 weights and fp32 masters (module docstring)
     master_weights: bool = False
     master_variants: tuple[str, ...] = ("nosync", "overlap", "bucketed:100", "bucketed_update", "peer_update",
-                                        "torch_ddp")
+                                        "peer_update:read", "torch_ddp")
     profile: bool = True
     profile_steps: int = 2
     tf32: bool = False
@@ -251,7 +252,7 @@ def notebook_config(*, profile: str, handout: str) -> DDPBenchConfig:
                               tail_buckets_mb=((1.0, 0.05),), lp_reduce_buckets_mb=(1.0,), warmup=1, steps=3,
                               profile_steps=1, master_weights=True,
                               master_variants=("nosync", "overlap", "bucketed:0.2", "bucketed_update", "peer_update",
-                                               "torch_ddp"), paired_rounds=2)
+                                               "peer_update:read", "torch_ddp"), paired_rounds=2)
     model = preset_of("xl", handout)
     if handout == "2025":
         return DDPBenchConfig(model=model, context_length=512, batch_size=4, lp_reduce_buckets_mb=(1000.0,),
@@ -448,7 +449,9 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             plan = variant_plan(name)
             row = {**about, "variant": name, "kind": name.partition(":")[0], "bucket_size_mb": plan.bucket_size_mb,
                    "last_bucket_mb": plan.last_bucket_mb}
-            if not budget.allows(cfg.warmup + cfg.steps):
+            if plan.read_peers and not (ctx.world_size == 2 and ctx.device.type == "cuda"):
+                row["status"] = NEEDS_TWO_GPUS
+            elif not budget.allows(cfg.warmup + cfg.steps):
                 row["status"] = SKIPPED
             else:
                 measured = _time_variant(name, model, opt, precision, tokens, targets, ctx, cfg)
