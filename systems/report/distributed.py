@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from systems.analysis.fits import fit_latency_bandwidth
+from systems.bench.ddp import variant_plan
 from systems.analysis.parallel_math import ddp_bucket_overhead, ddp_bucket_overhead_paced, optimal_bucket_bytes
 from systems.measure.env import REPO_ROOT
 from systems.measure.results import read_records
@@ -401,9 +402,15 @@ def trace_answer(overlap: pd.DataFrame) -> str:
                      f"{(r.overlap_pct or 0):.0f}% of it beside computation; {r.exposed_comm_ms:.3g} ms exposed "
                      f"({(r.exposed_comm_pct_of_step or 0):.1f}% of the {r.step_window_ms:.4g} ms step).")
     return ("The figure shows one whole profiled step of each (rank 0; GPU: the kernels on all streams, "
-            "communication = NCCL kernels; CPU: gloo's all-reduce ranges against the training thread's operators). "
+            "communication = NCCL kernels, symmetric memory's barriers and the copies on their streams; CPU: gloo's "
+            "all-reduce ranges against the training thread's operators). "
             "Naive DDP's communication starts only when the backward has ended; the overlapped variants' runs "
             "beside the backward.\n" + "\n".join(lines))
+
+
+def reads_peers(variant: str) -> bool:
+    """Whether a DDP variant's updates read the other GPU's gradients where they lie (no copies)."""
+    return variant_plan(variant).read_peers
 
 
 def best_of_ours(g: pd.DataFrame) -> pd.Series | None:
@@ -451,7 +458,7 @@ def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None, paired: pd.Da
         rounds = paired_summary(paired, setting=setting)
         if rounds is not None:
             line += (f", {100 * rounds['share']:.1f}% as the median of {rounds['n']} rounds alternating it with "
-                     f"no sync ({100 * rounds['share_min']:.1f}-{100 * rounds['share_max']:.1f}% by round)")
+                     f"no sync ({100 * rounds['share_min']:.1f}% to {100 * rounds['share_max']:.1f}% by round)")
         lines.append(line + f", {exposed:.1f}% exposed communication in its trace (our target <= "
                      f"{TARGET_EXPOSED_IN_TRACE_PCT:g}%).")
     return "\n".join(lines)
@@ -506,15 +513,18 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
                     exposed = float(traced["exposed_comm_ms"])
                     # overlapped communication still costs: NCCL kernels take SMs and memory
                     # bandwidth from the computation running beside them
-                    s += f"; its trace shows {exposed:.3g} ms/step of communication with no computation beside it, "
-                    if exposed > best["comm_overhead_ms"]:
+                    s += f"; its trace shows {exposed:.3g} ms/step of communication with no computation beside it"
+                    if reads_peers(best["variant"]):
+                        s += (" (its barriers); the rest of the difference is in its updates, which load the other "
+                              "GPU's gradients over NVLink inside the update kernels (computation, to a trace)")
+                    elif exposed > best["comm_overhead_ms"]:
                         # the profiler's own host work can leave the GPU idle beside the communication
-                        s += ("more than the whole difference: the profiled step did not run as the timed ones did, "
+                        s += (", more than the whole difference: the profiled step did not run as the timed ones did, "
                               "so its trace does not say how their difference splits")
                     elif exposed < best["comm_overhead_ms"] / 2:
-                        s += "so most of the difference is computation slowed by the communication running beside it"
+                        s += ", so most of the difference is computation slowed by the communication running beside it"
                     else:
-                        s += "so most of the difference is communication left exposed"
+                        s += ", so most of the difference is communication left exposed"
             else:
                 b0 = base.iloc[0]
                 s += f"`{best['variant']}` costs nothing measurable over it ({best['comm_overhead_ms']:.3g} ms"

@@ -51,6 +51,21 @@ def test_ddp_commentary_tells_slowed_computation_from_exposed_communication():
                        for s, pct in (("a", "0.8"), ("b", "12.5"), ("c", "20.0"))]
 
 
+def test_a_variant_that_reads_the_peers_gradients_is_told_apart_in_the_commentary():
+    # its trace's communication is its barriers; its loads over NVLink run inside the update kernels
+    common = dict(setting="m", precision="bf16", n_buckets=None, step_ms_p10=None, step_ms_p90=None)
+    ddp = pd.DataFrame([dict(common, variant="nosync", step_ms=70.0, comm_overhead_ms=0.0, comm_share=0.0),
+                        dict(common, variant="peer_update:read", step_ms=72.0, comm_overhead_ms=2.0, comm_share=2 / 72),
+                        dict(common, variant="torch_ddp", step_ms=99.0, comm_overhead_ms=29.0, comm_share=29 / 99)])
+    overlap = pd.DataFrame([dict(setting="m", precision="bf16", variant="peer_update:read", exposed_comm_ms=0.07,
+                                 overlap_pct=0.0, comm_ms=0.07, exposed_comm_pct_of_step=0.1)])
+    line = report.ddp_commentary(ddp, overlap)
+    assert "0.07 ms/step of communication with no computation beside it (its barriers); the rest of the difference " \
+           "is in its updates, which load the other GPU's gradients over NVLink" in line
+    assert "slowed by the communication" not in line
+    assert report.reads_peers("peer_update:read") and not report.reads_peers("peer_update")
+
+
 def test_paired_rounds_give_the_median_overhead_beside_the_blocks_one():
     import pandas as pd
 
@@ -75,7 +90,7 @@ def test_paired_rounds_give_the_median_overhead_beside_the_blocks_one():
     assert paired_summary(paired, setting="other") is None and paired_summary(None, setting="m") is None
     line = ddp_targets(ddp_table(ddp), None, paired)
     assert "1.2% of its step is time over the no-communication step (our target <= 5%), 5.3% as the median of 3 " \
-           "rounds alternating it with no sync (4.0-6.5% by round)" in line
+           "rounds alternating it with no sync (4.0% to 6.5% by round)" in line
     assert list(paired_table(paired)["share_pct"])[:1] == [pytest.approx(100 * 4 / 76)]
 
 
