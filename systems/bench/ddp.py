@@ -84,6 +84,7 @@ from systems.measure.trace import comm_compute_intervals, overlap_stats
 from systems.model import TransformerLM
 from systems.parallel.compile import apply_compile
 from systems.parallel.launch import DistContext, all_gather_objects, launch, resolve_backend, under_torchrun
+from systems.parallel.peer import read_peers_refusal
 from systems.parallel.plan import ParallelPlan, Parallelized, apply
 from systems.train import OptimizerSpec, StepSpec, TrainStep, build_optimizer
 
@@ -94,7 +95,7 @@ VARIANT_KINDS = ("nosync", "naive", "flat", "overlap", "bucketed", "bucketed_tai
 GROUPED_KINDS = ("bucketed_update", "peer_update")
 MASTER_SETTING = "bf16-master"
 HANDOUT_BUCKETS_MB = (1.0, 10.0, 100.0, 1000.0)
-NEEDS_TWO_GPUS = "not run (needs 2 GPUs)"  # peer_update:read maps the one other GPU's memory
+NEEDS_TWO_GPUS = "not run (needs exactly 2 GPUs)"  # peer_update:read maps the one other GPU's memory
 
 
 @dataclass
@@ -449,7 +450,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             plan = variant_plan(name)
             row = {**about, "variant": name, "kind": name.partition(":")[0], "bucket_size_mb": plan.bucket_size_mb,
                    "last_bucket_mb": plan.last_bucket_mb}
-            if plan.read_peers and not (ctx.world_size == 2 and ctx.device.type == "cuda"):
+            if plan.read_peers and read_peers_refusal(ctx.world_size, ctx.device) is not None:
                 row["status"] = NEEDS_TWO_GPUS
             elif not budget.allows(cfg.warmup + cfg.steps):
                 row["status"] = SKIPPED

@@ -133,7 +133,22 @@ def slot_of(source: int, receiver: int) -> int:
     return source if source < receiver else source - 1
 
 
-class _CopyEngineTransport:
+class _SymmetricBuffer:
+    """A buffer in symmetric memory (each rank maps the others'), whose barrier (a one-block kernel
+    that signals every peer and waits for theirs) runs on the current stream."""
+
+    def __init__(self, nbytes: int, group, device: torch.device, timeout_s: float):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.timeout_ms = int(timeout_s * 1000)
+        self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, group if group is not None else dist.group.WORLD)
+
+    def _barrier(self) -> None:
+        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+
+
+class _CopyEngineTransport(_SymmetricBuffer):
     """Receive slots in symmetric memory; each group's copies on one of ``copy_streams`` side
     streams, in turn (so that several copy engines can run at once); barriers on the first, whose
     events the compute stream waits for."""
@@ -142,11 +157,7 @@ class _CopyEngineTransport:
 
     def __init__(self, params, layout: _Layout, group, rank: int, world_size: int, device: torch.device,
                  timeout_s: float, copy_streams: int = 1, copy_graphs: bool = False):
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        self.timeout_ms = int(timeout_s * 1000)
-        self.buffer = symm_mem.empty((world_size - 1) * layout.slot_bytes, dtype=torch.uint8, device=device)
-        self.handle = symm_mem.rendezvous(self.buffer, group if group is not None else dist.group.WORLD)
+        super().__init__((world_size - 1) * layout.slot_bytes, group, device, timeout_s)
         self.streams = [torch.cuda.Stream(device) for _ in range(copy_streams)]
         self.stream = self.streams[0]  # the barriers'
         self._turn = 0
@@ -157,9 +168,6 @@ class _CopyEngineTransport:
                              for i, p in enumerate(params)]
         self.group_events: dict[int, torch.cuda.Event] = {}
         self.copy_graphs = CopyGraphs() if copy_graphs else None
-
-    def _barrier(self) -> None:
-        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
 
     @staticmethod
     def _follow(stream: torch.cuda.Stream, after: torch.cuda.Event | None) -> None:
@@ -212,24 +220,30 @@ class _CopyEngineTransport:
         torch.cuda.current_stream().wait_event(self.group_events.pop(group))
 
 
-class _ReadTransport:
+def read_peers_refusal(world_size: int, device: torch.device) -> str | None:
+    """Why ``read_peers`` cannot run on these ranks (``None``: it can)."""
+    if world_size != 2:
+        return (f"read_peers folds the one other rank's gradient into the update: it needs exactly 2 ranks, got "
+                f"{world_size}; use the copies (read_peers=False) for more")
+    if device.type != "cuda":
+        return ("read_peers maps the other GPU's memory (CUDA IPC): on CPU ranks (gloo) leave it off (DDPPeer then "
+                "all-gathers the gradients)")
+    return None
+
+
+class _ReadTransport(_SymmetricBuffer):
     """No copies: each rank's update reads the other rank's gradients over NVLink where autograd
-    put them (``systems.parallel.peer_memory``); symmetric memory only for the barriers, on the
-    compute stream."""
+    put them (``systems.parallel.peer_memory``); symmetric memory only for the barriers, which run
+    on the compute stream."""
 
     def __init__(self, group, device: torch.device, timeout_s: float):
-        from torch.distributed import _symmetric_memory as symm_mem
-
         from systems.parallel.peer_memory import PeerTensors
 
-        self.timeout_ms = int(timeout_s * 1000)
-        group = group if group is not None else dist.group.WORLD
-        self.signals = symm_mem.empty(ALIGN_BYTES, dtype=torch.uint8, device=device)
-        self.handle = symm_mem.rendezvous(self.signals, group)
+        super().__init__(ALIGN_BYTES, group, device, timeout_s)
         self.peers = PeerTensors(group)
 
     def barrier(self) -> None:
-        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+        self._barrier()
 
     def close(self) -> None:
         self.peers.close()
@@ -376,12 +390,9 @@ class DDPPeer(_DDPBase):
         if self.world_size < 2:
             raise ValueError("DDPPeer needs at least 2 ranks (it copies gradients to the other ranks)")
         params = self._params
-        if read_peers and self.world_size != 2:
-            raise ValueError(f"read_peers folds the one other rank's gradient into the update: it needs 2 ranks, "
-                             f"got {self.world_size}; use the copies (read_peers=False) for more")
-        if read_peers and params[0].device.type != "cuda":
-            raise ValueError("read_peers maps the other GPU's memory (CUDA IPC): on CPU ranks (gloo) leave it off "
-                             "(DDPPeer then all-gathers the gradients)")
+        refusal = read_peers_refusal(self.world_size, params[0].device) if read_peers else None
+        if refusal is not None:
+            raise ValueError(refusal)
         position = {id(p): i for i, p in enumerate(params)}
         self.optimizer = optimizer
         self._groups: list[list[int]] = []
@@ -453,8 +464,7 @@ class DDPPeer(_DDPBase):
     def remove_hooks(self) -> None:
         super().remove_hooks()
         self.optimizer.fold_gradients(None)  # the next wrapper's (or none's) plain gradients
-        if self.read_peers:  # every read of the peer's memory done before it is unmapped
-            torch.cuda.synchronize(self._params[0].device)
+        if self.read_peers:  # collective: every rank unmaps the other's memory before either frees it
             self.transport.close()
             self._peer_grads = None
         if isinstance(self.issue, IssueThread):
@@ -520,13 +530,23 @@ class DDPPeer(_DDPBase):
         """``read_peers``: the updates read the other rank's gradients where they lie."""
         self._ready = {i for i, p in enumerate(self._params) if p.grad is not None}
         pending = self._start_check()
+        barriers = 0
         try:
             grads = [p.grad if i in self._ready else None for i, p in enumerate(self._params)]
-            (peer,) = self.transport.peers.exchange(grads).values()
+            peers = self.transport.peers
+            (other, peer), = peers.exchange(grads).items()
             # the agreement's all-reduce ran beside the exchange: complete it before any update, so
             # that a gradient one rank lacks raises, named, on both, with no barrier left unpaired
             agreement, pending = pending, None
             self._complete_check(agreement)
+            # without the agreement the rows say the same (both ranks hold both ranks' rows)
+            theirs = peers.present[other]
+            lacking = [i for i in range(len(self._params)) if (i in self._ready) != theirs[i]]
+            if lacking:
+                orders = [[0 if i in self._ready else -1 for i in range(len(self._params))],
+                          [0 if has else -1 for has in theirs]]
+                raise RuntimeError(self._mismatch_message(lacking[0], orders[::-1] if other < self.rank else orders,
+                                                          n_more=len(lacking) - 1))
             if not self._ready:
                 return
             if peer is not self._peer_grads:  # the other rank's gradients moved (or the first step)
@@ -534,12 +554,15 @@ class DDPPeer(_DDPBase):
                                               scale=1.0 / self.world_size)
                 self._peer_grads = peer
             self.transport.barrier()  # both backwards done: every gradient either update reads is written
+            barriers = 1
             for g in self._order:
                 if any(i in self._ready for i in self._groups[g]):
                     self.optimizer.step_group([self._params[i] for i in self._groups[g]])
-            # both ranks' updates done: neither reuses its gradients' memory before the other read them
-            self.transport.barrier()
         finally:
+            if barriers == 1:
+                # both ranks' updates done: neither reuses its gradients' memory before the other
+                # has read them (issued after a failed update too, or the other rank's would hang)
+                self.transport.barrier()
             self._complete_check(pending)
             self._reset_step()
 

@@ -70,7 +70,8 @@ class CudaDriver:
     @staticmethod
     def segment_frees(device: torch.device) -> int:
         """How many segments the caching allocator has given back to the driver on ``device``."""
-        return torch.cuda.memory_stats_as_nested_dict(device)["segment"]["all"]["freed"]  # not flattened: per step
+        # the nested dict: memory_stats() flattens it in Python, host time at every step
+        return torch.cuda.memory_stats_as_nested_dict(device)["segment"]["all"]["freed"]
 
     def segment(self, address: int) -> tuple[int, int]:
         """The base and size of the allocation that holds ``address``."""
@@ -93,6 +94,11 @@ class CudaDriver:
     def close(self, address: int) -> None:
         self._check(self._close(address), f"cuIpcCloseMemHandle({address:#x})")
 
+    @staticmethod
+    def synchronize() -> None:
+        """Wait for the device's queued work (before a mapping it may read is closed)."""
+        torch.cuda.synchronize()
+
 
 def view_at(address: int, like: torch.Tensor) -> torch.Tensor:
     """A tensor of ``like``'s shape and dtype on its device over memory this process does not own
@@ -105,8 +111,11 @@ def view_at(address: int, like: torch.Tensor) -> torch.Tensor:
 class PeerTensors:
     """Each exchange maps every other rank's tensors into this process (module docstring).
     ``group``: the ranks (``None``: all); the rows travel on a gloo group of their own, built here
-    (collective: every rank of the default group constructs this). ``driver``: ``CudaDriver()`` by
-    default; the tests give one that maps nothing."""
+    (collective: every rank of the default group constructs this, and calls ``close``).
+    ``present[peer]``: after an exchange, which positions that peer sent a tensor for. A peer
+    segment no row refers to any more is unmapped at the next exchange that notices, after the
+    device has finished its queued work (which may still read it). ``driver``: ``CudaDriver()`` by
+    default; the tests give one that maps CPU buffers."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, driver=None):
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -120,6 +129,8 @@ class PeerTensors:
         self._my_rows = torch.empty(0, _ROW, dtype=torch.int64)
         self._opened: dict[bytes, int] = {}  # a peer segment's handle -> its base here
         self._last: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]] = {}  # peer -> (rows, views)
+        self._used: dict[int, set[bytes]] = {}  # peer -> the handles its last rows refer to
+        self.present: dict[int, list[bool]] = {}
         self.opens = 0  # segments mapped so far (each a driver call that the next exchanges skip)
         self.seconds = 0.0  # host time in exchange, waiting for the other ranks included, over calls
 
@@ -150,7 +161,7 @@ class PeerTensors:
                 base = self._segments[address] = self.driver.segment(address)[0]
             if base not in handles:
                 handles[base] = list(struct.unpack(f"<{HANDLE_BYTES // 8}q", self.driver.export(base)))
-            rows.append(handles[base] + [address - base, t.numel() * t.element_size()])
+            rows.append(handles[base] + [address - base, t.numel() * t.element_size()])  # one _ROW
         self._places, self._my_rows = places, torch.tensor(rows, dtype=torch.int64).view(len(tensors), _ROW)
         return self._my_rows
 
@@ -163,6 +174,7 @@ class PeerTensors:
         gathered = [torch.empty_like(rows) for _ in range(self.world_size)]
         dist.all_gather(gathered, rows, group=self._rows_group)
         out = {}
+        changed = False
         for peer, peer_rows in enumerate(gathered):
             if peer == self.rank:
                 continue
@@ -170,8 +182,12 @@ class PeerTensors:
             if last is not None and torch.equal(last[0], peer_rows):
                 out[peer] = last[1]
                 continue
+            changed = True
             views: list[torch.Tensor | None] = []
-            for i, (row, like) in enumerate(zip(peer_rows.tolist(), tensors)):
+            used: set[bytes] = set()
+            listed = peer_rows.tolist()
+            self.present[peer] = [row[-1] >= 0 for row in listed]
+            for i, (row, like) in enumerate(zip(listed, tensors)):
                 if row[-1] < 0 or like is None:
                     views.append(None)
                     continue
@@ -184,15 +200,36 @@ class PeerTensors:
                 if base is None:
                     base = self._opened[handle] = self.driver.open(handle)
                     self.opens += 1
+                used.add(handle)
                 views.append(view_at(base + row[-2], like))
-            self._last[peer] = (peer_rows, views)
+            self._last[peer], self._used[peer] = (peer_rows, views), used
             out[peer] = views
+        if changed:
+            self._unmap_unused()
         self.seconds += time.perf_counter() - start
         return out
 
+    def _unmap_unused(self) -> None:
+        # a segment the peer may have freed stays mapped (and its memory held) until unmapped here;
+        # the reads queued before this exchange may still use it: wait for the device first
+        used = set().union(*self._used.values())
+        stale = [h for h in self._opened if h not in used]
+        if not stale:
+            return
+        self.driver.synchronize()
+        for handle in stale:
+            self.driver.close(self._opened.pop(handle))
+
     def close(self) -> None:
-        """Unmap every peer segment (after the device has finished every read of them)."""
+        """Unmap every peer segment once the device has finished its reads, and leave the rows'
+        group after every rank has unmapped: a rank may then give its segments back to the driver
+        (``torch.cuda.empty_cache``) with no other rank still mapping them. Collective."""
         self._last.clear()
+        self._used.clear()
+        if self._opened:
+            self.driver.synchronize()
         for base in self._opened.values():
             self.driver.close(base)
         self._opened.clear()
+        dist.barrier(group=self._rows_group)
+        dist.destroy_process_group(self._rows_group)

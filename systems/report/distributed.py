@@ -18,8 +18,8 @@ import numpy as np
 import pandas as pd
 
 from systems.analysis.fits import fit_latency_bandwidth
-from systems.bench.ddp import variant_plan
 from systems.analysis.parallel_math import ddp_bucket_overhead, ddp_bucket_overhead_paced, optimal_bucket_bytes
+from systems.bench.ddp import variant_plan
 from systems.measure.env import REPO_ROOT
 from systems.measure.results import read_records
 from systems.measure.trace import TraceIntervals, comm_compute_intervals, union

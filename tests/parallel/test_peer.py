@@ -355,8 +355,12 @@ def test_the_peer_wrappers_options_apply_to_it_only():
 # ----------------------------------------------------------------------------- GPU (copy engines)
 
 
-def _gpu_worker(ctx, copy_streams, copy_graphs=False, issue_thread=False, defer_copies=False, read_peers=False):
-    """The copy-engine path on the debug model: bf16 weights, split fp32 masters, one group a block."""
+def _gpu_worker(ctx, copy_streams, copy_graphs=False, issue_thread=False, defer_copies=False, read_peers=False,
+                delays=False):
+    """The copy-engine path on the debug model: bf16 weights, split fp32 masters, one group a block.
+    ``delays``: rank 1's GPU sleeps before its backward and rank 0's before its first update, so that
+    a rank reading the other's gradients too early (no barrier after the backwards) or too late (no
+    barrier after the updates: the other has begun its next step) would read other values."""
     from systems.config import get_config
     from systems.model import TransformerLM
     from systems.train import OptimizerSpec, build_optimizer
@@ -367,23 +371,42 @@ def _gpu_worker(ctx, copy_streams, copy_graphs=False, issue_thread=False, defer_
                                                grouped=True))
     ddp = DDPPeer(model, optimizer=opt, copy_streams=copy_streams, copy_graphs=copy_graphs, issue_thread=issue_thread,
                   defer_copies=defer_copies, read_peers=read_peers)
+    # ~0.1 s at an H200's 1.98 GHz, far longer than a debug step; rank 0's update waits three times
+    # as long, past the point where rank 1, unheld, would have written its next gradients
+    sleep_cycles = 200_000_000
+    if delays and ctx.rank == 0:
+        step_group = opt.step_group
+        first = opt.groups[0]
+
+        def slow_step_group(params):
+            if params[0] is first[0]:
+                torch.cuda._sleep(3 * sleep_cycles)
+            step_group(params)
+
+        opt.step_group = slow_step_group
     g = torch.Generator().manual_seed(ctx.rank)
     vocab = model.cfg.vocab_size
+    opens = []
     for _ in range(4):
         tokens = torch.randint(0, vocab, (2, 33), generator=g).to(ctx.device)
         opt.zero_grad(set_to_none=True)
         ddp.on_train_batch_start()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(tokens[:, :-1])
-        nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        if delays and ctx.rank == 1:
+            torch.cuda._sleep(sleep_cycles)
+        loss.backward()
         ddp.finish_gradient_synchronization()
         opt.step()
+        if read_peers:
+            opens.append(ddp.transport.peers.opens)
     ddp.remove_hooks()
     torch.cuda.synchronize()
     graphs = getattr(ddp.transport, "copy_graphs", None)
     captures = sum(graphs.captures.values()) if graphs is not None else None
-    if read_peers:  # the segments this rank mapped (the peer's gradients kept their places: few)
-        captures = ddp.transport.peers.opens
+    if read_peers:  # the segments this rank mapped, after each step
+        captures = opens
     return {n: p.detach().float().cpu() for n, p in model.named_parameters()}, captures, len(ddp._groups)
 
 
@@ -407,7 +430,7 @@ def test_gpu_copy_engines_keep_the_replicas_equal(copy_streams, copy_graphs, iss
 
 
 def _read_and_copy_worker(ctx):
-    return _gpu_worker(ctx, 1), _gpu_worker(ctx, 1, read_peers=True)
+    return _gpu_worker(ctx, 1, delays=True), _gpu_worker(ctx, 1, read_peers=True, delays=True)
 
 
 @pytest.mark.gpu
@@ -419,6 +442,8 @@ def test_gpu_reading_the_peers_gradients_trains_as_the_copies_do():
     for rank, ((copied, _, _), (read, opens, _)) in enumerate(ranks):
         for name in copied:
             torch.testing.assert_close(read[name], copied[name], atol=0, rtol=0, msg=f"rank {rank}: {name}")
-        assert opens >= 1, rank
+        # the gradients settle where the allocator put them once the optimizer's state exists:
+        # no segment mapped after the second step
+        assert opens[0] >= 1 and opens[1] == opens[3], (rank, opens)
     for name in ranks[0][1][0]:
         torch.testing.assert_close(ranks[1][1][0][name], ranks[0][1][0][name], atol=0, rtol=0, msg=name)

@@ -28,6 +28,7 @@ class _BufferDriver:
         self.closed: list[int] = []
         self.lookups = 0
         self.frees = 0
+        self.synchronized = 0
 
     def new_segment(self, k: int, nbytes: int) -> torch.Tensor:
         buffer = _segment(self.rank, k, nbytes)
@@ -46,9 +47,11 @@ class _BufferDriver:
 
     def export(self, base: int) -> bytes:
         k, buffer = self.segments[base]
-        return struct.pack("<qqq", self.rank, k, buffer.numel()).ljust(HANDLE_BYTES, b"\0")
+        # padded with 0xFF: the handle's words travel as signed int64
+        return struct.pack("<qqq", self.rank, k, buffer.numel()).ljust(HANDLE_BYTES, b"\xff")
 
     def open(self, handle: bytes) -> int:
+        assert handle[24:] == b"\xff" * (HANDLE_BYTES - 24)
         rank, k, nbytes = struct.unpack("<qqq", handle[:24])
         replica = _segment(rank, k, nbytes)
         self.replicas.append(replica)
@@ -57,6 +60,9 @@ class _BufferDriver:
 
     def close(self, address: int) -> None:
         self.closed.append(address)
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
 
 
 SHAPES = [((3, 4), torch.float32), ((5,), torch.bfloat16), ((2, 2, 2), torch.float16)]
@@ -90,17 +96,20 @@ def _worker(ctx):
     lookups = driver.lookups
     again = peers.exchange(tensors)[peer]
     report["reused"] = again is first and peers.opens == 2 and driver.lookups == lookups
-    # tensor 1 moves to a new segment; tensor 2 is absent this time (on both ranks)
+    # tensor 1 moves to a new segment; tensor 2 is absent this time (on both ranks), so the peer's
+    # segment 1 is referred to no more: unmapped, after the device's queued reads
     seg2 = driver.new_segment(2, 1024)
     moved = peers.exchange([tensors[0], _placed(driver, ctx.rank, seg2, 2, 1), None])[peer]
     report["moved"] = (torch.equal(moved[0], _expected(peer, 0, 0)) and torch.equal(moved[1], _expected(peer, 2, 1))
-                       and moved[2] is None and peers.opens == 3)
+                       and moved[2] is None and peers.opens == 3 and peers.present[peer] == [True, True, False])
+    report["unmapped"] = len(driver.closed) == 1 and driver.synchronized == 1
     driver.frees += 1  # a segment went back to the driver: every address is looked up again
     lookups = driver.lookups
-    peers.exchange(tensors)
-    report["looked_up_again"] = driver.lookups - lookups == 3
+    back = peers.exchange(tensors)[peer]  # segment 1 mapped again, segment 2 unmapped
+    report["looked_up_again"] = driver.lookups - lookups == 3 and torch.equal(back[2], _expected(peer, 1, 2))
+    report["remapped"] = peers.opens == 4 and len(driver.closed) == 2
     peers.close()
-    report["closed"] = len(driver.closed) == 3
+    report["closed"] = len(driver.closed) == 4  # the two left mapped
     return report
 
 
@@ -111,7 +120,9 @@ def test_peer_tensors_are_views_of_the_peers_segments_opened_once():
         assert report["first_opens"] == [(1 - rank, 0), (1 - rank, 1)]
         assert report["reused"], rank  # the same rows: the same views, no driver call
         assert report["moved"], rank
+        assert report["unmapped"], rank
         assert report["looked_up_again"], rank
+        assert report["remapped"], rank
         assert report["closed"], rank
 
 
