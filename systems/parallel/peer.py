@@ -530,7 +530,7 @@ class DDPPeer(_DDPBase):
         """``read_peers``: the updates read the other rank's gradients where they lie."""
         self._ready = {i for i, p in enumerate(self._params) if p.grad is not None}
         pending = self._start_check()
-        barriers = 0
+        first_barrier = False  # issued: then the second must be too
         try:
             grads = [p.grad if i in self._ready else None for i, p in enumerate(self._params)]
             peers = self.transport.peers
@@ -554,12 +554,12 @@ class DDPPeer(_DDPBase):
                                               scale=1.0 / self.world_size)
                 self._peer_grads = peer
             self.transport.barrier()  # both backwards done: every gradient either update reads is written
-            barriers = 1
+            first_barrier = True
             for g in self._order:
                 if any(i in self._ready for i in self._groups[g]):
                     self.optimizer.step_group([self._params[i] for i in self._groups[g]])
         finally:
-            if barriers == 1:
+            if first_barrier:
                 # both ranks' updates done: neither reuses its gradients' memory before the other
                 # has read them (issued after a failed update too, or the other rank's would hang)
                 self.transport.barrier()
