@@ -144,7 +144,7 @@ class _SymmetricBuffer:
         self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group if group is not None else dist.group.WORLD)
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
         self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
 
 
@@ -181,7 +181,7 @@ class _CopyEngineTransport(_SymmetricBuffer):
     def begin_step(self, after: torch.cuda.Event | None = None) -> None:
         self._follow(self.stream, after)
         with torch.cuda.stream(self.stream):
-            self._barrier()
+            self.barrier()
         for other in self.streams[1:]:  # no copy of this step before the barrier
             other.wait_stream(self.stream)
 
@@ -211,7 +211,7 @@ class _CopyEngineTransport(_SymmetricBuffer):
         for other in self.streams[1:]:  # the group's copies on every stream come before its barrier
             self.stream.wait_stream(other)
         with torch.cuda.stream(self.stream):
-            self._barrier()
+            self.barrier()
             event = torch.cuda.Event()
             event.record(self.stream)
         self.group_events[group] = event
@@ -241,9 +241,6 @@ class _ReadTransport(_SymmetricBuffer):
 
         super().__init__(ALIGN_BYTES, group, device, timeout_s)
         self.peers = PeerTensors(group)
-
-    def barrier(self) -> None:
-        self._barrier()
 
     def close(self) -> None:
         self.peers.close()
@@ -369,7 +366,8 @@ class DDPPeer(_DDPBase):
     NVLink from the memory autograd put it in (``_ReadTransport``): after the backward, the ranks
     exchange where their gradients lie (a host round trip), a barrier on each compute stream waits
     until both backwards are done, the updates run, and a second barrier keeps either rank from
-    reusing its gradients' memory before the other has read them.
+    reusing its gradients' memory before the other has read them. The exchanged rows say which
+    gradients each rank has, so no separate agreement runs (``check_gradients`` has no effect).
     ``hook_seconds`` sums the host time spent inside the hooks, over steps."""
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None, *, optimizer,
@@ -386,7 +384,8 @@ class DDPPeer(_DDPBase):
         if read_peers and (copy_streams != 1 or copy_graphs or issue_thread or defer_copies):
             raise ValueError("read_peers makes no copies: leave copy_streams, copy_graphs, issue_thread and "
                              "defer_copies at their defaults with it")
-        super().__init__(module, process_group, check_gradients=check_gradients)
+        # read_peers: the exchange's rows are the agreement (no second round trip)
+        super().__init__(module, process_group, check_gradients=check_gradients and not read_peers)
         if self.world_size < 2:
             raise ValueError("DDPPeer needs at least 2 ranks (it copies gradients to the other ranks)")
         params = self._params
@@ -529,17 +528,13 @@ class DDPPeer(_DDPBase):
     def _finish_reading(self) -> None:
         """``read_peers``: the updates read the other rank's gradients where they lie."""
         self._ready = {i for i, p in enumerate(self._params) if p.grad is not None}
-        pending = self._start_check()
         first_barrier = False  # issued: then the second must be too
         try:
             grads = [p.grad if i in self._ready else None for i, p in enumerate(self._params)]
             peers = self.transport.peers
             (other, peer), = peers.exchange(grads).items()
-            # the agreement's all-reduce ran beside the exchange: complete it before any update, so
-            # that a gradient one rank lacks raises, named, on both, with no barrier left unpaired
-            agreement, pending = pending, None
-            self._complete_check(agreement)
-            # without the agreement the rows say the same (both ranks hold both ranks' rows)
+            # both ranks hold both ranks' rows: a gradient one rank lacks raises, named, on both,
+            # before either issues a barrier
             theirs = peers.present[other]
             lacking = [i for i in range(len(self._params)) if (i in self._ready) != theirs[i]]
             if lacking:
@@ -563,7 +558,6 @@ class DDPPeer(_DDPBase):
                 # both ranks' updates done: neither reuses its gradients' memory before the other
                 # has read them (issued after a failed update too, or the other rank's would hang)
                 self.transport.barrier()
-            self._complete_check(pending)
             self._reset_step()
 
     @torch.no_grad()
