@@ -103,7 +103,7 @@ class CudaDriver:
 def view_at(address: int, like: torch.Tensor) -> torch.Tensor:
     """A tensor of ``like``'s shape and dtype on its device over memory this process does not own
     (nothing frees it when the view goes)."""
-    storage = torch._C._construct_storage_from_data_pointer(address, like.device, like.numel() * like.element_size())
+    storage = torch._C._construct_storage_from_data_pointer(address, like.device, like.nbytes)
     flat = torch.empty(0, dtype=torch.uint8, device=like.device).set_(storage)
     return flat.view(like.dtype).view(like.shape)  # (nbytes,) uint8 -> (numel,) -> like.shape
 
@@ -140,7 +140,7 @@ class PeerTensors:
         present = [t for t in tensors if t is not None]
         frees = self.driver.segment_frees(present[0].device) if present else self._frees
         places = (frees, tuple(t.data_ptr() if t is not None else None for t in tensors),
-                  tuple(t.numel() * t.element_size() if t is not None else -1 for t in tensors))
+                  tuple(t.nbytes if t is not None else -1 for t in tensors))
         if places == self._places:
             return self._my_rows
         if frees != self._frees:  # a segment went back to the driver: a remembered base may be stale
@@ -161,7 +161,7 @@ class PeerTensors:
                 base = self._segments[address] = self.driver.segment(address)[0]
             if base not in handles:
                 handles[base] = list(struct.unpack(f"<{HANDLE_BYTES // 8}q", self.driver.export(base)))
-            rows.append(handles[base] + [address - base, t.numel() * t.element_size()])  # one _ROW
+            rows.append(handles[base] + [address - base, t.nbytes])  # one _ROW
         self._places, self._my_rows = places, torch.tensor(rows, dtype=torch.int64).view(len(tensors), _ROW)
         return self._my_rows
 
@@ -191,9 +191,9 @@ class PeerTensors:
                 if row[-1] < 0 or like is None:
                     views.append(None)
                     continue
-                if row[-1] != like.numel() * like.element_size():
+                if row[-1] != like.nbytes:
                     raise ValueError(f"PeerTensors: tensor {i} is {row[-1]} bytes on rank {peer} and "
-                                     f"{like.numel() * like.element_size()} here: every rank must send tensors "
+                                     f"{like.nbytes} here: every rank must send tensors "
                                      "of the same shapes and dtypes in the same order")
                 handle = struct.pack(f"<{HANDLE_BYTES // 8}q", *row[:-2])
                 base = self._opened.get(handle)
