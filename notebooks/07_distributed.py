@@ -98,8 +98,9 @@ if ctx.handout == "2025":
 # Every wrapper agrees with the other ranks on which gradients it reduces (`grad_check_ms`, a CPU
 # round trip per step). Each variant's steps run in one
 # block after the previous variant's, so a machine whose speed drifts moves the difference between
-# two blocks; in the master-weights setting, rounds that alternate `nosync` and the fastest of our
-# variants (ABBA, a fresh warm-up each) then give the overhead within each round.
+# two blocks; in the master-weights setting, rounds that alternate `nosync`, the fastest of our
+# variants and torch DDP (ABC then CBA, a fresh warm-up each) then give the overhead over no sync and
+# the step over torch DDP's within each round.
 
 # %%
 ddp_config = ddp_bench.notebook_config(profile=ctx.profile, handout=ctx.handout)
@@ -120,8 +121,9 @@ nb.answer(ctx, "minimal_ddp_flat_benchmarking", "", report.flat_answer(ddp, fit=
 nb.answer(ctx, "ddp_overlap_individual_parameters_benchmarking", "a", report.overlap_answer(ddp))
 nb.md("**Against torch DDP.**\n\n" + report.ddp_commentary(ddp, overlap))
 if len(paired):
-    nb.show(report.paired_table(paired), caption="rounds alternating nosync and the fastest of our variants "
-                                                  "(master-weights setting); overhead = variant - nosync, within the round")
+    nb.show(report.paired_table(paired), caption="rounds alternating nosync, the fastest of our variants and torch "
+                                                  "DDP (master-weights setting); overhead = variant - nosync, "
+                                                  "vs_torch_ddp = variant / torch DDP, within the round")
 
 # %% [markdown]
 # ## Overlap in the profiler traces

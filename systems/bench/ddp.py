@@ -35,11 +35,15 @@ left after backward). Communication overhead = step time - the nosync step time 
 precision, the cost of communicating whatever is or is not overlapped; it is the one measure
 that also applies to torch DDP, whose waiting happens inside backward.
 
-``paired_rounds`` then times, in the master-weights setting and before torch DDP, rounds that
-alternate nosync and the fastest of our variants (ABBA order, each a fresh warm-up and ``steps``
-steps): a machine whose speed drifts between two variants' blocks of steps moves their difference
-by more than a few percent (notebook 07 once timed nosync 3-5 ms slower than four other runs of the
-same code), and within a round it moves both alike. One row per round in ``paired_path``.
+``paired_rounds`` then times, in the master-weights setting and before torch DDP's own block,
+rounds that alternate nosync, the fastest of our variants and, when the setting lists it, torch
+DDP (ABC then CBA, each a fresh warm-up and ``steps`` steps): a machine whose speed drifts between
+two variants' blocks of steps moves their difference by more than a few percent (notebook 07 once
+timed nosync 3-5 ms slower than four other runs of the same code; in the default compile mode
+no-sync blocks of one run spread over 40%), and within a round it moves all alike. One row per
+round in ``paired_path``, with the overhead over no sync and the step over torch DDP's, each
+within the round. (torch DDP's hooks on the parameters are inert outside its own forward and go
+with it when the round deletes it.)
 
 Then naive, overlap and the fastest of our variants are profiled (torch.profiler, rank 0) and the
 traces analysed for overlap (systems.measure.trace).
@@ -124,9 +128,10 @@ class DDPBenchConfig(RunConfig):
     # wall-clock seconds for the timed and profiled variants; a variant that would run past it is
     # recorded as "skipped (budget)" instead (None: no limit)
     budget_s: float | None = None
-    # after the master-weights setting's variants (before torch DDP): rounds alternating no sync and
-    # the fastest of ours, each a fresh warm-up and `steps` timed steps, so that the overhead is
-    # taken within a round, not between two variants timed minutes apart (0: none)
+    # after the master-weights setting's variants (before torch DDP): rounds alternating no sync,
+    # the fastest of ours and torch DDP (when listed), each a fresh warm-up and `steps` timed steps,
+    # so that the overhead is taken within a round, not between two variants timed minutes apart
+    # (0: none)
     paired_rounds: int = 0
     out_path: str = "build/ddp/07_distributed_ddp.jsonl"
     overlap_path: str = "build/ddp/07_distributed_overlap.jsonl"
@@ -444,7 +449,7 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
         for position, name in enumerate(names + [None]):
             if master and cfg.paired_rounds and position == rounds_at:
                 paired_rows += _paired_rounds(timed, model, opt, precision, tokens, targets, ctx, cfg, budget,
-                                              about=about, writer=paired_writer, torch_ddp_left=name is not None)
+                                              about=about, writer=paired_writer, with_torch_ddp=name is not None)
             if name is None:
                 break
             plan = variant_plan(name)
@@ -502,30 +507,38 @@ def _fastest_of_ours(timed: dict[str, float]) -> str | None:
 
 
 def _paired_rounds(timed: dict[str, float], model, opt, precision: str, tokens, targets, ctx: DistContext,
-                   cfg: DDPBenchConfig, budget: _StepBudget, *, about: dict, writer, torch_ddp_left: bool) -> list[dict]:
-    """``cfg.paired_rounds`` rounds of no sync and the fastest of our timed variants, in ABBA order
-    (a drift that is linear in time cancels over two rounds); one row per round with both medians
-    and the overhead within the round. Rows are written as each round ends; a round the budget has
-    no room for (keeping room for torch DDP after them) is recorded as skipped."""
+                   cfg: DDPBenchConfig, budget: _StepBudget, *, about: dict, writer, with_torch_ddp: bool) -> list[dict]:
+    """``cfg.paired_rounds`` rounds of no sync, the fastest of our timed variants and, with
+    ``with_torch_ddp``, torch DDP: in order on even rounds, reversed on odd ones (a drift that is
+    linear in time cancels over two rounds). One row per round with each median, the overhead over
+    no sync and (with torch DDP) the step over torch DDP's, all within the round. Rows are written
+    as each round ends; a round the budget has no room for (keeping room for torch DDP's own block
+    after them) is recorded as skipped."""
     best = _fastest_of_ours(timed)
     if "nosync" not in timed or best is None:
         return []
+    arms = ("nosync", best, "torch_ddp") if with_torch_ddp else ("nosync", best)
     per_variant = cfg.warmup + cfg.steps
     rows = []
     for r in range(cfg.paired_rounds):
         row = {**about, "variant": best, "round": r, "steps": cfg.steps}
-        if not budget.allows(2 * per_variant + (per_variant if torch_ddp_left else 0), extra_s=5.0):
+        if not budget.allows((len(arms) + with_torch_ddp) * per_variant, extra_s=5.0):
             row["status"] = SKIPPED
         else:
-            order = ("nosync", best) if r % 2 == 0 else (best, "nosync")
+            order = arms if r % 2 == 0 else arms[::-1]
             ms = {name: _time_variant(name, model, opt, precision, tokens, targets, ctx, cfg)["step_ms"]
                   for name in order}
             row.update(first=order[0], nosync_ms=ms["nosync"], variant_ms=ms[best],
-                       overhead_ms=ms[best] - ms["nosync"], share=(ms[best] - ms["nosync"]) / ms[best], status="ok")
+                       overhead_ms=ms[best] - ms["nosync"], share=(ms[best] - ms["nosync"]) / ms[best])
+            if with_torch_ddp:
+                row.update(torch_ddp_ms=ms["torch_ddp"], vs_torch_ddp=ms[best] / ms["torch_ddp"])
+            row["status"] = "ok"
         if ctx.is_main:
             rows.append(writer.write(row))
-            said = (f"nosync {row['nosync_ms']:.2f}, {best} {row['variant_ms']:.2f} ms/step" if row["status"] == "ok"
-                    else row["status"])
+            said = row["status"]
+            if said == "ok":
+                said = f"nosync {row['nosync_ms']:.2f}, {best} {row['variant_ms']:.2f}"
+                said += f", torch_ddp {row['torch_ddp_ms']:.2f} ms/step" if with_torch_ddp else " ms/step"
             print(f"[{about['setting']}] round {r}: {said}", flush=True)
     return rows
 
@@ -630,8 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master-variants", nargs="+", default=list(d.master_variants),
                         help="the master-weights setting's variants")
     parser.add_argument("--paired-rounds", type=int, default=d.paired_rounds,
-                        help="after the master-weights setting's variants: rounds alternating nosync and the "
-                             "fastest of ours, the overhead taken within each round")
+                        help="after the master-weights setting's variants: rounds alternating nosync, the "
+                             "fastest of ours and torch DDP (when listed), each compared within its round")
     parser.add_argument("--profile-steps", type=int, default=d.profile_steps)
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls in the fp32 runs")
     args = parser.parse_args(argv)

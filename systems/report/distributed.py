@@ -459,29 +459,41 @@ def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None, paired: pd.Da
         if rounds is not None:
             line += (f", {100 * rounds['share']:.1f}% as the median of {rounds['n']} rounds alternating it with "
                      f"no sync ({100 * rounds['share_min']:.1f}% to {100 * rounds['share_max']:.1f}% by round)")
+            if rounds["vs_torch_ddp"] is not None:
+                line += (f" and torch DDP, whose step it runs at {rounds['vs_torch_ddp']:.3f}x by the rounds' median "
+                         f"({rounds['vs_torch_ddp_min']:.3f}x to {rounds['vs_torch_ddp_max']:.3f}x)")
         lines.append(line + f", {exposed:.1f}% exposed communication in its trace (our target <= "
                      f"{TARGET_EXPOSED_IN_TRACE_PCT:g}%).")
     return "\n".join(lines)
 
 
 def paired_summary(paired: pd.DataFrame | None, *, setting: str) -> dict | None:
-    """The paired rounds of ``setting``: their count, the median overhead (ms), and the median,
-    lowest and highest share of the variant's step; None without a completed round."""
+    """The paired rounds of ``setting``: their count, the median overhead (ms), the median, lowest
+    and highest share of the variant's step, and the same of its step over torch DDP's (None
+    where the rounds ran without torch DDP); None without a completed round."""
     if paired is None or not len(paired):
         return None
     g = _ok(paired)
     g = g[g["setting"] == setting]
     if not len(g):
         return None
-    return {"n": len(g), "overhead_ms": float(g["overhead_ms"].median()),
-            "share": float(g["share"].median()), "share_min": float(g["share"].min()),
-            "share_max": float(g["share"].max())}
+    out = {"n": len(g), "overhead_ms": float(g["overhead_ms"].median()),
+           "share": float(g["share"].median()), "share_min": float(g["share"].min()),
+           "share_max": float(g["share"].max())}
+    ratio = g["vs_torch_ddp"].dropna() if "vs_torch_ddp" in g else pd.Series(dtype=float)
+    out.update(vs_torch_ddp=float(ratio.median()) if len(ratio) else None,
+               vs_torch_ddp_min=float(ratio.min()) if len(ratio) else None,
+               vs_torch_ddp_max=float(ratio.max()) if len(ratio) else None)
+    return out
 
 
 def paired_table(paired: pd.DataFrame) -> pd.DataFrame:
-    """One row per paired round: which ran first, both step medians, the overhead and its share."""
-    out = paired.reindex(columns=["setting", "round", "variant", "first", "nosync_ms", "variant_ms", "overhead_ms",
-                                  "share", "status"]).copy()
+    """One row per paired round: which ran first, the step medians, the overhead over no sync and its
+    share, and (where the rounds ran torch DDP) the step over torch DDP's."""
+    columns = ["setting", "round", "variant", "first", "nosync_ms", "variant_ms", "overhead_ms", "share"]
+    if "torch_ddp_ms" in paired:
+        columns += ["torch_ddp_ms", "vs_torch_ddp"]
+    out = paired.reindex(columns=columns + ["status"]).copy()
     out.insert(out.columns.get_loc("share"), "share_pct", 100 * out.pop("share"))
     return out
 

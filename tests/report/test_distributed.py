@@ -92,6 +92,34 @@ def test_paired_rounds_give_the_median_overhead_beside_the_blocks_one():
     assert "1.2% of its step is time over the no-communication step (our target <= 5%), 5.3% as the median of 3 " \
            "rounds alternating it with no sync (4.0% to 6.5% by round)" in line
     assert list(paired_table(paired)["share_pct"])[:1] == [pytest.approx(100 * 4 / 76)]
+    assert summary["vs_torch_ddp"] is None and "torch_ddp_ms" not in paired_table(paired)
+    assert "torch DDP, whose step" not in line
+
+
+def test_paired_rounds_with_torch_ddp_give_its_ratio_within_each_round():
+    import pandas as pd
+
+    from systems.report.distributed import ddp_table, ddp_targets, paired_summary, paired_table
+
+    common = dict(setting="m", precision="bf16", n_buckets=None, step_ms_p10=None, step_ms_p90=None, fwd_bwd_ms=0.0,
+                  sync_wait_ms=0.0, optimizer_ms=0.0, first_step_s=float("nan"), status="ok")
+    # torch DDP's own block happened to run fast: 0.9x of it, though every round has ours faster
+    ddp = pd.DataFrame([dict(common, variant="nosync", step_ms=80.0, comm_overhead_ms=0.0, comm_share=0.0),
+                        dict(common, variant="peer_update:read", step_ms=90.0, comm_overhead_ms=10.0, comm_share=1 / 9),
+                        dict(common, variant="torch_ddp", step_ms=81.0, comm_overhead_ms=1.0, comm_share=1 / 81)])
+    rounds = [(72.0, 75.0, 100.0), (90.0, 93.0, 93.0), (80.0, 82.0, 100.0)]
+    paired = pd.DataFrame([dict(setting="m", round=r, variant="peer_update:read", first="nosync", nosync_ms=n,
+                                variant_ms=v, overhead_ms=v - n, share=(v - n) / v, torch_ddp_ms=t, vs_torch_ddp=v / t,
+                                status="ok") for r, (n, v, t) in enumerate(rounds)])
+    summary = paired_summary(paired, setting="m")
+    # medians of 0.75, 1.0 and 0.82
+    assert summary["vs_torch_ddp"] == pytest.approx(0.82)
+    assert (summary["vs_torch_ddp_min"], summary["vs_torch_ddp_max"]) == (pytest.approx(0.75), pytest.approx(1.0))
+    line = ddp_targets(ddp_table(ddp), None, paired)
+    assert "best `peer_update:read` runs at 1.111x torch DDP's step time" in line
+    assert "and torch DDP, whose step it runs at 0.820x by the rounds' median (0.750x to 1.000x)" in line
+    table = paired_table(paired)
+    assert list(table.columns[-3:]) == ["torch_ddp_ms", "vs_torch_ddp", "status"]
 
 
 def _allreduce_row(backend, ws, mb, ms, env):
