@@ -40,7 +40,7 @@ rounds that alternate nosync, the fastest of our variants and, when the setting 
 DDP (ABC then CBA, each a fresh warm-up and ``steps`` steps): a machine whose speed drifts between
 two variants' blocks of steps moves their difference by more than a few percent (notebook 07 once
 timed nosync 3-5 ms slower than four other runs of the same code; in the default compile mode
-no-sync blocks of one run spread over 40%), and within a round it moves all alike. One row per
+no-sync blocks of one run spread over nearly 40%), and within a round it moves all alike. One row per
 round in ``paired_path``, with the overhead over no sync and the step over torch DDP's, each
 within the round. (torch DDP's hooks on the parameters are inert outside its own forward and go
 with it when the round deletes it.)
@@ -128,7 +128,7 @@ class DDPBenchConfig(RunConfig):
     # wall-clock seconds for the timed and profiled variants; a variant that would run past it is
     # recorded as "skipped (budget)" instead (None: no limit)
     budget_s: float | None = None
-    # after the master-weights setting's variants (before torch DDP): rounds alternating no sync,
+    # after the master-weights setting's variants (before torch DDP's own block): rounds alternating no sync,
     # the fastest of ours and torch DDP (when listed), each a fresh warm-up and `steps` timed steps,
     # so that the overhead is taken within a round, not between two variants timed minutes apart
     # (0: none)
@@ -179,7 +179,8 @@ class DDPBenchConfig(RunConfig):
             raise ValueError("compile_mode applies to the compiled settings: set compiled_precisions too")
         for variants in (self.variants, self.master_variants):
             if "torch_ddp" in variants and variants[-1] != "torch_ddp":
-                raise ValueError("torch_ddp must be the last variant (its hooks stay until it is freed)")
+                raise ValueError("torch_ddp must be the last variant (the paired rounds run at its place, "
+                                 "after every variant of ours is timed)")
         super().__post_init__()
 
     def settings(self) -> list[tuple[str, bool, bool]]:
@@ -445,7 +446,8 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
         baseline_ms = None
         timed: dict[str, float] = {}
         names = list(cfg.master_variants if master else cfg.variants)
-        rounds_at = names.index("torch_ddp") if "torch_ddp" in names else len(names)  # torch DDP stays last
+        # the rounds need every variant of ours timed (they take the fastest) and run before torch DDP's block
+        rounds_at = names.index("torch_ddp") if "torch_ddp" in names else len(names)
         for position, name in enumerate(names + [None]):
             if master and cfg.paired_rounds and position == rounds_at:
                 paired_rows += _paired_rounds(timed, model, opt, precision, tokens, targets, ctx, cfg, budget,
@@ -510,10 +512,11 @@ def _paired_rounds(timed: dict[str, float], model, opt, precision: str, tokens, 
                    cfg: DDPBenchConfig, budget: _StepBudget, *, about: dict, writer, with_torch_ddp: bool) -> list[dict]:
     """``cfg.paired_rounds`` rounds of no sync, the fastest of our timed variants and, with
     ``with_torch_ddp``, torch DDP: in order on even rounds, reversed on odd ones (a drift that is
-    linear in time cancels over two rounds). One row per round with each median, the overhead over
-    no sync and (with torch DDP) the step over torch DDP's, all within the round. Rows are written
-    as each round ends; a round the budget has no room for (keeping room for torch DDP's own block
-    after them) is recorded as skipped."""
+    linear in time gives each arm the same mean position over two rounds; the report takes the
+    rounds' median, which that symmetry helps but does not make exact). One row per round with
+    each median, the overhead over no sync and (with torch DDP) the step over torch DDP's, all
+    within the round. Rows are written as each round ends; a round the budget has no room for
+    (keeping room for torch DDP's own block after them) is recorded as skipped."""
     best = _fastest_of_ours(timed)
     if "nosync" not in timed or best is None:
         return []
@@ -522,12 +525,14 @@ def _paired_rounds(timed: dict[str, float], model, opt, precision: str, tokens, 
     rows = []
     for r in range(cfg.paired_rounds):
         row = {**about, "variant": best, "round": r, "steps": cfg.steps}
-        if not budget.allows((len(arms) + with_torch_ddp) * per_variant, extra_s=5.0):
+        # each arm builds a fresh wrapper (a few seconds at 2.7B); torch DDP's own block follows the rounds
+        if not budget.allows((len(arms) + with_torch_ddp) * per_variant, extra_s=2.5 * len(arms)):
             row["status"] = SKIPPED
         else:
             order = arms if r % 2 == 0 else arms[::-1]
             ms = {name: _time_variant(name, model, opt, precision, tokens, targets, ctx, cfg)["step_ms"]
                   for name in order}
+            budget.step_s = max(ms.values()) / 1e3  # torch DDP's steps are the longest: the next estimates use them
             row.update(first=order[0], nosync_ms=ms["nosync"], variant_ms=ms[best],
                        overhead_ms=ms[best] - ms["nosync"], share=(ms[best] - ms["nosync"]) / ms[best])
             if with_torch_ddp:

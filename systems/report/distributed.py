@@ -443,7 +443,8 @@ def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None, paired: pd.Da
     over the no-communication step, and its trace's exposed-communication share, each beside our
     own target (the project's, not the handout's: the ``TARGET_*`` constants above). Where
     ``paired`` (the benchmark's paired rounds) has rounds of the setting, the time over the
-    no-communication step is also given as their median, the estimate a drifting machine moves least."""
+    no-communication step and, where torch DDP ran in every round, the step over torch DDP's are
+    also given as the rounds' medians, the estimates a drifting machine moves least."""
     lines = []
     for setting, g in _ok(table).groupby("setting", sort=False):
         best = best_of_ours(g)
@@ -457,11 +458,13 @@ def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None, paired: pd.Da
                 f"step (our target <= {TARGET_OVER_NOSYNC_PCT:g}%)")
         rounds = paired_summary(paired, setting=setting)
         if rounds is not None:
+            with_torch = rounds["vs_torch_ddp"] is not None
             line += (f", {100 * rounds['share']:.1f}% as the median of {rounds['n']} rounds alternating it with "
-                     f"no sync ({100 * rounds['share_min']:.1f}% to {100 * rounds['share_max']:.1f}% by round)")
-            if rounds["vs_torch_ddp"] is not None:
-                line += (f" and torch DDP, whose step it runs at {rounds['vs_torch_ddp']:.3f}x by the rounds' median "
-                         f"({rounds['vs_torch_ddp_min']:.3f}x to {rounds['vs_torch_ddp_max']:.3f}x)")
+                     f"no sync{' and torch DDP' if with_torch else ''} ({100 * rounds['share_min']:.1f}% to "
+                     f"{100 * rounds['share_max']:.1f}% by round)")
+            if with_torch:
+                line += (f"; by the rounds' median it runs at {rounds['vs_torch_ddp']:.3f}x torch DDP's step "
+                         f"({rounds['vs_torch_ddp_min']:.3f}x to {rounds['vs_torch_ddp_max']:.3f}x by round)")
         lines.append(line + f", {exposed:.1f}% exposed communication in its trace (our target <= "
                      f"{TARGET_EXPOSED_IN_TRACE_PCT:g}%).")
     return "\n".join(lines)
@@ -470,7 +473,8 @@ def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None, paired: pd.Da
 def paired_summary(paired: pd.DataFrame | None, *, setting: str) -> dict | None:
     """The paired rounds of ``setting``: their count, the median overhead (ms), the median, lowest
     and highest share of the variant's step, and the same of its step over torch DDP's (None
-    where the rounds ran without torch DDP); None without a completed round."""
+    unless torch DDP ran in every completed round, so that both stand for the same rounds); None
+    without a completed round."""
     if paired is None or not len(paired):
         return None
     g = _ok(paired)
@@ -480,10 +484,11 @@ def paired_summary(paired: pd.DataFrame | None, *, setting: str) -> dict | None:
     out = {"n": len(g), "overhead_ms": float(g["overhead_ms"].median()),
            "share": float(g["share"].median()), "share_min": float(g["share"].min()),
            "share_max": float(g["share"].max())}
-    ratio = g["vs_torch_ddp"].dropna() if "vs_torch_ddp" in g else pd.Series(dtype=float)
-    out.update(vs_torch_ddp=float(ratio.median()) if len(ratio) else None,
-               vs_torch_ddp_min=float(ratio.min()) if len(ratio) else None,
-               vs_torch_ddp_max=float(ratio.max()) if len(ratio) else None)
+    every_round = "vs_torch_ddp" in g and bool(g["vs_torch_ddp"].notna().all())
+    ratio = g["vs_torch_ddp"] if every_round else None
+    out.update(vs_torch_ddp=float(ratio.median()) if every_round else None,
+               vs_torch_ddp_min=float(ratio.min()) if every_round else None,
+               vs_torch_ddp_max=float(ratio.max()) if every_round else None)
     return out
 
 

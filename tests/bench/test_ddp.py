@@ -93,6 +93,60 @@ def test_paired_rounds_alternate_nosync_the_fastest_variant_and_torch_ddp(tmp_pa
     assert [r["variant"] for r in read_records(tmp_path / "ddp.jsonl")][-1] == "torch_ddp"
 
 
+@pytest.mark.slow
+def test_paired_rounds_without_torch_ddp_alternate_two_arms(tmp_path):
+    """Without torch DDP among the master variants the rounds are ABBA of no sync and ours, and
+    their rows carry no torch DDP time."""
+    cfg = DDPBenchConfig(model="debug", context_length=32, batch_size=2, precisions=("fp32",), variants=("nosync",),
+                         master_weights=True, master_variants=("nosync", "peer_update"), paired_rounds=2,
+                         include_torch_ddp=False, warmup=1, steps=2, profile=False,
+                         out_path=str(tmp_path / "ddp.jsonl"), overlap_path=str(tmp_path / "overlap.jsonl"),
+                         paired_path=str(tmp_path / "paired.jsonl"), trace_dir=str(tmp_path / "traces"))
+    rounds = run_ddp_benchmark(cfg, world_size=2, backend="gloo", timeout_s=300)["paired"]
+    assert [(r["first"], r["status"]) for r in rounds] == [("nosync", "ok"), ("peer_update", "ok")]
+    assert not any("torch_ddp_ms" in r or "vs_torch_ddp" in r for r in rounds)
+
+
+def _torch_ddp_leftover_worker(ctx) -> dict:
+    import gc
+    import weakref
+
+    import torch
+
+    from systems.config import get_config
+    from systems.model import TransformerLM
+    from systems.parallel.plan import ParallelPlan, apply
+
+    torch.manual_seed(0)
+    model = TransformerLM(get_config("debug"))
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(ctx.rank))
+    par = apply(model, ParallelPlan(data_parallel="torch_ddp"))
+    par.forward(tokens).sum().backward()
+    averaged = model.lm_head.weight.grad.double().sum().item()
+    # the wrapper still referenced: a backward through the bare model, as the next arm's runs
+    model.zero_grad(set_to_none=True)
+    model(tokens).sum().backward()
+    bare = model.lm_head.weight.grad.double().sum().item()
+    wrapper = weakref.ref(par.wrapper)
+    del par
+    freed = wrapper() is None  # before any garbage collection: nothing but the bench held it
+    gc.collect()
+    return {"averaged": averaged, "bare": bare, "freed": freed}
+
+
+@pytest.mark.slow
+def test_torch_ddp_inside_the_rounds_leaves_the_next_arm_alone():
+    """The rounds run our arms after torch DDP's (CBA): its hooks must not reduce the bare model's
+    gradients while the wrapper lives, and deleting the wrapper must free it at once. The ranks'
+    tokens differ, so a gradient averaged by DDP is the same on both and a bare one is not."""
+    from systems.parallel.launch import spawn
+
+    out = spawn(_torch_ddp_leftover_worker, 2, "gloo", timeout_s=30, deadline_s=120)
+    assert out[0]["averaged"] == pytest.approx(out[1]["averaged"])
+    assert out[0]["bare"] != pytest.approx(out[1]["bare"])
+    assert all(r["freed"] for r in out)
+
+
 def test_ddp_bench_config_rejects_unknown_compiled_precision():
     with pytest.raises(ValueError, match="precisions must be among"):
         DDPBenchConfig(compiled_precisions=("fp8",))

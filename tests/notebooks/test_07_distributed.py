@@ -32,5 +32,5 @@ def test_notebook_07_smoke(tmp_path, handout):
     assert recorded_pairs(tmp_path, NB) == asked(handout, NB)
     # the committed all-reduce runs are folded in, each named by machine
     text = run.output.read_text()
-    assert "whose step it runs at" in text
+    assert "by the rounds' median it runs at" in text
     assert "13_allreduce_nccl_8xH200.jsonl" in text and "8x NVIDIA H200" in text

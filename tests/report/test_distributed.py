@@ -117,9 +117,17 @@ def test_paired_rounds_with_torch_ddp_give_its_ratio_within_each_round():
     assert (summary["vs_torch_ddp_min"], summary["vs_torch_ddp_max"]) == (pytest.approx(0.75), pytest.approx(1.0))
     line = ddp_targets(ddp_table(ddp), None, paired)
     assert "best `peer_update:read` runs at 1.111x torch DDP's step time" in line
-    assert "and torch DDP, whose step it runs at 0.820x by the rounds' median (0.750x to 1.000x)" in line
+    assert ("as the median of 3 rounds alternating it with no sync and torch DDP" in line
+            and "; by the rounds' median it runs at 0.820x torch DDP's step (0.750x to 1.000x by round)" in line)
     table = paired_table(paired)
     assert list(table.columns[-3:]) == ["torch_ddp_ms", "vs_torch_ddp", "status"]
+    # a round without torch DDP (rows appended by an older run) leaves the ratio out: the two medians
+    # would stand for different rounds
+    mixed = pd.concat([paired, pd.DataFrame([dict(setting="m", round=3, variant="peer_update:read", first="nosync",
+                                                  nosync_ms=80.0, variant_ms=84.0, overhead_ms=4.0, share=4 / 84,
+                                                  status="ok")])], ignore_index=True)
+    assert paired_summary(mixed, setting="m")["vs_torch_ddp"] is None
+    assert "torch DDP" not in ddp_targets(ddp_table(ddp), None, mixed).split("step time")[1]
 
 
 def _allreduce_row(backend, ws, mb, ms, env):
