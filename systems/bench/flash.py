@@ -349,6 +349,10 @@ def estimate_point_s(expected_ms: dict[str, float], cfg: SweepConfig) -> float:
     return total_ms / 1e3
 
 
+# the error of an "unsupported" row the sweep inferred from its series' earlier refusal
+NOT_TRIED = "not tried (past the budget)"
+
+
 def _scaled(prev: dict | None, *, seq: int, cfg: SweepConfig) -> dict[str, float] | None:
     """The passes' expected ms at ``seq``: the same series' previous measured point scaled by the
     ratio of FLOPs (attention's work grows with the pairs it keeps)."""
@@ -367,7 +371,8 @@ def flash_benchmarking(cfg: SweepConfig, *, writer: ResultWriter | None = None, 
                        plans_writer: ResultWriter | None = None) -> pd.DataFrame:
     """Every (dtype, d, seq, impl) of the grid; each row goes to ``writer`` as soon as it exists.
     With ``cfg.budget_s``, a point whose estimated time (its series' previous point scaled by the
-    FLOPs, estimate_point_s) would overrun the budget becomes a "skipped (budget)" row.
+    FLOPs, estimate_point_s) would overrun the budget becomes a "skipped (budget)" row, or an
+    "unsupported" one, not tried, where its series' backend refused the previous length.
     ``plans_writer``: after the sweep, one row per tile plan this process's Triton kernels ran
     with (``sweep_plans``), so that two runs whose times differ can be told apart by their
     autotuner's picks."""
@@ -381,8 +386,17 @@ def flash_benchmarking(cfg: SweepConfig, *, writer: ResultWriter | None = None, 
         expected = _scaled(last.get(series), seq=seq, cfg=cfg)
         point = dict(batch=cfg.batch, heads=cfg.heads, seq=seq, d=d, dtype=dtype)
         if not budget.allows(need_s=estimate_point_s(expected, cfg) if expected else 0.0):
+            prev = last.get(series)
+            if prev is not None and prev.get("status") == "unsupported":
+                # a backend refuses a dtype or head size at any length: a row that said "skipped"
+                # would hide that it could not have run (notebook 06's fp32 SDPA at 65,536 tokens)
+                refused = prev.get("error") or ""
+                status, error = "unsupported", (refused if refused.startswith(NOT_TRIED) else
+                                                f"{NOT_TRIED}; at seq {prev['seq']}: {refused}")
+            else:
+                status, error = SKIPPED, f"estimated past the sweep's {cfg.budget_s:g} s budget"
             row = _add_rates(dict(impl=impl, **point, causal=cfg.is_causal, dot=dot_of(impl, dtype),
-                                  status=SKIPPED, error=f"estimated past the sweep's {cfg.budget_s:g} s budget"))
+                                  status=status, error=error))
         else:
             row = time_attention(impl, **point, is_causal=cfg.is_causal, warmup_ms=cfg.warmup_ms, rep_ms=cfg.rep_ms,
                                  min_reps=cfg.min_reps, expected_ms=expected, device=device)

@@ -110,6 +110,25 @@ def test_budget_skips_what_it_cannot_afford(monkeypatch):
     assert "4.5 s budget" in rows["error"].iloc[-1] and pd.isna(rows["e2e_tflops"].iloc[-1])
 
 
+def test_past_the_budget_a_series_its_backend_refused_stays_unsupported(monkeypatch):
+    # sdpa refuses every length of this series; the budget runs out after the first point (each
+    # clock reading advances 1 s): the next points are not tried, and their rows say why they
+    # could not have run, not only that the budget ended
+    def fake(impl, *, seq, **kw):
+        return dict(impl=impl, seq=seq, batch=kw["batch"], heads=kw["heads"], d=kw["d"], dtype=kw["dtype"],
+                    causal=kw["is_causal"], status="unsupported", error="No available kernel")
+
+    monkeypatch.setattr(flash, "time_attention", fake)
+    ticks = iter(range(1000))
+    cfg = flash.SweepConfig(seq_lens=(32, 64, 128), head_dims=(16,), dtypes=("fp32",), impls={"fp32": ("sdpa",)},
+                            warmup_ms=1, rep_ms=2, budget_s=1.5)
+    rows = flash.flash_benchmarking(cfg, device="cpu", progress=False, clock=lambda: float(next(ticks)))
+    assert list(rows["status"]) == ["unsupported"] * 3
+    assert rows["error"].iloc[0] == "No available kernel"
+    # both name the length that was tried
+    assert list(rows["error"].iloc[1:]) == ["not tried (past the budget); at seq 32: No available kernel"] * 2
+
+
 def test_the_sweep_records_the_tile_plans_its_triton_points_ran_with(monkeypatch, tmp_path):
     flash_triton = pytest.importorskip("systems.attention.flash_triton")
     plan = dict(kernel="fwd", dtype="torch.bfloat16", SEQ_BUCKET=1024, HEAD_DIM=64, IS_CAUSAL=True,
