@@ -85,8 +85,9 @@ nb.answer(ctx, "flash_backward", "", report.backward_answer(check))
 
 # %%
 cfg = flash.full_profile_grid(budget_s=budget_s - (time.perf_counter() - start)) if ctx.full else flash.smoke_grid()
+# the smoke grid runs no Triton kernel: it has no plans to record (and leaves no empty file)
 sweep = flash.flash_benchmarking(cfg, writer=ResultWriter(ctx.result_path("sweep")), device=ctx.device,
-                                 plans_writer=ResultWriter(ctx.result_path("plans")))
+                                 plans_writer=ResultWriter(ctx.result_path("plans")) if ctx.full else None)
 for pass_ in flash.PASSES:
     nb.show(report.latency_table(sweep, pass_, ours=ours),
             caption=f"{report.PASS_NAMES[pass_]}: median ms per implementation, ours' spread and rate, "
