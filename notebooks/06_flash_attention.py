@@ -26,8 +26,8 @@ out_dir = "build/smoke"  # the runner injects this
 handout = "2026"         # "2025" or "2026": which handout's questions are answered
 budget_s = 500.0         # full profile: wall-clock seconds for compiling, the checks and the sweep together;
                          # sweep points estimated past it become "skipped (budget)" rows (the cells after
-                         # the sweep take about 20 s more; at 450 s a host issuing launches at 11.4 us
-                         # lost the 65,536-token baselines: flash notes entry 31)
+                         # the sweep take some 20 s more; at 450 s a slow host lost the longest baselines:
+                         # flash notes entry 31)
 
 # %%
 import time

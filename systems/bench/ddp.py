@@ -26,8 +26,8 @@ Variants, timed in this order:
   one per gradient, for the default compile mode, whose backward waits on the host);
   ``peer_update:read`` (2 GPUs) makes no copies: each update reads the other rank's gradients over
   NVLink where autograd put them (``DDPPeer(read_peers=True)``);
-- ``torch_ddp``: torch.nn.parallel.DistributedDataParallel with its defaults, last (it keeps
-  hooks on the parameters until it is deleted).
+- ``torch_ddp``: torch.nn.parallel.DistributedDataParallel with its defaults, its own block last
+  (after the paired rounds, which take the fastest of ours once all of ours are timed).
 
 Per step (max over ranks, median over steps): wall time, and with device events the time from the
 end of backward to the end of ``finish_gradient_synchronization()`` (the wait for communication

@@ -383,10 +383,10 @@ def flash_benchmarking(cfg: SweepConfig, *, writer: ResultWriter | None = None, 
     last: dict[tuple, dict] = {}  # (impl, dtype, d) -> its latest row
     for dtype, d, seq, impl in tqdm(cfg.points(), desc="flash_benchmarking", disable=not progress):
         series = (impl, dtype, d)
-        expected = _scaled(last.get(series), seq=seq, cfg=cfg)
+        prev = last.get(series)
+        expected = _scaled(prev, seq=seq, cfg=cfg)
         point = dict(batch=cfg.batch, heads=cfg.heads, seq=seq, d=d, dtype=dtype)
         if not budget.allows(need_s=estimate_point_s(expected, cfg) if expected else 0.0):
-            prev = last.get(series)
             if prev is not None and prev.get("status") == "unsupported":
                 # a backend refuses a dtype or head size at any length: a row that said "skipped"
                 # would hide that it could not have run (notebook 06's fp32 SDPA at 65,536 tokens)

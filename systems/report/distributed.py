@@ -483,12 +483,12 @@ def paired_summary(paired: pd.DataFrame | None, *, setting: str) -> dict | None:
         return None
     out = {"n": len(g), "overhead_ms": float(g["overhead_ms"].median()),
            "share": float(g["share"].median()), "share_min": float(g["share"].min()),
-           "share_max": float(g["share"].max())}
-    every_round = "vs_torch_ddp" in g and bool(g["vs_torch_ddp"].notna().all())
-    ratio = g["vs_torch_ddp"] if every_round else None
-    out.update(vs_torch_ddp=float(ratio.median()) if every_round else None,
-               vs_torch_ddp_min=float(ratio.min()) if every_round else None,
-               vs_torch_ddp_max=float(ratio.max()) if every_round else None)
+           "share_max": float(g["share"].max()), "vs_torch_ddp": None, "vs_torch_ddp_min": None,
+           "vs_torch_ddp_max": None}
+    if "vs_torch_ddp" in g and g["vs_torch_ddp"].notna().all():
+        ratio = g["vs_torch_ddp"]
+        out.update(vs_torch_ddp=float(ratio.median()), vs_torch_ddp_min=float(ratio.min()),
+                   vs_torch_ddp_max=float(ratio.max()))
     return out
 
 

@@ -93,7 +93,7 @@ def test_paired_rounds_give_the_median_overhead_beside_the_blocks_one():
            "rounds alternating it with no sync (4.0% to 6.5% by round)" in line
     assert list(paired_table(paired)["share_pct"])[:1] == [pytest.approx(100 * 4 / 76)]
     assert summary["vs_torch_ddp"] is None and "torch_ddp_ms" not in paired_table(paired)
-    assert "torch DDP, whose step" not in line
+    assert "no sync and torch DDP" not in line and "by the rounds' median it runs at" not in line
 
 
 def test_paired_rounds_with_torch_ddp_give_its_ratio_within_each_round():
