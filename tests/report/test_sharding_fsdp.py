@@ -78,3 +78,19 @@ def test_sharding_time_answer_reads_the_rank_count_from_the_rows():
     # ddp's 400 ms inside 399.5-411: no verdict either way
     opt.loc[1, "step_ms_p10"] = 399.5
     assert "within the noise" in report.sharding_time_answer(opt, model="xl-2025", handout="2025")
+
+
+def test_fsdp_ratios_say_when_the_steps_differ_beyond_their_spread():
+    # fp32: 380 against 400 ms, neither median inside the other's 1 ms spread: ours faster.
+    # bf16: 238 (209-278) against 248 (237-272), the rows of a host-paced run: within the noise.
+    fsdp = pd.DataFrame([{**_row("fsdp", state=4 * N, temps=2 * N), "step_ms": 380.0, "step_ms_p10": 379.0,
+                          "step_ms_p90": 381.0},
+                         _row("fsdp2", state=4 * N, temps=2 * N),
+                         {**_row("fsdp", state=4 * N, temps=2 * N, precision="bf16"), "step_ms": 238.0,
+                          "step_ms_p10": 209.0, "step_ms_p90": 278.0},
+                         {**_row("fsdp2", state=4 * N, temps=2 * N, precision="bf16"), "step_ms": 248.0,
+                          "step_ms_p10": 237.0, "step_ms_p90": 272.0}])
+    ratios = report.fsdp_ratios(fsdp, model="xl-2025").set_index("precision")
+    assert ratios.loc["fp32", "step_time_ratio"] == 0.95 and ratios.loc["fp32", "step_time"] == "ours faster"
+    assert ratios.loc["bf16", "step_time"] == "within the noise"
+    assert ratios.loc["bf16", "peak_memory_ratio"] == 1.0
