@@ -35,7 +35,8 @@ from systems.measure.results import read_results
 from systems.report import distributed as report
 from systems.report import notebook as nb
 
-ctx = nb.setup(name="07_distributed", profile=profile, out_dir=out_dir, handout=handout)
+# the ranks own the GPUs: this process makes no CUDA context of its own
+ctx = nb.setup(name="07_distributed", profile=profile, out_dir=out_dir, handout=handout, gpus_in_ranks=True)
 n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
 backend = "nccl" if ctx.full else "gloo"
 

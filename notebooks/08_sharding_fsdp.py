@@ -34,7 +34,8 @@ from systems.measure.results import read_results
 from systems.report import notebook as nb
 from systems.report import sharding_fsdp as report
 
-ctx = nb.setup(name="08_sharding_fsdp", profile=profile, out_dir=out_dir, handout=handout)
+# the ranks own the GPUs: this process makes no CUDA context of its own
+ctx = nb.setup(name="08_sharding_fsdp", profile=profile, out_dir=out_dir, handout=handout, gpus_in_ranks=True)
 backend, world = ("nccl" if ctx.full else "gloo"), 2
 large = (("10B" if ctx.handout == "2026" and ctx.full else None) if large_model == "auto" else large_model)
 config = fsdp_bench.notebook_config(profile=ctx.profile, handout=ctx.handout)

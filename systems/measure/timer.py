@@ -148,15 +148,25 @@ def time_fn(fn: Callable[[], object], *, device: torch.device | str, warmup_ms: 
     return {"median_ms": median, "p10_ms": p10, "p90_ms": p90}
 
 
-def launch_pace(device: torch.device | str, *, ops: int = 1000, repeats: int = 7) -> dict[str, float]:
+def launch_pace(device: torch.device | str, *, ops: int = 1000, repeats: int = 7,
+                in_child: bool = False) -> dict[str, float]:
     """Microseconds per op when ``ops`` in-place adds on a one-element tensor are issued back to
     back, each batch synchronised: ``{"median_us", "p10_us", "p90_us"}`` over ``repeats`` batches
     after one of warm-up. Whichever is slower sets it, the host issuing the ops (PyTorch's
     dispatch, the launch) or the device running them one after another; on a GPU the host, as a
     rule. A call that issues n launches cannot take less than about n times it, and it differs
-    between hosts with the same GPU, so it bounds a sweep's shortest points differently on each."""
+    between hosts with the same GPU, so it bounds a sweep's shortest points differently on each.
+
+    ``in_child``: measure in a freshly spawned process, so that the caller makes no CUDA context
+    (a process that then starts one rank per GPU must hold none: it would take memory on GPU 0,
+    and in exclusive-process compute mode keep rank 0 off it). Costs the child's start, seconds."""
     if ops < 1 or repeats < 1:
         raise ValueError(f"launch_pace needs ops >= 1 and repeats >= 1, got ops={ops}, repeats={repeats}")
+    if in_child:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            return pool.apply(launch_pace, (str(device),), {"ops": ops, "repeats": repeats})
     dev = torch.device(device)
     x = torch.zeros(1, device=dev)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)

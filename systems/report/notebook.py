@@ -56,8 +56,10 @@ class NotebookContext:
 
 
 def setup(*, name: str, profile: str, out_dir: str | Path, handout: str = DEFAULT_HANDOUT,
-          needs_gpu_for_full: bool = True, show_env: bool = True) -> NotebookContext:
-    """Validate the papermill parameters, make the output folders, and show the environment."""
+          needs_gpu_for_full: bool = True, show_env: bool = True, gpus_in_ranks: bool = False) -> NotebookContext:
+    """Validate the papermill parameters, make the output folders, and show the environment.
+    ``gpus_in_ranks``: the notebook runs its GPU work in rank processes it starts, so this process
+    makes no CUDA context (the host's pace is measured in a child process)."""
     import torch
 
     check_choice("profile", profile, PROFILES)
@@ -76,7 +78,7 @@ def setup(*, name: str, profile: str, out_dir: str | Path, handout: str = DEFAUL
         # the host's pace, measured here: it bounds a sweep's shortest points (a call of n launches
         # takes at least about n times it) and differs between hosts with the same GPU
         # (docs/flash_attention_notes.md, entry 30)
-        pace = launch_pace(ctx.device)
+        pace = launch_pace(ctx.device, in_child=gpus_in_ranks and ctx.device == "cuda")
         md(f"**Run:** profile `{profile}`, {handout} handout, on {ctx.gpu}; "
            + ", ".join(f"{k} `{ctx.env[k]}`" for k in keys[1:] if ctx.env.get(k) is not None)
            + f"; host pace {pace['median_us']:.3g} us per small op issued back to back "

@@ -57,3 +57,12 @@ def test_launch_pace_times_the_ops_it_issues(monkeypatch):
     assert 0 < real["p10_us"] <= real["median_us"] <= real["p90_us"]
     with pytest.raises(ValueError, match="ops >= 1"):
         launch_pace("cpu", ops=0)
+
+
+def test_launch_pace_in_a_child_process_measures_the_same_quantity():
+    # the child is a fresh spawned interpreter: this process's patched clock cannot reach it, so
+    # only the shape of a real measurement can be checked here (the GPU test in
+    # tests/report/test_notebook.py checks that the caller then holds no CUDA context)
+    pace = launch_pace("cpu", ops=200, repeats=3, in_child=True)
+    assert set(pace) == {"median_us", "p10_us", "p90_us"}
+    assert 0 < pace["p10_us"] <= pace["median_us"] <= pace["p90_us"]

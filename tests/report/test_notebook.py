@@ -7,12 +7,48 @@ import re
 
 import pandas as pd
 import pytest
+import torch
 
 from systems.report import notebook as nb
 
 
 def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+_SETUP_THEN_GPU_MEMORY = """
+import subprocess, sys
+from systems.report import notebook as nb
+nb.setup(name="08_sharding_fsdp", profile="full", out_dir=sys.argv[1], gpus_in_ranks=sys.argv[2] == "1")
+print(subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                     capture_output=True, text=True, check=True).stdout.strip())
+"""
+
+
+def _gpu0_used_mib() -> int:
+    import subprocess
+
+    return int(subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                              capture_output=True, text=True, check=True).stdout.strip())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_setup_of_a_rank_notebook_makes_no_cuda_context(tmp_path):
+    # each setup in a fresh process, which reads GPU 0's used memory while it is alive; the control
+    # (pace measured in-process) must show its context's memory, or the check could not see one
+    import subprocess
+    import sys
+
+    def used_after_setup(gpus_in_ranks: bool) -> int:
+        out = subprocess.run([sys.executable, "-c", _SETUP_THEN_GPU_MEMORY, str(tmp_path), "1" if gpus_in_ranks else "0"],
+                             capture_output=True, text=True, check=True).stdout
+        return int(out.strip().splitlines()[-1])
+
+    base = _gpu0_used_mib()
+    control, ranks = used_after_setup(False), used_after_setup(True)
+    assert control - base > 100, (base, control)  # a CUDA context holds hundreds of MiB
+    assert ranks - base < 50, (base, ranks)
 
 
 def test_setup_makes_folders_and_names_the_run_without_missing_fields(tmp_path, capsys):
