@@ -400,8 +400,8 @@ def notebook_config(*, profile: str, handout: str) -> FSDPBenchConfig:
 
     if profile == "smoke":
         return FSDPBenchConfig(model="debug", context_length=64, batch_size=4, warmup=1, steps=3)
-    # ten timed steps: the bf16 steps are host-paced, and five of them spread over a quarter of
-    # their median on one 2x H200 host (docs/training_step_notes.md, entry 31)
+    # ten timed steps, for a steadier median: five bf16 steps spread over a quarter of their
+    # median on one 2x H200 lease (docs/training_step_notes.md, entry 31)
     return FSDPBenchConfig(model=preset_of("xl", handout), context_length=512, batch_size=4, warmup=2, steps=10)
 
 

@@ -75,7 +75,7 @@ def setup(*, name: str, profile: str, out_dir: str | Path, handout: str = DEFAUL
     if show_env:
         keys = ["gpu", "driver", "torch", "triton", "cuda", "git_commit", "date"]
         # A CPU run has no driver or CUDA version; leaving them out reads better than "None".
-        # the host's pace, measured here: it bounds a sweep's shortest points (a call of n launches
+        # the host's pace (in a child process where the ranks own the GPUs): it bounds a sweep's shortest points (a call of n launches
         # takes at least about n times it) and differs between hosts with the same GPU
         # (docs/flash_attention_notes.md, entry 30)
         pace = launch_pace(ctx.device, in_child=gpus_in_ranks and ctx.device == "cuda")

@@ -59,10 +59,18 @@ def test_launch_pace_times_the_ops_it_issues(monkeypatch):
         launch_pace("cpu", ops=0)
 
 
-def test_launch_pace_in_a_child_process_measures_the_same_quantity():
-    # the child is a fresh spawned interpreter: this process's patched clock cannot reach it, so
-    # only the shape of a real measurement can be checked here (the GPU test in
-    # tests/report/test_notebook.py checks that the caller then holds no CUDA context)
+@pytest.mark.slow
+def test_launch_pace_in_a_child_process_measures_there(monkeypatch):
+    # this process can neither make a tensor nor read the clock: only a spawned interpreter, which
+    # imports the modules afresh, can measure (the GPU test in tests/report/test_notebook.py checks
+    # that the caller then holds no CUDA context)
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured in the calling process")
+
+    monkeypatch.setattr(torch, "zeros", refuse)
+    monkeypatch.setattr(time, "perf_counter", refuse)
     pace = launch_pace("cpu", ops=200, repeats=3, in_child=True)
     assert set(pace) == {"median_us", "p10_us", "p90_us"}
     assert 0 < pace["p10_us"] <= pace["median_us"] <= pace["p90_us"]
+    with pytest.raises(AssertionError, match="calling process"):
+        launch_pace("cpu", ops=200, repeats=3)

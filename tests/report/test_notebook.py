@@ -16,20 +16,20 @@ def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-_SETUP_THEN_GPU_MEMORY = """
+# GPU 0's used memory as the driver counts it (physical GPU 0: run without CUDA_VISIBLE_DEVICES)
+_GPU0_USED_MIB = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"]
+_SETUP_THEN_GPU_MEMORY = f"""
 import subprocess, sys
 from systems.report import notebook as nb
 nb.setup(name="08_sharding_fsdp", profile="full", out_dir=sys.argv[1], gpus_in_ranks=sys.argv[2] == "1")
-print(subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                     capture_output=True, text=True, check=True).stdout.strip())
+print(subprocess.run({_GPU0_USED_MIB!r}, capture_output=True, text=True, check=True).stdout.strip())
 """
 
 
 def _gpu0_used_mib() -> int:
     import subprocess
 
-    return int(subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                              capture_output=True, text=True, check=True).stdout.strip())
+    return int(subprocess.run(_GPU0_USED_MIB, capture_output=True, text=True, check=True).stdout.strip())
 
 
 @pytest.mark.gpu

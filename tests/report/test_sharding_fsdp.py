@@ -94,3 +94,12 @@ def test_fsdp_ratios_say_when_the_steps_differ_beyond_their_spread():
     assert ratios.loc["fp32", "step_time_ratio"] == 0.95 and ratios.loc["fp32", "step_time"] == "ours faster"
     assert ratios.loc["bf16", "step_time"] == "within the noise"
     assert ratios.loc["bf16", "peak_memory_ratio"] == 1.0
+    # ours at 420 (419-421) against 400 (399-401): slower beyond the spread
+    fsdp.loc[0, ["step_ms", "step_ms_p10", "step_ms_p90"]] = [420.0, 419.0, 421.0]
+    assert report.fsdp_ratios(fsdp, model="xl-2025").set_index("precision").loc["fp32", "step_time"] == "ours slower"
+    # a row without its spread gets no verdict either way, whether the value is NaN or the column absent
+    fsdp.loc[0, "step_ms_p90"] = float("nan")
+    assert report.fsdp_ratios(fsdp, model="xl-2025").set_index("precision").loc["fp32", "step_time"] == (
+        "spread not measured")
+    without = report.fsdp_ratios(fsdp.drop(columns=["step_ms_p10", "step_ms_p90"]), model="xl-2025")
+    assert set(without["step_time"]) == {"spread not measured"}
