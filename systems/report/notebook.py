@@ -75,9 +75,9 @@ def setup(*, name: str, profile: str, out_dir: str | Path, handout: str = DEFAUL
     if show_env:
         keys = ["gpu", "driver", "torch", "triton", "cuda", "git_commit", "date"]
         # A CPU run has no driver or CUDA version; leaving them out reads better than "None".
-        # the host's pace (in a child process where the ranks own the GPUs): it bounds a sweep's shortest points (a call of n launches
-        # takes at least about n times it) and differs between hosts with the same GPU
-        # (docs/flash_attention_notes.md, entry 30)
+        # the host's pace (in a child process where the ranks own the GPUs): it bounds a sweep's
+        # shortest points (a call of n launches takes at least about n times it) and differs between
+        # hosts with the same GPU (docs/flash_attention_notes.md, entry 30)
         pace = launch_pace(ctx.device, in_child=gpus_in_ranks and ctx.device == "cuda")
         md(f"**Run:** profile `{profile}`, {handout} handout, on {ctx.gpu}; "
            + ", ".join(f"{k} `{ctx.env[k]}`" for k in keys[1:] if ctx.env.get(k) is not None)
@@ -152,6 +152,12 @@ def noise_side(timings: dict[str, tuple[float, float, float]]) -> str | None:
     if lo_a <= med_b <= hi_a:
         return b
     return None
+
+
+def spread_measured(timings: dict[str, tuple[float, float, float]]) -> bool:
+    """Whether every (median, p10, p90) in ``timings`` is present: ``noise_side`` reads a missing
+    value as "no overlap", so a caller asks this before taking its None as a verdict."""
+    return all(x is not None and x == x for spread in timings.values() for x in spread)  # x == x: not NaN
 
 
 def step_spread(row, key: str = "step_ms") -> tuple:

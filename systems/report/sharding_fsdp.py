@@ -14,7 +14,7 @@ from systems.analysis.sharding import (communication_per_step, expected_saving, 
                                        phase_bytes, sizes_table)
 from systems.config import get_config, size_label
 from systems.measure.hardware import GPU_PEAKS
-from systems.report.notebook import noise_side, param_count, step_spread
+from systems.report.notebook import noise_side, param_count, spread_measured, step_spread
 
 MiB = 2**20
 GB = 1e9
@@ -197,7 +197,7 @@ def fsdp_ratios(fsdp: pd.DataFrame, *, model: str) -> pd.DataFrame:
         # the bf16 steps spread over up to a quarter of their median, and the ratio of medians
         # moved from 0.70x to 0.96x between leases (notes entry 31): say whether it clears the spread
         spreads = {v: step_spread(by.loc[v]) for v in ("fsdp", "fsdp2")}
-        if any(x is None or pd.isna(x) for spread in spreads.values() for x in spread):
+        if not spread_measured(spreads):
             verdict = "spread not measured"
         elif noise_side(spreads) is not None:
             verdict = "within the noise"

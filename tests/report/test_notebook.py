@@ -182,6 +182,12 @@ def test_noise_side_names_the_median_inside_the_others_spread():
     assert nb.noise_side({"a": (9.5, 9.0, 10.6), "b": (11.0, 10.5, 12.0)}) is None
 
 
+def test_spread_measured_needs_every_median_and_percentile():
+    assert nb.spread_measured({"a": (10.0, 9.0, 11.0), "b": (10.5, 10.2, 12.0)})
+    assert not nb.spread_measured({"a": (10.0, 9.0, None), "b": (10.5, 10.2, 12.0)})  # a row without its p90
+    assert not nb.spread_measured({"a": (10.0, 9.0, 11.0), "b": (10.5, float("nan"), 12.0)})  # a NaN cell
+
+
 def test_step_spread_reads_a_rows_median_and_percentiles():
     row = {"step_ms": 10.0, "step_ms_p10": 9.0, "step_ms_p90": 11.0, "us": 5.0}
     assert nb.step_spread(row) == (10.0, 9.0, 11.0)
