@@ -87,9 +87,10 @@ nb.md(report.step_answer(table, targets=ts.OUR_TARGETS_MS, target_gpu=ts.OUR_TAR
 # Each line compares two variants of the same run that differ by one lever (`LEVERS`): the step
 # time saved, and how each phase's median changed (negative: faster). With the optimizer inside
 # the backward the update's time moves from the optimizer phase into the backward's; what it
-# saves overall is the overlap. `beyond_spread` says whether the two variants' p10-p90 ranges of
-# step time are apart: where they overlap, a machine whose speed wanders between the two
-# variants' blocks of steps can give the lever either sign.
+# saves overall is the overlap. `beyond_spread` says whether neither variant's median step time
+# lies inside the other's p10-p90 range (empty where a spread was not measured): where one does,
+# a machine whose speed wanders between the two variants' blocks of steps can give the lever
+# either sign.
 
 # %%
 levers = report.lever_table(table)

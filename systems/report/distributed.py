@@ -23,7 +23,7 @@ from systems.bench.ddp import variant_plan
 from systems.measure.env import REPO_ROOT
 from systems.measure.results import read_records
 from systems.measure.trace import TraceIntervals, comm_compute_intervals, union
-from systems.report.notebook import noise_side, param_count, step_spread, value_range
+from systems.report.notebook import noise_side, param_count, spread_measured, step_spread, value_range
 
 THIS_RUN = "this run"
 MiB = 2**20
@@ -546,7 +546,7 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
                 b0 = base.iloc[0]
                 s += f"`{best['variant']}` costs nothing measurable over it ({best['comm_overhead_ms']:.3g} ms"
                 spreads = {r["variant"]: step_spread(r) for r in (b0, best)}
-                if all(pd.notna(v) for t in spreads.values() for v in t):
+                if spread_measured(spreads):
                     lo, hi = spreads["nosync"][1:]
                     s += (f"; the no-communication steps range {lo:.4g}-{hi:.4g} ms from 10th to 90th percentile, "
                           + ("and the two are within the noise (one median inside the other's p10-p90 range))"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from systems.bench.train_step import LEVERS, PHASES
 from systems.config import size_and_preset
-from systems.report.notebook import faster_or_slower, noise_side, step_spread
+from systems.report.notebook import faster_or_slower, noise_side, spread_measured, step_spread
 
 
 def step_table(rows, *, baseline: str = "hf_llama", handout: str | None = None):
@@ -30,7 +30,8 @@ def lever_table(table, *, levers=LEVERS):
     """One line per (model, lever) whose two variants both ran: step and phase medians before and
     after, the milliseconds the lever saved (negative: it cost time), and ``beyond_spread``: whether
     the difference is beyond the noise by the report's rule (``notebook.noise_side``: neither
-    variant's median step time lies inside the other's p10-p90 range)."""
+    variant's median step time lies inside the other's p10-p90 range); None where a row lacks its
+    spread, which the rule would otherwise read as "apart"."""
     import pandas as pd
 
     ok = table[table["status"] == "ok"].set_index(["model", "variant"])
@@ -44,7 +45,8 @@ def lever_table(table, *, levers=LEVERS):
             line = {"model": model, "lever": lever, "from": before, "to": after,
                     "step_ms_from": b["step_ms"], "step_ms_to": a["step_ms"], "saved_ms": b["step_ms"] - a["step_ms"]}
             if spread:
-                line["beyond_spread"] = noise_side({before: step_spread(b), after: step_spread(a)}) is None
+                spreads = {before: step_spread(b), after: step_spread(a)}
+                line["beyond_spread"] = noise_side(spreads) is None if spread_measured(spreads) else None
             for phase in PHASES:
                 line[f"{phase}_ms_change"] = a[f"{phase}_ms"] - b[f"{phase}_ms"]
             out.append(line)
@@ -171,10 +173,12 @@ def step_answer(table, *, targets: dict[str, float], handout: str, target_gpu: s
 
 def lever_answer(levers) -> str:
     """The largest single lever per model among those beyond the noise (all of them without
-    ``beyond_spread``), from lever_table, then the comparisons this run does not settle."""
+    ``beyond_spread``), from lever_table, then the comparisons this run does not settle and those
+    without a measured spread."""
     if levers.empty:
         return "No lever's two variants both ran."
-    settled = levers[levers["beyond_spread"]] if "beyond_spread" in levers else levers
+    # == True / == False: the column holds None where a spread is missing, which is neither
+    settled = levers[levers["beyond_spread"] == True] if "beyond_spread" in levers else levers  # noqa: E712
     lines = []
     for model in dict.fromkeys(levers["model"]):
         part = settled[settled["model"] == model]
@@ -186,12 +190,18 @@ def lever_answer(levers) -> str:
                      f"({r.step_ms_from:.1f} -> {r.step_ms_to:.1f} ms)")
     text = "**Largest single lever per model:** " + "; ".join(lines) + "."
     if "beyond_spread" in levers:
-        within = levers[~levers["beyond_spread"]]
+        within = levers[levers["beyond_spread"] == False]  # noqa: E712
+        unmeasured = levers[levers["beyond_spread"].isna()]
         if len(within):
             text += (f" In {len(within)} of the {len(levers)} comparisons one variant's median step time lies inside "
                      "the other's p10-p90 range, so this run does not settle whether the lever gains or costs: "
                      + "; ".join(f"{r.model} `{r['from']}` -> `{r.to}` (saved {r.saved_ms:+.1f} ms)"
                                  for _, r in within.iterrows()) + ".")
+        if len(unmeasured):
+            text += (f" In {len(unmeasured)} of the {len(levers)} comparisons a variant's p10-p90 range was not "
+                     "measured, so whether the difference is beyond the noise is not known: "
+                     + "; ".join(f"{r.model} `{r['from']}` -> `{r.to}` (saved {r.saved_ms:+.1f} ms)"
+                                 for _, r in unmeasured.iterrows()) + ".")
     return text
 
 

@@ -157,6 +157,18 @@ def test_levers_whose_variants_spread_over_each_other_are_named_as_unsettled():
     assert bool(costly.loc[0, "beyond_spread"]) and costly.loc[0, "saved_ms"] == pytest.approx(-3.0)
 
 
+def test_a_lever_whose_variant_lacks_its_spread_is_neither_settled_nor_within_the_noise():
+    # a NaN p10 fails every comparison, which noise_side alone would read as the two lying apart
+    table = report.step_table([_row("debug", "ours_eager", 10.0),
+                               {**_row("debug", "ours_fused", 7.0), "step_ms_p10": float("nan")}])
+    levers = report.lever_table(table)
+    assert levers.loc[0, "beyond_spread"] is None
+    text = report.lever_answer(levers)
+    assert "debug: no lever's difference is beyond the noise" in text and "lies inside" not in text
+    assert ("In 1 of the 1 comparisons a variant's p10-p90 range was not measured" in text
+            and "debug `ours_eager` -> `ours_fused` (saved +3.0 ms)" in text)
+
+
 def test_a_step_replayed_as_one_graph_has_no_phases_and_one_bar():
     import matplotlib
 
