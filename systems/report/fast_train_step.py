@@ -183,7 +183,7 @@ def lever_answer(levers) -> str:
     for model in dict.fromkeys(levers["model"]):
         part = settled[settled["model"] == model]
         if part.empty:
-            lines.append(f"{model}: no lever's difference is beyond the noise in this run")
+            lines.append(f"{model}: no lever's difference is shown beyond the noise in this run")
             continue
         r = part.loc[part["saved_ms"].idxmax()]
         lines.append(f"{r.model}: {r.lever} (`{r['from']}` -> `{r.to}`), {r.saved_ms:.1f} ms saved "

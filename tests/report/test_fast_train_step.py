@@ -151,7 +151,7 @@ def test_levers_whose_variants_spread_over_each_other_are_named_as_unsettled():
     assert "debug: fused LM head + loss, fused AdamW (`ours_eager` -> `ours_fused`), 3.0 ms saved" in text
     unsettled = report.lever_table(report.step_table([_row("debug", "ours_fused", 7.0),
                                                       _row("debug", "ours_fused_master", 6.5)]))
-    assert "debug: no lever's difference is beyond the noise" in report.lever_answer(unsettled)
+    assert "debug: no lever's difference is shown beyond the noise" in report.lever_answer(unsettled)
     costly = report.lever_table(report.step_table([_row("debug", "ours_eager", 10.0),
                                                    _row("debug", "ours_fused", 13.0)]))
     assert bool(costly.loc[0, "beyond_spread"]) and costly.loc[0, "saved_ms"] == pytest.approx(-3.0)
@@ -164,7 +164,7 @@ def test_a_lever_whose_variant_lacks_its_spread_is_neither_settled_nor_within_th
     levers = report.lever_table(table)
     assert levers.loc[0, "beyond_spread"] is None
     text = report.lever_answer(levers)
-    assert "debug: no lever's difference is beyond the noise" in text and "lies inside" not in text
+    assert "debug: no lever's difference is shown beyond the noise" in text and "lies inside" not in text
     assert ("In 1 of the 1 comparisons a variant's p10-p90 range was not measured" in text
             and "debug `ours_eager` -> `ours_fused` (saved +3.0 ms)" in text)
 
