@@ -20,7 +20,6 @@ again). The default file is under build/allreduce/, never the committed results/
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from dataclasses import dataclass

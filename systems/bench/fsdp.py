@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 from systems.bench.config import RunConfig, add_distributed_arguments, run_cli
 from systems.measure.devices import catch_oom, release_memory

@@ -10,7 +10,7 @@ through TMA tensor descriptors (the copy engine moves tiles into shared memory, 
 issue), and reports the bandwidth (bytes read + written per second) and its share of the
 all-SM plain copy in the same run.
 
-    python -m systems.bench.sm_bandwidth --sms 8 16 32 66 132 --out build/sm_bandwidth.jsonl
+    python -m systems.bench.sm_bandwidth --sms 8 16 32 66 132 --out build/sm_bandwidth/sm_bandwidth.jsonl
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep-ms", type=float, default=100)
     parser.add_argument("--overlap", action="store_true",
                         help="instead: matmuls beside a copy confined to N SMs by a green context (overlap)")
-    parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/sm_bandwidth.jsonl")
+    parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/sm_bandwidth/sm_bandwidth.jsonl")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this measures a GPU's memory bandwidth and needs CUDA")

@@ -29,7 +29,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from systems.measure.trace import (DEVICE_CATEGORIES, LAUNCH_CATEGORIES, STEP_RANGE, category, complete_events,
+# load_trace is re-exported: callers reach the one trace reader as profiler.load_trace
+from systems.measure.trace import (DEVICE_CATEGORIES, LAUNCH_CATEGORIES, STEP_RANGE, category, complete_events,  # noqa: F401
                                    load_trace)
 from systems.measure.trace import PHASE_RANGES as _PHASE_RANGES
 
