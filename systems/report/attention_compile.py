@@ -64,9 +64,16 @@ def timing_text(rows: Sequence[dict], *, max_seq_len: int) -> str:
         # only the points that were attempted at that length: a budget skip is neither a fit nor a failure
         tried = [r for r in rows if r["seq"] == oom["seq"] and not is_skipped(r)]
         failed = [d for d, s in _first_oom_seq(rows).items() if s == oom["seq"]]
+        skipped_here = sorted(r["d"] for r in rows if r["seq"] == oom["seq"] and is_skipped(r))
         shorter = [r for r in rows if r["seq"] < oom["seq"]]
-        parts.append(f"At seq {oom['seq']:,} " + ("every head dim ran out of memory" if len(failed) == len(tried) else
-                                                   f"{len(failed)} of {len(tried)} head dims ran out of memory")
+        if len(failed) < len(tried):
+            verdict = f"{len(failed)} of {len(tried)} head dims ran out of memory"
+        elif skipped_here:
+            verdict = (f"every head dim tried ran out of memory ({len(tried)}; the budget skipped d = "
+                       f"{join_words([str(d) for d in skipped_here])})")
+        else:
+            verdict = "every head dim ran out of memory"
+        parts.append(f"At seq {oom['seq']:,} " + verdict
                      + (f"; every point up to seq {max(r['seq'] for r in shorter):,} ran."
                         if shorter and all(r.get("status") == "ok" for r in shorter) else "."))
     skipped = [r for r in rows if r.get("status") == SKIPPED]

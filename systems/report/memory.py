@@ -446,7 +446,7 @@ def residual_answer(*, cfg: ModelConfig, batch_size: int, contexts: tuple[int, .
                     label: str) -> str:
     """(d): one residual-stream activation, derived, and how often that size is allocated in the snapshot."""
     sizes = {c: residual_stream_bytes(batch_size=batch_size, context_length=c, d_model=cfg.d_model) for c in contexts}
-    text = (f"A residual-stream activation is batch × context × d_model fp32 values of 4 bytes: "
+    text = ("A residual-stream activation is batch × context × d_model fp32 values of 4 bytes: "
             + "; ".join(f"{batch_size} × {c} × {cfg.d_model} × 4 = {b:,} bytes = **{b / MIB:,.4g} MiB** (context {c})"
                         for c, b in sizes.items()) + f" for the {label} model.")
     if snapshot_row_ is not None:

@@ -13,8 +13,8 @@ import pandas as pd
 import sympy as sp
 
 from systems.analysis import parallel_math as pm
-from systems.analysis.fits import fit_latency_bandwidth
 from systems.config import get_config, size_label
+from systems.report.distributed import FIT_LEAST_SQUARES, fit_alpha_beta
 from systems.report.notebook import param_count
 
 GB = pm.GB
@@ -79,13 +79,15 @@ def measured_link(rows: pd.DataFrame) -> dict | None:
         return None
     source = max(counts.index, key=lambda s: (counts[s], s == "this run"))
     series = two[two["source"] == source]
-    o, w = fit_latency_bandwidth(series["size_bytes"].tolist(), (series["time_ms"] / 1e3).tolist())
+    # notebook 07's fit, with its fallbacks where noise leaves no positive intercept or slope
+    fit = fit_alpha_beta(series, backend="nccl", world_size=2, source=source)
+    o, w = fit["per_call_overhead_s"], fit["bandwidth_bytes_per_s"]
     return {"W": float(largest["busbw_GBps"].median() * GB), "W_min": float(largest["busbw_GBps"].min() * GB),
             "W_max": float(largest["busbw_GBps"].max() * GB), "W_size_mb": float(largest["size_bytes"].iloc[0] / 1e6),
             "W_rows": len(largest), "W_sources": ", ".join(sorted(set(largest["source"]))),
             "machines": ", ".join(sorted(set(largest["machine"]))),
             "gpus": sorted(set(largest["gpu"].dropna())) if "gpu" in largest else [],  # as the rows' environments name them
-            "o": o, "w": w, "fit_source": source,
+            "o": o, "w": w, "fit_how": fit["how"], "fit_source": source,
             "fit_machine": series["machine"].iloc[0], "fit_commit": series["commit"].iloc[0],
             "fit_sizes": int(series["size_bytes"].nunique())}
 
@@ -109,7 +111,8 @@ def link_text(link: dict | None, gpu: pm.Accelerator) -> str:
             f"{link['machines']}; {link['W_sources']}), against the datasheet's {gpu.link_bytes_per_s / GB:.0f} GB/s "
             f"({gpu.name}'s datasheet NVLink, {2 * gpu.link_bytes_per_s / GB:.0f} GB/s counting both directions). Fitted to the 2-rank series of "
             f"{link['fit_source']} ({link['fit_machine']}, commit {link['fit_commit']}, {link['fit_sizes']} sizes): per-call "
-            f"overhead o = {link['o'] * 1e6:.3g} us and algorithm bandwidth w = {link['w'] / GB:.0f} GB/s.")
+            f"overhead o = {link['o'] * 1e6:.3g} us and algorithm bandwidth w = {link['w'] / GB:.0f} GB/s"
+            + (f" ({link['fit_how']})." if link["fit_how"] != FIT_LEAST_SQUARES else "."))
 
 
 def hardware_table(accelerators: list[pm.Accelerator]) -> pd.DataFrame:

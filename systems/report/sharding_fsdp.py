@@ -136,14 +136,20 @@ def sharding_time_answer(opt: pd.DataFrame, *, model: str, handout: str) -> str:
     if ddp is None or sh is None:
         return "Not measured (a variant did not run)."
     ratio = sh["step_ms"] / ddp["step_ms"]
-    return (f"{size_label(model, handout)}, fp32, per step (median of the slowest rank, p10-p90): {ddp['step_ms']:.4g} ms "
-            f"({ddp['step_ms_p10']:.4g}-{ddp['step_ms_p90']:.4g}) without and {sh['step_ms']:.4g} ms "
-            f"({sh['step_ms_p10']:.4g}-{sh['step_ms_p90']:.4g}) with sharding, x{ratio:.3f}. Each rank updates only the "
-            "parameters it owns, but then every owner broadcasts them, "
-            + ("and the two steps are within the noise (one median inside the other's p10-p90 range)."
-               if noise_side({"ddp": step_spread(ddp), "ddp_sharded": step_spread(sh)})
-               else f"and the broadcast costs more than updating 1/{int(sh['world_size'])} of them saves." if ratio > 1
-               else f"and updating 1/{int(sh['world_size'])} of them saves more than the broadcast costs."))
+    spreads = {"ddp": step_spread(ddp), "ddp_sharded": step_spread(sh)}
+    measured = spread_measured(spreads)
+    span = lambda r: f" ({r['step_ms_p10']:.4g}-{r['step_ms_p90']:.4g})" if measured else ""  # noqa: E731
+    n = int(sh["world_size"])
+    if measured and noise_side(spreads):
+        verdict = "and the two steps are within the noise (one median inside the other's p10-p90 range)."
+    else:
+        verdict = (f"and the broadcast costs more than updating 1/{n} of them saves" if ratio > 1
+                   else f"and updating 1/{n} of them saves more than the broadcast costs")
+        verdict += "." if measured else " by these medians (no p10-p90 spread was recorded to tell it from noise)."
+    return (f"{size_label(model, handout)}, fp32, per step (median of the slowest rank"
+            f"{', p10-p90' if measured else ''}): {ddp['step_ms']:.4g} ms{span(ddp)} without and {sh['step_ms']:.4g} ms"
+            f"{span(sh)} with sharding, x{ratio:.3f}. Each rank updates only the parameters it owns, but then every "
+            f"owner broadcasts them, {verdict}")
 
 
 def zero1_tables(n_params: float, world_size: int) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -132,7 +132,6 @@ def test_the_flag_needs_the_fused_projection():
 @pytest.mark.parametrize("d_head", [64, 80])
 def test_kernels_compile_for_h100(d_head):
     import triton
-    import triton.language as tl
 
     from systems.kernels.rope_qkv import BLOCK_ELEMENTS, NUM_WARPS, _rope_qkv_bwd_kernel, _rope_qkv_fwd_kernel
 

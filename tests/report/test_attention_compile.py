@@ -223,10 +223,11 @@ def test_budget_skips_are_neither_fits_nor_failures():
                 "forward_ms_median": 1.0, "backward_ms_median": 2.0, "n_forward": 10, "forward_tflops": 1.0,
                 "backward_tflops": 1.0}
 
-    # d = 32 was skipped for the budget at 4096: one head dim tried there, and it failed
+    # d = 32 was skipped for the budget at 4096: one head dim tried there, and it failed; "every
+    # head dim" alone would claim d = 32 too
     rows = [row(16, 1024), row(32, 1024), row(16, 4096, "oom"), row(32, 4096, "skipped (budget)")]
-    assert "At seq 4,096 every head dim ran out of memory; every point up to seq 1,024 ran." in report.timing_text(
-        rows, max_seq_len=8192)
+    assert ("At seq 4,096 every head dim tried ran out of memory (1; the budget skipped d = 32); every point up to "
+            "seq 1,024 ran.") in report.timing_text(rows, max_seq_len=8192)
     # a variant stopped by the budget before any failure is not said never to run out of memory
     compiled = [row(16, 1024), row(16, 2048, "skipped (budget)", "the sweep's time budget")]
     text = report.oom_comparison_text([row(16, 1024), row(16, 2048, "oom")], compiled)

@@ -6,6 +6,7 @@ import matplotlib
 import pandas as pd
 import pytest
 
+from systems.bench.flash import geomean_ratios
 from systems.report import flash_attention as report
 
 matplotlib.use("Agg")
@@ -115,6 +116,10 @@ def test_sdpa_and_leaderboard_answers_label_our_targets():
     text = report.sdpa_answer(ratios, gm)
     assert "fwd 1.00x sdpa_cudnn (our target 1.0x: met)" in text and "bwd vs sdpa_cudnn: no point ran" in text
     assert "the project's, not the handout's" in text
+    # a baseline that ran at part of the grid: the verdict names the points it covers
+    ratios = pd.DataFrame({"fwd vs sdpa_cudnn": [2.0, 0.5, float("nan"), float("nan")]})
+    text = report.sdpa_answer(ratios, geomean_ratios(ratios))
+    assert "fwd 1.00x sdpa_cudnn over the 2 of 4 points where both ran (our target 1.0x: met)" in text
     lb = pd.DataFrame([dict(impl="triton", status="ok", e2e_ms=9.0), dict(impl="sdpa_cudnn", status="ok", e2e_ms=10.0)])
     text = report.leaderboard_answer(lb, gpu="NVIDIA H100")
     assert "**9.00 ms**" in text and "0.900x cuDNN's" in text and "our own target (not the handout's)" in text

@@ -49,3 +49,17 @@ def test_measured_accelerator_moves_only_the_bounds_that_depend_on_w():
     assert f"{pm.dp_max_devices(layer, accelerator=measured):.1f}" in answers[("data_parallel_calcs", "c")]
     assert "H100 with the NCCL W measured on H200" in answers[("fsdp_tp_calcs", "d")]
     assert measured.name == "H100 with the NCCL W measured on H200"  # the rows' machines: 8x H200 and 2x H200
+
+
+def test_a_fit_without_a_positive_intercept_takes_notebook_07s_fallback_and_says_so():
+    # t = s / w - 1 us: the least-squares intercept is negative, which has no optimal bucket count
+    rows = _rows()
+    rows["time_ms"] = rows["size_bytes"] / 330e9 * 1e3 - 1e-3
+    link = report.measured_link(rows)
+    first = rows[(rows["source"] == link["fit_source"]) & (rows["world_size"] == 2)].sort_values("size_bytes")
+    assert link["o"] == pytest.approx(first["time_ms"].iloc[0] / 1e3)  # the smallest message's time
+    assert "o: smallest message's time (fitted intercept not positive)" in report.link_text(link, pm.H100)
+    text, w, o = report.bucket_answer(link=link, gpu=pm.H100)
+    assert o == link["o"] and "the best bucket is" in text
+    # a clean fit's text names no fallback
+    assert "fitted intercept" not in report.link_text(report.measured_link(_rows()), pm.H100)

@@ -78,6 +78,12 @@ def test_sharding_time_answer_reads_the_rank_count_from_the_rows():
     # ddp's 400 ms inside 399.5-411: no verdict either way
     opt.loc[1, "step_ms_p10"] = 399.5
     assert "within the noise" in report.sharding_time_answer(opt, model="xl-2025", handout="2025")
+    # without a spread the medians are compared, and the answer says that is all it did
+    opt.loc[1, "step_ms_p10"] = float("nan")
+    text = report.sharding_time_answer(opt, model="xl-2025", handout="2025")
+    assert "nan" not in text and "within the noise" not in text
+    assert ("(median of the slowest rank): 400 ms without and 410 ms with sharding, x1.025" in text
+            and "saves by these medians (no p10-p90 spread was recorded to tell it from noise)." in text)
 
 
 def test_fsdp_ratios_say_when_the_steps_differ_beyond_their_spread():

@@ -75,7 +75,7 @@ def test_index_status_comes_from_the_recorded_answers(tmp_path):
     assert "answered (smoke profile)" in html and "not run here: no GPU" in html
     assert "missing: its notebook ran but recorded no answer" in html  # mine[2] was not recorded
     two_gpu = next(d for d in deliverables("2026") if d.needs == "2 GPUs")
-    assert f"not run here: needs 2 GPUs" in html and two_gpu.title.split()[0] in html
+    assert "not run here: needs 2 GPUs" in html and two_gpu.title.split()[0] in html
     assert "0123456789ab" in html and "Provenance" in html
     with pytest.raises(ValueError, match="handout"):
         workbook.build_report(tmp_path, handout="2027")
