@@ -524,6 +524,15 @@ def paired_table(paired: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def _within_noise(a: pd.Series, b: pd.Series) -> str | None:
+    """'within the noise (...)' where one row's median step lies inside the other's p10-p90 range
+    (``notebook.noise_side``), else None, as also where a spread is missing."""
+    spreads = {"a": step_spread(a), "b": step_spread(b)}
+    if spread_measured(spreads) and noise_side(spreads) is not None:
+        return "within the noise: one median inside the other's p10-p90 range"
+    return None
+
+
 def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str:
     """Per setting: the best of our variants against torch DDP and the no-communication step, and
     whether what communication costs is exposed communication or computation slowed beside it."""
@@ -540,12 +549,13 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
             t = torch_row.iloc[0]
             ratio = best["step_ms"] / t["step_ms"]
             s += (f", {ratio:.3f}x torch DDP's {t['step_ms']:.4g} ms "
-                  f"({'as fast or faster' if ratio <= 1 else 'slower'})")
+                  f"({_within_noise(best, t) or ('as fast or faster' if ratio <= 1 else 'slower')})")
         if len(base):
             s += f"; without any communication a step takes {base.iloc[0]['step_ms']:.4g} ms, so "
             if best["comm_overhead_ms"] > 0:
                 s += (f"`{best['variant']}` is {best['comm_overhead_ms']:.3g} ms slower "
-                      f"({100 * best['comm_share']:.1f}% of its step)")
+                      f"({100 * best['comm_share']:.1f}% of its step"
+                      + (f"; {noise}" if (noise := _within_noise(best, base.iloc[0])) else "") + ")")
                 traced = trace_row(overlap, setting=setting, variant=best["variant"])
                 if traced is not None:
                     exposed = float(traced["exposed_comm_ms"])

@@ -186,6 +186,10 @@ def lever_answer(levers) -> str:
             lines.append(f"{model}: no lever's difference is shown beyond the noise in this run")
             continue
         r = part.loc[part["saved_ms"].idxmax()]
+        if r.saved_ms <= 0:
+            lines.append(f"{model}: every lever beyond the noise cost time, the least {r.lever} (`{r['from']}` -> "
+                         f"`{r.to}`, {-r.saved_ms:.1f} ms lost: {r.step_ms_from:.1f} -> {r.step_ms_to:.1f} ms)")
+            continue
         lines.append(f"{r.model}: {r.lever} (`{r['from']}` -> `{r.to}`), {r.saved_ms:.1f} ms saved "
                      f"({r.step_ms_from:.1f} -> {r.step_ms_to:.1f} ms)")
     text = "**Largest single lever per model:** " + "; ".join(lines) + "."

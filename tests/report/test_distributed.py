@@ -64,6 +64,21 @@ def test_targets_without_torch_ddp_or_a_trace_say_what_is_not_judged():
                     "profiled (our target <= 3% exposed communication in its trace not judged).")
 
 
+def test_commentary_calls_differences_inside_the_spread_within_the_noise():
+    # ours 20.05 against torch DDP's 20.04 and no sync's 20.00, every step spread over 19-21 ms
+    common = dict(setting="m", precision="bf16", n_buckets=None, step_ms_p10=19.0, step_ms_p90=21.0)
+    ddp = pd.DataFrame([dict(common, variant="nosync", step_ms=20.0, comm_overhead_ms=0.0, comm_share=0.0),
+                        dict(common, variant="overlap", step_ms=20.05, comm_overhead_ms=0.05, comm_share=0.05 / 20.05),
+                        dict(common, variant="torch_ddp", step_ms=20.04, comm_overhead_ms=0.04, comm_share=0.002)])
+    line = report.ddp_commentary(ddp, None)
+    assert "1.000x torch DDP's 20.04 ms (within the noise: one median inside the other's p10-p90 range)" in line
+    assert "`overlap` is 0.05 ms slower (0.2% of its step; within the noise" in line and "(slower)" not in line
+    # apart: 30 against 20 ms with the same 2 ms spreads
+    apart = ddp.assign(step_ms_p10=ddp["step_ms"] - 1, step_ms_p90=ddp["step_ms"] + 1)
+    apart.loc[2, ["step_ms", "step_ms_p10", "step_ms_p90"]] = (30.0, 29.0, 31.0)
+    assert "0.668x torch DDP's 30 ms (as fast or faster)" in report.ddp_commentary(apart, None)
+
+
 def test_a_variant_that_reads_the_peers_gradients_is_told_apart_in_the_commentary():
     # its trace's communication is its barriers; its loads over NVLink run inside the update kernels
     common = dict(setting="m", precision="bf16", n_buckets=None, step_ms_p10=None, step_ms_p90=None)
