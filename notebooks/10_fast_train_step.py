@@ -36,9 +36,8 @@ handout = "2026"         # "2025" or "2026": which handout's names and questions
 from systems.bench import gemms
 from systems.bench import leaderboard as lbd
 from systems.bench import train_step as ts
-from systems.measure import profiler as profiling
 from systems.measure.env import REPO_ROOT
-from systems.measure.hardware import lookup_peak, measure_matmul_tflops
+from systems.measure.hardware import measure_matmul_tflops
 from systems.measure.results import ResultWriter
 from systems.report import fast_train_step as report
 from systems.report import kernel_profiling
@@ -55,10 +54,7 @@ plan = ts.FULL_PLAN if ctx.full else ts.SMOKE_PLAN
 # %%
 peak_tflops = measure_matmul_tflops(n=8192) if ctx.full else None
 if peak_tflops:
-    sheet = lookup_peak(ctx.gpu)
-    nb.md(f"Measured bf16 matmul peak: **{peak_tflops:.0f} TFLOP/s** on {ctx.gpu}"
-          + (f" ({peak_tflops / sheet.bf16_tflops:.0%} of the {sheet.name} datasheet's dense "
-             f"{sheet.bf16_tflops:g}, systems.measure.hardware)" if sheet else "") + ".")
+    nb.md(report.peak_line(peak_tflops, gpu=ctx.gpu))
 trace_path = ctx.out_dir / "traces" / f"{ctx.name}_{plan.trace[0]}_{plan.trace[1]}.json"
 writer = ResultWriter(ctx.result_path("steps"))
 rows = []
@@ -103,10 +99,7 @@ nb.md(report.lever_answer(levers))
 # phases shaded.
 
 # %%
-items, ranges = profiling.parse_trace(profiling.load_trace(trace_path))
-items = profiling.attribute(items, ranges)
-cats = profiling.category_table(items)
-phases = profiling.range_table(items, ranges)
+items, phases, cats = report.step_profile(trace_path)
 nb.show(cats, caption=f"{plan.trace[0]} `{plan.trace[1]}`: kernel time per category in one step ({ctx.gpu})")
 nb.show(phases, caption="per phase: wall time and kernel time in the step")
 fig = kernel_profiling.plot_step_timeline(trace_path, title=f"{plan.trace[0]} `{plan.trace[1]}`, one step ({ctx.gpu})")

@@ -209,6 +209,27 @@ def lever_answer(levers) -> str:
     return text
 
 
+def peak_line(peak_tflops: float, *, gpu: str) -> str:
+    """The bf16 matmul rate measured at the start of the run, beside the datasheet's where
+    ``systems.measure.hardware`` names the GPU."""
+    from systems.measure.hardware import lookup_peak
+
+    sheet = lookup_peak(gpu)
+    return (f"Measured bf16 matmul peak: **{peak_tflops:.0f} TFLOP/s** on {gpu}"
+            + (f" ({peak_tflops / sheet.bf16_tflops:.0%} of the {sheet.name} datasheet's dense "
+               f"{sheet.bf16_tflops:g}, systems.measure.hardware)" if sheet else "") + ".")
+
+
+def step_profile(trace_path) -> tuple:
+    """(kernels, per-phase table, per-category table) of the profiled step's Chrome trace, each
+    kernel attributed to the phase it ran in (``systems.measure.profiler``)."""
+    from systems.measure import profiler
+
+    items, ranges = profiler.parse_trace(trace_path)
+    items = profiler.attribute(items, ranges)
+    return items, profiler.range_table(items, ranges), profiler.category_table(items)
+
+
 def profile_answer(items, phases, cats, *, timed_ms: float) -> str:
     """How busy the kernels kept the profiled step, and its largest category."""
     from systems.measure.trace import total

@@ -124,6 +124,29 @@ def test_gemm_answer_sums_each_layout_per_step_and_names_the_slowest_gemm():
     assert "with QKV and W1/W3 fused" not in report.gemm_answer(rows[:2])
 
 
+def test_step_profile_attributes_the_traces_kernels_and_tables_them(tmp_path):
+    from tests.fixtures.traces import write_cuda_trace
+
+    path = tmp_path / "cuda.json.gz"
+    write_cuda_trace(path)
+    items, phases, cats = report.step_profile(path)
+    # the fixture's two steps: 12 kernels inside them (the one outside every step is dropped)
+    assert len(items) == 12 and {"phase", "category"} <= set(items.columns)
+    assert "step" in set(phases["range"]) and cats["ms_per_step"].sum() > 0
+    assert report.profile_answer(items, phases, cats, timed_ms=1.0).startswith("In the profiled step")
+
+
+def test_peak_line_sets_the_measured_rate_beside_a_known_datasheet():
+    from systems.measure.hardware import lookup_peak
+
+    sheet = lookup_peak("NVIDIA H100 80GB HBM3")
+    line = report.peak_line(680.0, gpu="NVIDIA H100 80GB HBM3")
+    assert line.startswith("Measured bf16 matmul peak: **680 TFLOP/s** on NVIDIA H100 80GB HBM3")
+    assert f"{680.0 / sheet.bf16_tflops:.0%} of the {sheet.name} datasheet's dense {sheet.bf16_tflops:g}" in line
+    assert report.peak_line(100.0, gpu="a GPU no table names") == ("Measured bf16 matmul peak: **100 TFLOP/s** on "
+                                                                   "a GPU no table names.")
+
+
 def test_profile_answer_counts_kernels_on_concurrent_streams_once():
     # two streams, in us: 0-60 ms and 40-100 ms overlap for 20 ms, then 150-170: busy 120 ms, summed 140 ms
     items = pd.DataFrame({"ts": [0.0, 40e3, 150e3], "dur": [60e3, 60e3, 20e3]})
