@@ -21,6 +21,15 @@ def have_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def relative_error(got, want) -> float:
+    """||got - want|| / ||want|| in float64 (||got|| where want is all zero): one number per tensor
+    that a backward returning zeros (1.0) or rotating the wrong way (order 1) cannot pass at a
+    bound set for bf16 rounding, where an elementwise atol as large as the values themselves can."""
+    got, want = got.double(), want.double()
+    scale = want.norm()
+    return float((got - want).norm() / scale) if scale > 0 else float(got.norm())
+
+
 def run_interpreter_cases(test_file: str | Path, *, keyword: str = "interp_", min_passed: int) -> str:
     """Run the tests of ``test_file`` whose names contain ``keyword`` with TRITON_INTERPRET=1 set
     before triton is imported (a fresh process: the variable is read at import). Raises

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from systems.bench.config import run_cli
+from systems.bench.config import out_file_argument, run_cli
 from systems.config import check_choice
 from systems.measure.env import environment
 from systems.measure.results import ResultWriter, read_records
@@ -254,12 +254,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mb", nargs="+", type=float, default=[s / MB for s in HANDOUT_SIZES_BYTES])
     parser.add_argument("--max-gloo-world-size", type=int, default=None)
     parser.add_argument("--max-gloo-mb", type=float, default=None)
-    parser.add_argument("--out", default=DEFAULT_OUT,
+    parser.add_argument("--out", type=out_file_argument, default=DEFAULT_OUT,
                         help=f"rows are appended here, one per case as it is measured (default {DEFAULT_OUT})")
     parser.add_argument("--append", action="store_true",
                         help="measure cases the file already holds for this machine again (default: skip them)")
     args = parser.parse_args(argv)
-    plan = plan_cases(backends=[resolve_backend(b) for b in args.backend], world_sizes=args.world_sizes,
+    try:
+        backends = [resolve_backend(b) for b in args.backend]
+    except ValueError as exc:
+        parser.error(str(exc))
+    for option, values in (("--world-sizes", args.world_sizes), ("--sizes-mb", args.sizes_mb)):
+        if not all(v > 0 for v in values):
+            parser.error(f"{option} must all be positive, got {values}")
+    plan = plan_cases(backends=backends, world_sizes=args.world_sizes,
                       sizes_bytes=[int(m * MB) for m in args.sizes_mb],
                       max_gloo_world_size=args.max_gloo_world_size,
                       max_gloo_bytes=None if args.max_gloo_mb is None else int(args.max_gloo_mb * MB))

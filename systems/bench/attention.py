@@ -34,6 +34,7 @@ import torch
 from systems.analysis.attention_memory import attention_memory_accounting
 from systems.attention.naive import naive_attention
 from systems.bench.budget import SKIPPED
+from systems.bench.config import out_file_argument
 from systems.measure.devices import catch_oom, dtype_of, release_memory, resolve_device, sync
 from systems.measure.flops import attention_flops
 from systems.measure.memory import MemoryProbe, saved_tensors
@@ -421,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m systems.bench.attention")
     parser.add_argument("--config-json", required=True, help="AttentionSweepConfig fields as JSON")
-    parser.add_argument("--out", required=True, help="the .jsonl file the rows are written to")
+    parser.add_argument("--out", type=out_file_argument, required=True, help="the .jsonl file the rows are written to")
     parser.add_argument("--append", action="store_true", help="add to --out instead of replacing it")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)

@@ -29,7 +29,7 @@ import torch
 
 from systems.analysis.sharding import per_rank_bytes
 from systems.bench.budget import Budget
-from systems.bench.config import DEFAULT_OUT_ROOT, RunConfig
+from systems.bench.config import DEFAULT_OUT_ROOT, RunConfig, out_file_argument
 from systems.config import PRESETS, check_choice
 from systems.measure.devices import catch_oom, release_memory, sync
 from systems.measure.flops import model_flops
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("d-model", "d-ff", "n-layers", "n-heads", "vocab-size", "max-context"):
         p.add_argument(f"--{name}", type=int, default=None, help="override the size's hyperparameter")
     p.add_argument("--output", help="write a CUDA memory snapshot (.pickle) of the measured steps here")
-    p.add_argument("--jsonl", default=None,
+    p.add_argument("--jsonl", type=out_file_argument, default=None,
                    help=f"append the result records to this .jsonl file (default {DEFAULT_JSONL})")
     p.add_argument("--json", action="store_true", help="print each record as one JSON line")
     p.add_argument("--config-json", help=argparse.SUPPRESS)

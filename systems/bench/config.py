@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from systems.config import ModelConfig, get_config
 from systems.measure.devices import resolve_device
+from systems.measure.results import check_writable
 
 # where the commands write when the user names no path: never into the committed results/
 DEFAULT_OUT_ROOT = "build"
@@ -61,6 +63,8 @@ class RunConfig:
 
     def check_world_size(self, world_size: int) -> None:
         """The batch must split evenly over the ranks."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
         if self.batch_size % world_size:
             raise ValueError(f"batch_size {self.batch_size} (the global batch) does not split evenly over "
                              f"{world_size} ranks")
@@ -78,6 +82,35 @@ def run_cli(main: Callable[[], int]) -> int:
     except DistributedRunError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def check_launch(*, world_size: int, backend: str, timeout_s: float | None = None) -> None:
+    """A distributed command's launch options, checked before any process starts, so a bad one is
+    a one-line error rather than the launcher's traceback (under torchrun the launcher has set the
+    world size, and only the backend and timeout are the command's)."""
+    from systems.parallel.launch import resolve_backend, under_torchrun, validate_world_size
+
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"--timeout-s must be positive, got {timeout_s}")
+    chosen = resolve_backend(backend)
+    if not under_torchrun():
+        validate_world_size(world_size, chosen)
+
+
+def out_file_argument(text: str) -> str:
+    """An argparse ``type`` for a results file: a path rows cannot be written to is a one-line
+    usage error before anything runs (``measure.results.check_writable``)."""
+    try:
+        check_writable(Path(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def out_dir_argument(text: str) -> str:
+    """An argparse ``type`` for a folder the results files go into: made now, or a one-line usage
+    error where it cannot be."""
+    return str(Path(out_file_argument(str(Path(text) / "results.jsonl"))).parent)
 
 
 def model_argument(name: str) -> str:
@@ -122,6 +155,6 @@ def add_distributed_arguments(parser, defaults: RunConfig, *, precisions, tool: 
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--attn-impl", default=None)
-    parser.add_argument("--out-dir", default=f"{DEFAULT_OUT_ROOT}/{tool}",
+    parser.add_argument("--out-dir", type=out_dir_argument, default=f"{DEFAULT_OUT_ROOT}/{tool}",
                         help=f"where the jsonl files and traces go (default {DEFAULT_OUT_ROOT}/{tool})")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")

@@ -79,7 +79,7 @@ from pathlib import Path
 import torch
 
 from systems.bench.budget import SKIPPED, Budget
-from systems.bench.config import RunConfig, add_distributed_arguments, run_cli
+from systems.bench.config import RunConfig, add_distributed_arguments, check_launch, run_cli
 from systems.measure.devices import release_memory
 from systems.measure.profiler import export_trace, profiler_activities
 from systems.measure.results import ResultWriter
@@ -670,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
             tf32=args.tf32, out_path=str(out / "07_distributed_ddp.jsonl"),
             overlap_path=str(out / "07_distributed_overlap.jsonl"), trace_dir=str(out / "07_distributed_traces"),
             paired_rounds=args.paired_rounds, paired_path=str(out / "07_distributed_paired.jsonl"))
+        check_launch(world_size=args.world_size, backend=args.backend, timeout_s=args.timeout_s)
         config.check_world_size(args.world_size)
     except ValueError as exc:
         parser.error(str(exc))

@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from systems.attention import BACKENDS
 from systems.attention.naive import naive_attention
 from systems.bench.budget import SKIPPED, Budget
-from systems.bench.config import DEFAULT_OUT_ROOT
+from systems.bench.config import DEFAULT_OUT_ROOT, out_file_argument
 from systems.measure import flops as flop_count
-from systems.measure.devices import DTYPES, catch_oom, is_oom, release_memory
+from systems.measure.devices import DTYPES, catch_oom, is_oom, release_memory, resolve_device, triton_interpreting
 from systems.measure.results import ResultWriter, read_records
 from systems.measure.timer import time_fn
 
@@ -689,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--impls", nargs="+", default=None, help="implementations to check (default: triton)")
     parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=list(DTYPES), help="dtypes to check")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=None, help=f"JSON-lines results (default under {DEFAULT_OUT_ROOT}/flash/)")
+    parser.add_argument("--out", type=out_file_argument, default=None, help=f"JSON-lines results (default under {DEFAULT_OUT_ROOT}/flash/)")
     parser.add_argument("--warm", default=None, metavar="JSON",
                         help="a prewarm worker: run these WarmCalls (a JSON list) once and exit")
     args = parser.parse_args(argv)
@@ -700,17 +700,28 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--warm takes a JSON list of WarmCall fields ({exc})")
         run_warm_calls(calls, device=args.device)
         return 0
+    # every option is checked before the results file is started afresh (which moves the last
+    # run's rows aside), so a bad one leaves that file as it was
+    try:
+        device = resolve_device(args.device)
+        impls = tuple(args.impls or ("triton",))
+        for name in impls:
+            get_impl(name)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.check and device.type != "cuda" and not triton_interpreting() and any(n in TRITON_VARIANTS for n in impls):
+        parser.error("the Triton kernels run on a GPU (or under TRITON_INTERPRET=1); give --impls of the PyTorch "
+                     "paths on a CPU")
+    if args.budget_s is not None and not args.budget_s > 0:
+        parser.error(f"--budget-s must be positive, got {args.budget_s}")
+    if not args.check and device.type == "cpu" and args.grid == "full":
+        parser.error("the full grid times GPU kernels; use --grid smoke on a CPU")
     stem = "check" if args.check else f"sweep_{args.grid}"
     writer = ResultWriter(args.out or f"{DEFAULT_OUT_ROOT}/flash/06_flash_attention_{stem}.jsonl")
     if args.check:
-        impls = tuple(args.impls or ("triton",))
-        for name in impls:
-            get_impl(name)  # an unknown name fails before any work
         for row in check_rows(impls=impls, dtypes=tuple(args.dtypes), device=args.device, writer=writer):
             print(json.dumps({k: row[k] for k in ("impl", "dtype", "q_shape", "n_k", "causal", "worst")}), flush=True)
         return 0
-    if args.device == "cpu" and args.grid == "full":
-        parser.error("the full grid times GPU kernels; use --grid smoke on a CPU")
     cfg = full_profile_grid() if args.grid == "full" else smoke_grid()
     cfg.budget_s = args.budget_s if args.budget_s is not None else cfg.budget_s
     sweep = flash_benchmarking(cfg, writer=writer, device=args.device)

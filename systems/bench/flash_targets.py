@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from systems.bench.config import DEFAULT_OUT_ROOT, shape_argument
+from systems.bench.config import DEFAULT_OUT_ROOT, out_file_argument, shape_argument
 from systems.measure.results import ResultWriter, machine_of, read_records
 
 # (batch x heads, seq, d): the table of issue #25
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-prewarm", action="store_true", help="compile in this process as the rounds need it")
     parser.add_argument("--stored-plans", action="store_true",
                         help="launch the tuned plans earlier processes persisted instead of tuning afresh")
-    parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/flash/flash_targets.jsonl")
+    parser.add_argument("--out", type=out_file_argument, default=f"{DEFAULT_OUT_ROOT}/flash/flash_targets.jsonl")
     parser.add_argument("--shape", action="append", type=shape_argument("BH,SEQ,D"), metavar="BH,SEQ,D",
                         help="a bf16 shape to time instead of the table's (repeatable; no fp32 shapes then): a "
                              "target none of whose shapes ran is reported as not run")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from systems.bench.config import DEFAULT_OUT_ROOT, shape_argument
+from systems.bench.config import DEFAULT_OUT_ROOT, out_file_argument, shape_argument
 from systems.measure import flops as flop_count
 from systems.measure.devices import DTYPES, release_memory
 from systems.measure.results import ResultWriter
@@ -530,7 +530,7 @@ def best_configs(rows: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/flash/06_flash_attention_tuning.jsonl")
+    parser.add_argument("--out", type=out_file_argument, default=f"{DEFAULT_OUT_ROOT}/flash/06_flash_attention_tuning.jsonl")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
                         help="fp32: the exploration times FP32_CANDIDATES with the default (tf32x3) dots")
     parser.add_argument("--rep-ms", type=float, default=30)

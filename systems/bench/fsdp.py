@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from systems.bench.config import RunConfig, add_distributed_arguments, run_cli
+from systems.bench.config import RunConfig, add_distributed_arguments, check_launch, run_cli
 from systems.measure.devices import catch_oom, release_memory
 from systems.measure.profiler import export_trace, profiler_activities
 from systems.measure.results import ResultWriter
@@ -498,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             warmup=args.warmup, steps=args.steps, profile=not args.no_profile, attn_impl=args.attn_impl,
             opt_path=str(out / "08_sharding_fsdp_optimizer.jsonl"), fsdp_path=str(out / "08_sharding_fsdp_fsdp.jsonl"),
             gather_path=str(out / "08_sharding_fsdp_gathers.jsonl"), trace_dir=str(out / "08_sharding_fsdp_traces"))
+        check_launch(world_size=args.world_size, backend=args.backend, timeout_s=args.timeout_s)
         config.check_world_size(args.world_size)
     except ValueError as exc:
         parser.error(str(exc))

@@ -30,7 +30,7 @@ import argparse
 
 import torch
 
-from systems.bench.config import DEFAULT_OUT_ROOT, model_argument
+from systems.bench.config import DEFAULT_OUT_ROOT, model_argument, out_file_argument
 from systems.config import get_config
 from systems.measure.devices import catch_oom, release_memory
 from systems.measure.flops import FLOPS_PER_MAC, pass_factor
@@ -226,7 +226,7 @@ def rope_rows(*, batch: int, seq: int, n_heads: int, d_head: int, rep_ms: float 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=model_argument, default="2.7B", help="preset whose parameter shapes the optimizer updates")
-    parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/fused/10_fused_kernels.jsonl")
+    parser.add_argument("--out", type=out_file_argument, default=f"{DEFAULT_OUT_ROOT}/fused/10_fused_kernels.jsonl")
     parser.add_argument("--adamw-tiles", nargs="+", default=None, metavar="BLOCKxWARPS",
                         help="time only the split-master AdamW update at these kernel tiles (e.g. 1024x8 2048x8), "
                              "beside a copy of the same bytes")
@@ -238,22 +238,22 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("the fused kernels are timed on a GPU; none is visible")
     writer = ResultWriter(args.out)
-    if tiles:
-        for row in adamw_tile_rows(model=args.model, tiles=tiles):
+
+    def emit(rows: list[dict]) -> None:
+        # each kernel's rows are written as soon as they are measured: an interrupted run keeps them
+        for row in rows:
             writer.write(row)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+
+    if tiles:
+        emit(adamw_tile_rows(model=args.model, tiles=tiles))
         return 0
-    cfg8b = get_config("8B")
-    cases = [dict(tokens=4 * 512, d_model=get_config(args.model).d_model, vocab=get_config(args.model).vocab_size),
-             dict(tokens=32768, d_model=cfg8b.d_model, vocab=cfg8b.vocab_size)]
-    rows = optimizer_rows(model=args.model)
-    for case in cases:
-        rows += loss_rows(**case)
-    cfg = get_config(args.model)
-    rows += rope_rows(batch=4, seq=512, n_heads=cfg.n_heads, d_head=cfg.d_head)
-    for row in rows:
-        writer.write(row)
-        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    cfg, cfg8b = get_config(args.model), get_config("8B")
+    emit(optimizer_rows(model=args.model))
+    for case in (dict(tokens=4 * 512, d_model=cfg.d_model, vocab=cfg.vocab_size),
+                 dict(tokens=32768, d_model=cfg8b.d_model, vocab=cfg8b.vocab_size)):
+        emit(loss_rows(**case))
+    emit(rope_rows(batch=4, seq=512, n_heads=cfg.n_heads, d_head=cfg.d_head))
     return 0
 
 

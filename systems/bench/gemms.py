@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from systems.bench.config import DEFAULT_OUT_ROOT, model_argument
+from systems.bench.config import DEFAULT_OUT_ROOT, model_argument, out_file_argument
 from systems.config import ModelConfig, get_config
 from systems.measure.flops import FLOPS_PER_MAC
 from systems.measure.results import ResultWriter
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m systems.bench.gemms", description=__doc__.splitlines()[0])
     parser.add_argument("--model", nargs="+", type=model_argument, default=["xl-2025", "2.7B"])
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per step (batch x context)")
-    parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/gemms/gemms.jsonl",
+    parser.add_argument("--out", type=out_file_argument, default=f"{DEFAULT_OUT_ROOT}/gemms/gemms.jsonl",
                         help="JSON-lines results file (default %(default)s)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from systems.bench.config import RunConfig, model_argument, run_cli
+from systems.bench.config import RunConfig, check_launch, model_argument, out_file_argument, run_cli
 from systems.config import check_choice
 from systems.measure.devices import release_memory
 from systems.measure.flops import train_step_flops
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch.compile every block")
     parser.add_argument("--bucket-size-mb", type=float, default=d.bucket_size_mb)
     parser.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS)
-    parser.add_argument("--out", default=d.out_path)
+    parser.add_argument("--out", type=out_file_argument, default=d.out_path)
     args = parser.parse_args(argv)
     try:
         cfg = LeaderboardConfig(model=args.model, context_length=args.context_length, batch_size=args.batch_size,
@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                          else "none"),
                                 compile_blocks=args.compile_blocks,
                                 bucket_size_mb=args.bucket_size_mb, optimizer=args.optimizer, out_path=args.out)
+        check_launch(world_size=args.world_size, backend=args.backend)
         cfg.check_world_size(args.world_size)
     except ValueError as exc:
         parser.error(str(exc))

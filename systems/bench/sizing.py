@@ -51,6 +51,8 @@ def size_run(*, model: str, world_size: int, gpu: str, context_length: int, glob
             raise ValueError(f"{name} must be positive, got {value}")
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu is a fraction of the peak in (0, 1], got {mfu}")
+    if link_gb_s is not None and not link_gb_s > 0:
+        raise ValueError(f"link_gb_s must be positive, got {link_gb_s}")
     cfg = get_config(model)
     flops = train_step_flops(cfg, batch=global_batch, seq=context_length)
     compute_s = flops / world_size / (peak.bf16_tflops * 1e12 * mfu)

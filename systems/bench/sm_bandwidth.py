@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from systems.bench.config import DEFAULT_OUT_ROOT
+from systems.bench.config import DEFAULT_OUT_ROOT, out_file_argument
 from systems.measure.results import ResultWriter
 from systems.measure.timer import time_fn
 from systems.train import matmul_sm_carveout
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rep-ms", type=float, default=100)
     parser.add_argument("--overlap", action="store_true",
                         help="instead: matmuls beside a copy confined to N SMs by a green context (overlap)")
-    parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/sm_bandwidth/sm_bandwidth.jsonl")
+    parser.add_argument("--out", type=out_file_argument, default=f"{DEFAULT_OUT_ROOT}/sm_bandwidth/sm_bandwidth.jsonl")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this measures a GPU's memory bandwidth and needs CUDA")

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from systems.bench.config import DEFAULT_OUT_ROOT, RunConfig, model_argument
+from systems.bench.config import DEFAULT_OUT_ROOT, RunConfig, model_argument, out_file_argument
 from systems.config import ModelConfig
 from systems.measure.devices import catch_oom, release_memory, sync
 from systems.measure.flops import train_step_flops
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="bf16 matmul rate MFU is relative to (e.g. a measured ceiling; default: the GPU's "
                              "dense bf16 datasheet peak from systems.measure.hardware, where it is listed)")
-    parser.add_argument("--out", default=f"{DEFAULT_OUT_ROOT}/train_step/train_step.jsonl",
+    parser.add_argument("--out", type=out_file_argument, default=f"{DEFAULT_OUT_ROOT}/train_step/train_step.jsonl",
                         help="JSON-lines results file (default %(default)s)")
     parser.add_argument("--trace-variant", default=None, choices=list(VARIANTS), metavar="VARIANT",
                         help="profile one more step of this variant (one of --variants), export its Chrome trace "
@@ -478,13 +478,16 @@ def main(argv: list[str] | None = None) -> int:
 
         sheet = lookup_peak(torch.cuda.get_device_name())
         peak_tflops = sheet.bf16_tflops if sheet else None
+    step_kw = dict(batch_size=args.batch_size, context_length=args.context_length, steps=args.steps,
+                   warmup=args.warmup)
     try:
-        rows = run_variants(model=args.model, variants=args.variants,
-                            writer=ResultWriter(args.out),
+        # every variant's config is checked before the results file is started afresh (which moves
+        # the last run's rows aside), so a bad option leaves that file as it was
+        for name in args.variants:
+            StepConfig(model=args.model, variant=name, **step_kw)
+        rows = run_variants(model=args.model, variants=args.variants, writer=ResultWriter(args.out),
                             peak_flops=peak_tflops * 1e12 if peak_tflops else None,
-                            trace_variant=args.trace_variant, trace_path=args.trace,
-                            batch_size=args.batch_size, context_length=args.context_length,
-                            steps=args.steps, warmup=args.warmup)
+                            trace_variant=args.trace_variant, trace_path=args.trace, **step_kw)
     except ValueError as exc:
         parser.error(str(exc))
     for r in rows:

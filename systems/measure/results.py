@@ -52,6 +52,8 @@ def check_writable(path: Path) -> None:
         raise ValueError(f"cannot create {parent}: a file is in the way; give another results path") from None
     except PermissionError:
         raise ValueError(f"cannot create {parent}: permission denied; give another results path") from None
+    except OSError as exc:  # a parent that cannot exist (under /proc), a read-only file system
+        raise ValueError(f"cannot create {parent}: {exc.strerror or exc}; give another results path") from None
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise ValueError(f"{path} is not writable; give another results path")
 

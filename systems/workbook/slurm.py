@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import html
+import importlib.util
 import json
 import os
 import re
@@ -800,6 +801,13 @@ def add_commands(sub) -> None:
     s.add_argument("run_dir", nargs="?", help="a run directory (default: the newest under build/slurm)")
 
 
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that does not exist, or an empty name
+        return False
+
+
 def request_from_args(args: argparse.Namespace) -> SubmitRequest:
     """A SubmitRequest from `workbook submit`'s arguments, with every combination checked."""
     flags = {key: _check_option(key, getattr(args, key), source=f"--{key.replace('_', '-')}")
@@ -817,6 +825,10 @@ def request_from_args(args: argparse.Namespace) -> SubmitRequest:
             raise SlurmUsageError("--bench runs a module instead of notebooks; drop --only")
         if (args.nodes is not None and args.nodes < 1) or (args.nproc_per_node is not None and args.nproc_per_node < 1):
             raise SlurmUsageError("--nodes and --nproc-per-node must be >= 1")
+        # a typo would otherwise wait in the queue and fail inside the job
+        if not _module_exists(args.bench):
+            raise SlurmUsageError(f"--bench {args.bench}: no such module; give a measuring tool such as "
+                                  "systems.bench.leaderboard (README, 'Running parts')")
         bench = BenchSpec(module=args.bench, args=tuple(args.bench_args), nodes=args.nodes or 1,
                           nproc_per_node=args.nproc_per_node)
     elif args.nodes not in (None, 1) or args.nproc_per_node is not None or args.bench_args:

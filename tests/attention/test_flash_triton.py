@@ -21,7 +21,7 @@ import textwrap
 import pytest
 import torch
 
-from systems.testing import REPO, have_triton, interpreting, run_interpreter_cases
+from systems.testing import REPO, have_triton, interpreting, relative_error, run_interpreter_cases
 from tests.attention.reference import reference, run_and_compare
 
 INTERPRETING = interpreting()
@@ -968,11 +968,16 @@ def test_gpu_model_with_flash_triton_matches_sdpa():
     model = TransformerLM(get_config("debug", attn_impl="sdpa"), device="cuda")
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 200), device="cuda")
     want = model(tokens)
+    want.float().pow(2).mean().backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
     for layer in model.layers:
         layer.attn.attn_impl = "flash_triton"
     got = model(tokens)
     got.float().pow(2).mean().backward()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # fp32 model: ieee dots
+    for n, p in model.named_parameters():  # the backward too, as whole tensors: fp32 summed in another order
+        assert relative_error(p.grad, want_grads[n]) < 1e-4, n
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from systems.testing import have_triton, interpreting
+from systems.testing import have_triton, interpreting, relative_error
 
 INTERPRETING = interpreting()
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -161,6 +161,11 @@ def _compiled_checkpointed_blocks_keep_our_attention(device: str, dtype: torch.d
             # Inductor fuses the blocks' pointwise work and may reorder its reductions
             for n in ref:
                 torch.testing.assert_close(got[n], ref[n], rtol=atol, atol=atol, msg=f"{save}: {n}")
+                # bf16's atol is as large as these gradients; as whole tensors they agree to its
+                # rounding (about 1e-2 relative, eager against compiled bf16 on a CPU; fp32: orders
+                # of magnitude less), which a backward returning zeros (1.0) cannot
+                bound = 1e-4 if dtype == torch.float32 else 5e-2
+                assert relative_error(got[n], ref[n]) < bound, (save, n, relative_error(got[n], ref[n]))
     finally:
         op_module.flash_forward_triton = real_forward
         torch._dynamo.reset()

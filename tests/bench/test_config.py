@@ -90,3 +90,71 @@ def test_run_cli_ends_a_failed_distributed_run_with_its_error_and_status_1(capsy
 
     with pytest.raises(ValueError):  # any other error keeps its traceback
         run_cli(other)
+
+
+def test_a_world_size_below_one_is_a_config_error_not_a_division():
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1, got 0"):
+        RunConfig(model="debug", context_length=64).check_world_size(0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=0, backend="gloo"), "world_size must be a positive integer"),
+    (dict(world_size=2, backend="bogus"), "backend must be one of"),
+    (dict(world_size=2, backend="gloo", timeout_s=0.0), "--timeout-s must be positive"),
+])
+def test_launch_options_are_checked_before_any_process_starts(kwargs, message):
+    from systems.bench.config import check_launch
+
+    with pytest.raises(ValueError, match=message):
+        check_launch(**kwargs)
+    check_launch(world_size=2, backend="gloo", timeout_s=30.0)  # a good set passes
+
+
+@pytest.mark.parametrize("tool, argv", [
+    ("ddp", ["--model", "debug", "--context-length", "64", "--world-size", "0"]),
+    ("fsdp", ["--model", "debug", "--context-length", "64", "--backend", "bogus"]),
+    ("leaderboard", ["--model", "debug", "--context-length", "64", "--world-size", "-1"]),
+    ("ddp", ["--model", "debug", "--context-length", "64", "--out-dir", "/proc/no/such"]),
+    ("train_step", ["--model", "debug", "--variants", "ours_eager", "--out", "/proc/no/such.jsonl"]),
+    ("benchmark", ["--model", "debug", "--jsonl", "."]),
+    ("allreduce", ["--sizes-mb", "-1"]),
+    ("flash", ["--budget-s", "0"]),
+])
+def test_bad_launch_and_output_options_are_one_line_usage_errors(tool, argv, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(f"systems.bench.{tool}").main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ": error: " in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_output_arguments_name_what_is_wrong_with_the_path(tmp_path):
+    from systems.bench.config import out_dir_argument, out_file_argument
+
+    assert out_file_argument(str(tmp_path / "new" / "rows.jsonl")) == str(tmp_path / "new" / "rows.jsonl")
+    assert (tmp_path / "new").is_dir()
+    assert out_dir_argument(str(tmp_path / "dir")) == str(tmp_path / "dir") and (tmp_path / "dir").is_dir()
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a file"):
+        out_file_argument(str(tmp_path))
+    with pytest.raises(argparse.ArgumentTypeError, match="a file is in the way"):
+        out_dir_argument(str(tmp_path / "a_file"))
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot create /proc/no: .*give another results path"):
+        out_file_argument("/proc/no/such.jsonl")
+
+
+@pytest.mark.parametrize("tool, argv", [
+    ("train_step", ["--model", "debug", "--variants", "ours_eager", "--steps", "0"]),
+    ("flash", ["--device", "bogus"]),
+])
+def test_a_bad_option_leaves_the_last_runs_results_file_as_it_was(tool, argv, tmp_path):
+    # a results file is started afresh (the old rows moved aside) only once every option is good
+    import importlib
+
+    out = tmp_path / "rows.jsonl"
+    out.write_text('{"kept": 1}\n')
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"systems.bench.{tool}").main([*argv, "--out", str(out)])
+    assert out.read_text() == '{"kept": 1}\n' and not (tmp_path / "rows.jsonl.previous").exists()

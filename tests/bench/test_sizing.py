@@ -36,6 +36,9 @@ def test_one_gpu_is_one_row_and_unlisted_figures_must_be_given():
     assert rows[0]["comm_s"] != rows[0]["comm_s"]  # no NVLink figure listed for it: no time, not a guess
     with pytest.raises(ValueError, match="mfu"):
         sizing.size_run(model="debug", world_size=2, gpu="H100", context_length=64, global_batch=2, mfu=40)
+    with pytest.raises(ValueError, match="link_gb_s must be positive"):  # would print a negative time
+        sizing.size_run(model="debug", world_size=2, gpu="H100", context_length=64, global_batch=2, mfu=0.4,
+                        link_gb_s=-5.0)
 
 
 def test_cli_prints_the_table_and_names_what_does_not_fit(capsys):

@@ -55,3 +55,9 @@ def test_a_bad_line_is_named_by_file_and_line(tmp_path):
     path.write_text('[1, 2]\n')
     with pytest.raises(ValueError, match="expected a JSON object"):
         read_records(path)
+
+
+def test_a_parent_that_cannot_exist_is_a_one_line_error_before_any_row():
+    # /proc refuses new folders with ENOENT: neither a file in the way nor a permission problem
+    with pytest.raises(ValueError, match="cannot create /proc/no: .*; give another results path"):
+        ResultWriter("/proc/no/rows.jsonl")

@@ -202,6 +202,8 @@ def test_bad_config_is_a_one_line_usage_error(capsys, tmp_path, text, message):
     (["--resume", "nowhere", "--only", "01"], "drop --only"),
     (["--only", "98"], "no notebook matches"),
     (["--config", "missing.toml"], "does not exist"),
+    (["--bench", "systems.bench.nosuch"], "--bench systems.bench.nosuch: no such module"),
+    (["--bench", "nosuch.pkg.mod"], "no such module"),
 ])
 def test_submit_usage_errors(capsys, args, message):
     assert workbook.main(["submit", "--dry-run", *args]) == 2
