@@ -80,7 +80,7 @@ import torch
 
 from systems.bench.budget import SKIPPED, Budget
 from systems.bench.config import RunConfig, add_distributed_arguments, check_launch, run_cli
-from systems.measure.devices import release_memory
+from systems.measure.devices import catch_oom, release_memory
 from systems.measure.profiler import export_trace, profiler_activities
 from systems.measure.results import ResultWriter
 from systems.measure.timer import Marks, slowest_rank_median
@@ -312,6 +312,15 @@ def _time_variant(name: str, model, opt, precision: str, tokens, targets, ctx: D
                   cfg: DDPBenchConfig) -> dict:
     """Warm-up, then ``cfg.steps`` timed steps of one variant; per-step times of the slowest rank."""
     par, step = _train_step(name, model, opt, precision)
+    try:
+        return _timed_steps(par, step, tokens, targets, ctx, cfg)
+    finally:  # an out-of-memory step too: the next variant must find the model without this one's hooks
+        _close(par, opt)
+        del par, step
+        release_memory(ctx.device)
+
+
+def _timed_steps(par, step, tokens, targets, ctx: DistContext, cfg: DDPBenchConfig) -> dict:
     t0 = time.perf_counter()
     for i in range(cfg.warmup):
         step(tokens, targets)
@@ -350,9 +359,6 @@ def _time_variant(name: str, model, opt, precision: str, tokens, targets, ctx: D
         row["issue_thread_ms"] = (issue.busy_seconds - issue_s0) / cfg.steps * 1e3
     row.update(first_step_s=first_step_s, n_buckets=getattr(par.wrapper, "n_buckets", None),
                last_bucket_bytes=_last_bucket_bytes(par.wrapper))
-    _close(par, opt)
-    del par, step
-    release_memory(ctx.device)
     return row
 
 
@@ -462,7 +468,14 @@ def bench_worker(ctx: DistContext, config: dict) -> dict:
             elif not budget.allows(cfg.warmup + cfg.steps):
                 row["status"] = SKIPPED
             else:
-                measured = _time_variant(name, model, opt, precision, tokens, targets, ctx, cfg)
+                # the ranks hold the same model and batch, so they run out of memory at the same step:
+                # each turns it into the row's status and the sweep goes on
+                with catch_oom() as oom:
+                    measured = _time_variant(name, model, opt, precision, tokens, targets, ctx, cfg)
+                if oom:
+                    release_memory(ctx.device)
+                    row.update(status="oom", error=oom.message)
+            if row.get("status") is None:
                 budget.step_s = measured["step_ms"] / 1e3
                 if name == "nosync":
                     baseline_ms = measured["step_ms"]

@@ -244,3 +244,26 @@ def test_trace_paths_are_files_directly_in_the_trace_directory():
     assert path.parent.name == "traces" and path.name == "ddp_bf16_compile_bucketed_tail_1000_1_rank0.json.gz"
     assert trace_path("t", setting="bf16-master+compile", variant="peer_update").name == (
         "ddp_bf16-master_compile_peer_update_rank0.json.gz")
+
+
+def test_a_variant_that_runs_out_of_memory_leaves_the_model_without_its_wrapper(monkeypatch):
+    # the sweep turns the error into an "oom" row and goes on, so the next variant must not find
+    # this one's gradient hooks still on the model
+    import torch
+
+    from systems.bench import ddp
+
+    closed = []
+    monkeypatch.setattr(ddp, "_train_step", lambda name, model, opt, precision: ("par", "step"))
+    monkeypatch.setattr(ddp, "_close", lambda par, opt: closed.append((par, opt)))
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(ddp, "_timed_steps", out_of_memory)
+    ctx = type("Ctx", (), {"device": torch.device("cpu")})()
+    from systems.measure.devices import catch_oom
+
+    with catch_oom() as oom:
+        ddp._time_variant("overlap", "model", "opt", "fp32", None, None, ctx, cfg=None)
+    assert oom and oom.message.startswith("CUDA out of memory") and closed == [("par", "opt")]
