@@ -56,6 +56,13 @@ def test_public_module_signatures():
     norm = RMSNorm(4, eps=1e-5)
     y = torch.randn(3, 4)
     torch.testing.assert_close(norm(y), y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5))
+    # with a gain, against float64 written another way (the row's norm over sqrt(d)): fp32's
+    # default tolerance covers the model's fp32 rounding
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2.0)
+    y64, g64 = y.double(), norm.weight.detach().double()
+    rms = torch.linalg.vector_norm(y64, dim=-1, keepdim=True) / 2.0  # sqrt(d) = 2
+    torch.testing.assert_close(norm(y), (g64 * y64 / torch.sqrt(rms**2 + 1e-5)).float())
 
 
 @pytest.mark.parametrize("impl", ["naive", "sdpa"])
