@@ -13,7 +13,7 @@ from systems.bench.budget import SKIPPED
 from systems.bench.flash import (ERROR_NAMES, LEADERBOARD, LEADERBOARD_TARGET, PASSES, SKIPPED_MEMORY,
                                  SPEED_TARGETS, TRITON_VARIANTS, is_ours)
 from systems.measure import flops as flop_count
-from systems.report.notebook import faster_or_slower
+from systems.report.notebook import faster_or_slower, noise_side, spread_measured
 
 # Our bounds on the errors against float64 (each divided by max(1, max |reference|)), as the tests
 # hold them: fp32 is a few ulps times the tiles summed (1e-4 leaves room for the GPU's other
@@ -211,12 +211,16 @@ def benchmark_answer(sweep: pd.DataFrame, *, ours: str, baseline: str = "naive",
     parts = [f"The three tables above give the forward, backward and end-to-end medians of {sweep['impl'].nunique()} "
              f"implementations over {len(sweep[['dtype', 'd', 'seq']].drop_duplicates())} (dtype, d, seq) points "
              f"(batch 1, causal, on {device}; the {handout} handout asks for one {HANDOUT_GPU[handout]})."]
+    noisy = _within_noise(sweep, ratio.index, ours=ours, baseline=baseline)
     for dtype, per in ratio.groupby(level="dtype"):
         longest = per.index.get_level_values("seq").max()
         at_longest = per.xs(longest, level="seq").droplevel("dtype")
-        slower = per[per < 1]
-        text = (f"**{dtype}**: `{ours}` is faster than `{baseline}` end to end at {int((per > 1).sum())} of {len(per)} "
-                f"points; at seq {longest} {baseline}'s time over ours is "
+        within = noisy.reindex(per.index, fill_value=False)
+        slower = per[(per < 1) & ~within]
+        text = (f"**{dtype}**: `{ours}` is faster than `{baseline}` end to end at {int(((per > 1) & ~within).sum())} "
+                f"of {len(per)} points" + (f" (within the noise, one median inside the other's p10-p90 range, at "
+                                           f"{int(within.sum())})" if within.any() else "")
+                + f"; at seq {longest} {baseline}'s time over ours is "
                 + ", ".join(f"{_ratio(x)} (d = {d})" for d, x in at_longest.items()))
         if len(slower):
             seqs = slower.index.get_level_values("seq")
@@ -227,6 +231,21 @@ def benchmark_answer(sweep: pd.DataFrame, *, ours: str, baseline: str = "naive",
             text += _missing_points(sweep, impl=impl, dtype=dtype)
         parts.append(text + ".")
     return " ".join(parts)
+
+
+def _within_noise(sweep: pd.DataFrame, index, *, ours: str, baseline: str) -> pd.Series:
+    """Per (dtype, d, seq) of ``index``: whether the two end-to-end medians are within the noise
+    (``notebook.noise_side``); False where a spread was not recorded, so no point is called a tie
+    without one."""
+    if not {"e2e_p10_ms", "e2e_p90_ms"} <= set(sweep.columns):
+        return pd.Series(False, index=index)
+    med, lo, hi = (_wide(sweep, c) for c in ("e2e_ms", "e2e_p10_ms", "e2e_p90_ms"))
+
+    def tie(i) -> bool:
+        spreads = {impl: (med.at[i, impl], lo.at[i, impl], hi.at[i, impl]) for impl in (ours, baseline)}
+        return spread_measured(spreads) and noise_side(spreads) is not None
+
+    return pd.Series([tie(i) for i in index], index=index, dtype=bool)
 
 
 # why a point did not run, by its status (systems.bench.flash's statuses); others show their error

@@ -149,6 +149,17 @@ def test_prewarm_line_states_the_run_and_its_first_failure():
     assert report.prewarm_line(bad).endswith("RuntimeError: out of resources")
 
 
+def test_benchmark_answer_counts_a_point_inside_the_spread_as_neither_win_nor_loss():
+    # _row spreads each point over +-10%: 1.0 against 1.05 ms lies inside, 1.0 against 3.0 does not
+    rows = pd.DataFrame([_row("triton", "bf16", 64, 1024, 1.0), _row("naive", "bf16", 64, 1024, 1.05),
+                         _row("triton", "bf16", 64, 4096, 1.0), _row("naive", "bf16", 64, 4096, 3.0),
+                         _row("triton", "bf16", 128, 4096, 1.0), _row("naive", "bf16", 128, 4096, 0.97)])
+    text = report.benchmark_answer(rows, ours="triton", device="x", handout="2026")
+    assert ("faster than `naive` end to end at 1 of 3 points (within the noise, one median inside the other's "
+            "p10-p90 range, at 2)") in text
+    assert "ours is slower" not in text  # 0.97 against 1.0 is inside the spread too
+
+
 def test_benchmark_answer_names_our_own_missing_points(sweep):
     skipped = pd.DataFrame([_row("triton", "bf16", 128, 65536, 0, status="skipped (budget)", error="past it"),
                             _row("triton", "bf16", 64, 131072, 0, status="skipped (budget)", error="past it")])
