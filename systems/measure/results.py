@@ -35,10 +35,11 @@ def _jsonable(value):
 
 
 def machine_of(env: dict) -> str:
-    """What one results file may hold rows of: the GPU model and count, or the CPU."""
+    """What one results file may hold rows of, and how the report names a row's machine: the GPU
+    model and count ('2x NVIDIA H200'), or the CPU ('CPU only (x86_64)')."""
     if env.get("gpu"):
-        return f"{env.get('gpu_count', 1)} x {env['gpu']}"
-    return f"CPU {env.get('cpu') or ''}".strip()
+        return f"{env.get('gpu_count') or 1}x {env['gpu']}"
+    return f"CPU only ({env.get('cpu') or 'unknown CPU'})"
 
 
 def check_writable(path: Path) -> None:

@@ -21,7 +21,7 @@ from systems.analysis.fits import fit_latency_bandwidth
 from systems.analysis.parallel_math import ddp_bucket_overhead, ddp_bucket_overhead_paced, optimal_bucket_bytes
 from systems.bench.ddp import variant_plan
 from systems.measure.env import REPO_ROOT
-from systems.measure.results import read_records
+from systems.measure.results import machine_of, read_records
 from systems.measure.trace import TraceIntervals, comm_compute_intervals, union
 from systems.report.notebook import noise_side, param_count, spread_measured, step_spread, value_range
 
@@ -32,13 +32,6 @@ MiB = 2**20
 # ----------------------------------------------------------------------------------------------
 # all-reduce
 # ----------------------------------------------------------------------------------------------
-
-def machine_of(env: dict) -> str:
-    """'2x NVIDIA H200', or 'CPU only (x86_64)' for a machine without GPUs."""
-    if env.get("gpu"):
-        return f"{env.get('gpu_count') or 1}x {env['gpu']}"
-    return f"CPU only ({env.get('cpu') or 'unknown CPU'})"
-
 
 def _labelled(records: list[dict], source: str) -> pd.DataFrame:
     rows = []

@@ -37,7 +37,7 @@ def test_starting_afresh_keeps_the_previous_rows(tmp_path):
 def test_appending_refuses_another_machine_or_identity(tmp_path, monkeypatch):
     path = tmp_path / "r.jsonl"
     path.write_text(json.dumps({"model": "8B", "env": {"gpu": "NVIDIA H200", "gpu_count": 2}}) + "\n")
-    with pytest.raises(ValueError, match="holds rows measured on 2 x NVIDIA H200"):
+    with pytest.raises(ValueError, match="holds rows measured on 2x NVIDIA H200"):
         ResultWriter(path, overwrite=False)
     monkeypatch.setattr(results, "environment", lambda: {"gpu": "NVIDIA H200", "gpu_count": 2})
     with pytest.raises(ValueError, match="model='8B'"):
