@@ -62,7 +62,8 @@ def per_rank_bytes(n_params: float, world_size: int, scheme: str, *, bytes_per_v
 
 
 def phase_bytes(parts: RankBytes, *, activations: float) -> dict[str, float]:
-    """Allocated bytes at the handout's three points, in steady state (the moments exist).
+    """Allocated bytes at the handout's three points and at the optimizer step's peak between the
+    last two, in steady state (the moments exist).
 
     - ``after_init``: the weights;
     - ``before_step``: the peak of forward + backward, at the end of the forward: weights,

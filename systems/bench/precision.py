@@ -330,7 +330,8 @@ def precision_sweep_configs(sizes: Sequence[str], *, modes: Sequence[str] = MODE
                             batch_size: int = 4, steps: dict[str, tuple[int, int]] | None = None,
                             default_steps: tuple[int, int] = (5, 10), device: str = "auto",
                             model_overrides: dict | None = None, attn_impl: str = "naive") -> list[BenchmarkConfig]:
-    """The harness configurations for precision x mode x size, smallest size first.
+    """The harness configurations for precision x mode x size, the sizes in the order given (the
+    handouts' tables list them smallest first).
 
     ``steps`` maps a size to (warmup_steps, measure_steps), so the big sizes can take fewer;
     within a size and mode, fp32 and bf16 run back to back so they see the same machine state.

@@ -63,7 +63,8 @@ def lookup_peak(device_name: str | None) -> GPUPeak | None:
 
 
 def measure_matmul_tflops(n: int = 8192, dtype=None, reps: int = 20) -> float:
-    """Achieved TFLOP/s of an n^3 matmul on the current CUDA device (random data, median of reps)."""
+    """Achieved TFLOP/s of an n^3 matmul on the current CUDA device (random data; the median of
+    ``triton.testing.do_bench``'s calls over ``reps`` x 10 ms of repetitions)."""
     import torch
     import triton.testing
 

@@ -702,7 +702,7 @@ class SavedTensorReport:
     by_op: "object"  # DataFrame: op, bytes, mib, share, n_tensors
     param_bytes_excluded: int
     grad_bytes: int  # measured: allocated by the backward and left once the output is dropped
-    expected_grad_bytes: int  # closed form: parameters x element size
+    expected_grad_bytes: int  # each parameter's gradient as the allocator counts it (BackwardMemory)
     backward: BackwardMemory
 
 

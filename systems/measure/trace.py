@@ -249,8 +249,9 @@ def overlap_stats(iv: TraceIntervals) -> dict:
 def collective_timeline(trace: dict | list | str | Path, *, step_range: str = STEP_RANGE,
                         unit_prefix: str | None = None) -> dict:
     """Intervals (ms from the step start) of computation, all-gathers and reduce-scatters, and of
-    the record_function ranges named ``<unit_prefix>:<i>`` (one per sharded unit's forward), for
-    the first profiled step."""
+    the record_function ranges named ``<unit_prefix>:<i>`` (one per sharded unit's forward): ``step``
+    is the first profiled step's range, the lists hold every step in the trace (notebook 08 profiles
+    one)."""
     iv = comm_compute_intervals(trace, step_range=step_range)
     events = iv.events
     collectives = ([e for e in device_events(events) if is_comm_kernel(e["name"])] if iv.kind == "gpu"

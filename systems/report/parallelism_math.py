@@ -67,7 +67,8 @@ def measured_link(rows: pd.DataFrame) -> dict | None:
     ``W``: the handout's per-device egress, which is the bus bandwidth of the largest message
     (ring all-reduce time = 2(N-1)/N S/W, and busbw = algbw 2(N-1)/N), the median over every
     world size and file that measured that size. ``o`` and ``w`` for the bucket model: a fit of
-    t = o + S/w over the sizes of one (file, world size 2) series, this run's where it has one.
+    t = o + S/w over the sizes of one (file, world size 2) series: the one with the most sizes,
+    this run's on a tie (``distributed.fit_alpha_beta``, with its fallbacks).
     """
     ok = rows[(rows["status"] == "ok") & (rows["backend"] == "nccl")] if len(rows) else rows
     if not len(ok):

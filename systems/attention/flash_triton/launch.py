@@ -62,7 +62,7 @@ _ATOMIC_GLUON_KERNELS = ("atomic_pp", "atomic_ws")
 
 @dataclass(frozen=True)
 class FlashVariant:
-    """Which kernels run, and how they multiply fp32 inputs. The default, "auto" for all three, is
+    """Which kernels run, and how they multiply fp32 inputs. The default, "auto" for all four, is
     what measured fastest on the H100 (docs/flash_attention_notes.md: entries 4 and 5 for 16-bit
     inputs, entry 7 for fp32's tf32x3 dots); every other choice stays selectable so they can be
     timed side by side.
