@@ -311,11 +311,13 @@ def _last_bucket_bytes(wrapper) -> int | None:
 def _time_variant(name: str, model, opt, precision: str, tokens, targets, ctx: DistContext,
                   cfg: DDPBenchConfig) -> dict:
     """Warm-up, then ``cfg.steps`` timed steps of one variant; per-step times of the slowest rank."""
-    par, step = _train_step(name, model, opt, precision)
+    par = step = None
     try:
+        par, step = _train_step(name, model, opt, precision)
         return _timed_steps(par, step, tokens, targets, ctx, cfg)
     finally:  # an out-of-memory step too: the next variant must find the model without this one's hooks
-        _close(par, opt)
+        if par is not None:
+            _close(par, opt)
         del par, step
         release_memory(ctx.device)
 

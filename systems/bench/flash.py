@@ -705,8 +705,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = resolve_device(args.device)
         impls = tuple(args.impls or ("triton",))
-        for name in impls:
-            get_impl(name)
+        if args.check or args.impls:  # the sweep runs its grid's own; "triton" would import Triton for nothing
+            for name in impls:
+                get_impl(name)
     except ValueError as exc:
         parser.error(str(exc))
     if args.check and device.type != "cuda" and not triton_interpreting() and any(n in TRITON_VARIANTS for n in impls):
@@ -719,12 +720,12 @@ def main(argv: list[str] | None = None) -> int:
     stem = "check" if args.check else f"sweep_{args.grid}"
     writer = ResultWriter(args.out or f"{DEFAULT_OUT_ROOT}/flash/06_flash_attention_{stem}.jsonl")
     if args.check:
-        for row in check_rows(impls=impls, dtypes=tuple(args.dtypes), device=args.device, writer=writer):
+        for row in check_rows(impls=impls, dtypes=tuple(args.dtypes), device=str(device), writer=writer):
             print(json.dumps({k: row[k] for k in ("impl", "dtype", "q_shape", "n_k", "causal", "worst")}), flush=True)
         return 0
     cfg = full_profile_grid() if args.grid == "full" else smoke_grid()
     cfg.budget_s = args.budget_s if args.budget_s is not None else cfg.budget_s
-    sweep = flash_benchmarking(cfg, writer=writer, device=args.device)
+    sweep = flash_benchmarking(cfg, writer=writer, device=str(device))
     print(sweep.groupby(["impl", "status"]).size().to_string())
     print(f"rows: {writer.path}; config: {json.dumps(asdict(cfg), default=str)}")
     return 0

@@ -239,7 +239,10 @@ def _within_noise(sweep: pd.DataFrame, index, *, ours: str, baseline: str) -> pd
     without one."""
     if not {"e2e_p10_ms", "e2e_p90_ms"} <= set(sweep.columns):
         return pd.Series(False, index=index)
-    med, lo, hi = (_wide(sweep, c) for c in ("e2e_ms", "e2e_p10_ms", "e2e_p90_ms"))
+    # pivot_table drops an implementation or a point whose values are all missing: reindexed, they
+    # read as NaN, which spread_measured turns down
+    med, lo, hi = (_wide(sweep, c).reindex(index=index, columns=[ours, baseline])
+                   for c in ("e2e_ms", "e2e_p10_ms", "e2e_p90_ms"))
 
     def tie(i) -> bool:
         spreads = {impl: (med.at[i, impl], lo.at[i, impl], hi.at[i, impl]) for impl in (ours, baseline)}

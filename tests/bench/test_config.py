@@ -110,24 +110,26 @@ def test_launch_options_are_checked_before_any_process_starts(kwargs, message):
     check_launch(world_size=2, backend="gloo", timeout_s=30.0)  # a good set passes
 
 
-@pytest.mark.parametrize("tool, argv", [
-    ("ddp", ["--model", "debug", "--context-length", "64", "--world-size", "0"]),
-    ("fsdp", ["--model", "debug", "--context-length", "64", "--backend", "bogus"]),
-    ("leaderboard", ["--model", "debug", "--context-length", "64", "--world-size", "-1"]),
-    ("ddp", ["--model", "debug", "--context-length", "64", "--out-dir", "/proc/no/such"]),
-    ("train_step", ["--model", "debug", "--variants", "ours_eager", "--out", "/proc/no/such.jsonl"]),
-    ("benchmark", ["--model", "debug", "--jsonl", "."]),
-    ("allreduce", ["--sizes-mb", "-1"]),
-    ("flash", ["--budget-s", "0"]),
+@pytest.mark.parametrize("tool, argv, message", [
+    ("ddp", ["--model", "debug", "--context-length", "64", "--world-size", "0"], "world_size must be a positive"),
+    ("fsdp", ["--model", "debug", "--context-length", "64", "--backend", "bogus"], "backend must be one of"),
+    ("leaderboard", ["--model", "debug", "--context-length", "64", "--world-size", "-1"], "world_size must be"),
+    ("ddp", ["--model", "debug", "--context-length", "64", "--out-dir", "/proc/no/such"], "cannot create /proc/no"),
+    ("train_step", ["--model", "debug", "--variants", "ours_eager", "--out", "/proc/no/such.jsonl"],
+     "cannot create /proc/no"),
+    ("benchmark", ["--model", "debug", "--jsonl", "."], "is not a file"),
+    ("allreduce", ["--sizes-mb", "-1"], "--sizes-mb must all be positive"),
+    ("flash", ["--grid", "smoke", "--device", "cpu", "--budget-s", "0"], "--budget-s must be positive"),
 ])
-def test_bad_launch_and_output_options_are_one_line_usage_errors(tool, argv, capsys):
+def test_bad_launch_and_output_options_are_one_line_usage_errors(tool, argv, message, capsys, tmp_path, monkeypatch):
     import importlib
 
+    monkeypatch.chdir(tmp_path)  # the tools make their default build/<tool>/ folders where they run
     with pytest.raises(SystemExit) as exc:
         importlib.import_module(f"systems.bench.{tool}").main(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert ": error: " in err[-1] and "Traceback" not in "\n".join(err)
+    assert ": error: " in err[-1] and message in err[-1] and "Traceback" not in "\n".join(err)
 
 
 def test_output_arguments_name_what_is_wrong_with_the_path(tmp_path):
@@ -149,9 +151,11 @@ def test_output_arguments_name_what_is_wrong_with_the_path(tmp_path):
     ("train_step", ["--model", "debug", "--variants", "ours_eager", "--steps", "0"]),
     ("flash", ["--device", "bogus"]),
 ])
-def test_a_bad_option_leaves_the_last_runs_results_file_as_it_was(tool, argv, tmp_path):
+def test_a_bad_option_leaves_the_last_runs_results_file_as_it_was(tool, argv, tmp_path, monkeypatch):
     # a results file is started afresh (the old rows moved aside) only once every option is good
     import importlib
+
+    monkeypatch.chdir(tmp_path)
 
     out = tmp_path / "rows.jsonl"
     out.write_text('{"kept": 1}\n')

@@ -158,6 +158,10 @@ def test_benchmark_answer_counts_a_point_inside_the_spread_as_neither_win_nor_lo
     assert ("faster than `naive` end to end at 1 of 3 points (within the noise, one median inside the other's "
             "p10-p90 range, at 2)") in text
     assert "ours is slower" not in text  # 0.97 against 1.0 is inside the spread too
+    # rows without a spread (an older file's): compared by their medians, no tie claimed, no error
+    bare = rows.assign(e2e_p10_ms=float("nan"), e2e_p90_ms=float("nan"))
+    assert "faster than `naive` end to end at 2 of 3 points;" in report.benchmark_answer(
+        bare, ours="triton", device="x", handout="2026")
 
 
 def test_benchmark_answer_names_our_own_missing_points(sweep):
