@@ -84,17 +84,22 @@ def run_cli(main: Callable[[], int]) -> int:
         return 1
 
 
-def check_launch(*, world_size: int, backend: str, timeout_s: float | None = None) -> None:
+def check_launch(*, world_size: int, backend: str, timeout_s: float | None = None) -> int:
     """A distributed command's launch options, checked before any process starts, so a bad one is
-    a one-line error rather than the launcher's traceback (under torchrun the launcher has set the
-    world size, and only the backend and timeout are the command's)."""
+    a one-line error rather than the launcher's traceback. Returns the world size the run will
+    have: under torchrun the launcher's (``WORLD_SIZE``; ``--world-size`` is ignored there), else
+    ``world_size``."""
+    import os
+
     from systems.parallel.launch import resolve_backend, under_torchrun, validate_world_size
 
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"--timeout-s must be positive, got {timeout_s}")
     chosen = resolve_backend(backend)
-    if not under_torchrun():
-        validate_world_size(world_size, chosen)
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    validate_world_size(world_size, chosen)
+    return world_size
 
 
 def out_file_argument(text: str) -> str:

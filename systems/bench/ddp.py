@@ -685,8 +685,9 @@ def main(argv: list[str] | None = None) -> int:
             tf32=args.tf32, out_path=str(out / "07_distributed_ddp.jsonl"),
             overlap_path=str(out / "07_distributed_overlap.jsonl"), trace_dir=str(out / "07_distributed_traces"),
             paired_rounds=args.paired_rounds, paired_path=str(out / "07_distributed_paired.jsonl"))
-        check_launch(world_size=args.world_size, backend=args.backend, timeout_s=args.timeout_s)
-        config.check_world_size(args.world_size)
+        # the batch must split over the ranks the run will have (torchrun's, where it started us)
+        config.check_world_size(check_launch(world_size=args.world_size, backend=args.backend,
+                                             timeout_s=args.timeout_s))
     except ValueError as exc:
         parser.error(str(exc))
     start = time.perf_counter()

@@ -498,8 +498,9 @@ def main(argv: list[str] | None = None) -> int:
             warmup=args.warmup, steps=args.steps, profile=not args.no_profile, attn_impl=args.attn_impl,
             opt_path=str(out / "08_sharding_fsdp_optimizer.jsonl"), fsdp_path=str(out / "08_sharding_fsdp_fsdp.jsonl"),
             gather_path=str(out / "08_sharding_fsdp_gathers.jsonl"), trace_dir=str(out / "08_sharding_fsdp_traces"))
-        check_launch(world_size=args.world_size, backend=args.backend, timeout_s=args.timeout_s)
-        config.check_world_size(args.world_size)
+        # the batch must split over the ranks the run will have (torchrun's, where it started us)
+        config.check_world_size(check_launch(world_size=args.world_size, backend=args.backend,
+                                             timeout_s=args.timeout_s))
     except ValueError as exc:
         parser.error(str(exc))
     start = time.perf_counter()

@@ -268,8 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                          else "none"),
                                 compile_blocks=args.compile_blocks,
                                 bucket_size_mb=args.bucket_size_mb, optimizer=args.optimizer, out_path=args.out)
-        check_launch(world_size=args.world_size, backend=args.backend)
-        cfg.check_world_size(args.world_size)
+        cfg.check_world_size(check_launch(world_size=args.world_size, backend=args.backend))
     except ValueError as exc:
         parser.error(str(exc))
     row = run_leaderboard(cfg, world_size=args.world_size, backend=args.backend)

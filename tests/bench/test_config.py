@@ -107,7 +107,19 @@ def test_launch_options_are_checked_before_any_process_starts(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         check_launch(**kwargs)
-    check_launch(world_size=2, backend="gloo", timeout_s=30.0)  # a good set passes
+    assert check_launch(world_size=2, backend="gloo", timeout_s=30.0) == 2  # a good set passes
+
+
+def test_under_torchrun_the_launchers_world_size_is_the_one_checked(monkeypatch):
+    # torchrun sets WORLD_SIZE and the command's --world-size is ignored: the batch must split over 4
+    from systems.bench.config import check_launch
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert check_launch(world_size=2, backend="gloo") == 4
+    with pytest.raises(ValueError, match="does not split evenly over 4 ranks"):
+        RunConfig(model="debug", context_length=64, batch_size=2).check_world_size(check_launch(world_size=2,
+                                                                                                backend="gloo"))
 
 
 @pytest.mark.parametrize("tool, argv, message", [
