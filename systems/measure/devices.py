@@ -58,8 +58,14 @@ def sync(device: torch.device) -> None:
 
 
 def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    # a collective's failure (NCCL out of memory for its own buffers, say) leaves the process group
+    # unusable: never a point a sweep may record and step over
+    if isinstance(exc, getattr(torch.distributed, "DistError", ())):
+        return False
     # older allocator paths raise a plain RuntimeError whose message says so
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    return "out of memory" in str(exc).lower()
 
 
 def release_memory(device: torch.device | None = None) -> None:
