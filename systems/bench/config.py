@@ -9,6 +9,7 @@ shared fields and builds the model config (so a bad option is reported before a 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -89,8 +90,6 @@ def check_launch(*, world_size: int, backend: str, timeout_s: float | None = Non
     a one-line error rather than the launcher's traceback. Returns the world size the run will
     have: under torchrun the launcher's (``WORLD_SIZE``; ``--world-size`` is ignored there), else
     ``world_size``."""
-    import os
-
     from systems.parallel.launch import resolve_backend, under_torchrun, validate_world_size
 
     if timeout_s is not None and not timeout_s > 0:
@@ -114,8 +113,9 @@ def out_file_argument(text: str) -> str:
 
 def out_dir_argument(text: str) -> str:
     """An argparse ``type`` for a folder the results files go into: made now, or a one-line usage
-    error where it cannot be."""
-    return str(Path(out_file_argument(str(Path(text) / "results.jsonl"))).parent)
+    error where it cannot be (the check of a file inside it)."""
+    out_file_argument(str(Path(text) / "results.jsonl"))
+    return text
 
 
 def model_argument(name: str) -> str:

@@ -436,14 +436,26 @@ def run_variants(*, model: str, variants: list[str], writer: ResultWriter | None
                  peak_flops: float | None = None, trace_variant: str | None = None,
                  trace_path: str | Path | None = None, progress: bool = True, **step_kw) -> list[dict]:
     """Every variant of one model size, one row each, written as it is produced."""
+    return run_configs(step_configs(model=model, variants=variants, **step_kw), writer=writer, peak_flops=peak_flops,
+                       trace_variant=trace_variant, trace_path=trace_path, progress=progress)
+
+
+def step_configs(*, model: str, variants: list[str], **step_kw) -> list[StepConfig]:
+    """Every variant's config, all checked before any of them runs."""
+    return [StepConfig(model=model, variant=name, **step_kw) for name in variants]
+
+
+def run_configs(configs: list[StepConfig], *, writer: ResultWriter | None = None, peak_flops: float | None = None,
+                trace_variant: str | None = None, trace_path: str | Path | None = None,
+                progress: bool = True) -> list[dict]:
+    """One row per config, written as it is produced."""
     from tqdm.auto import tqdm
 
     rows = []
-    bar = tqdm(variants, desc=f"train step ({model})", disable=not progress)
-    for name in bar:
-        bar.set_postfix_str(name)
-        cfg = StepConfig(model=model, variant=name, **step_kw)
-        row = measure(cfg, peak_flops=peak_flops, trace_path=trace_path if name == trace_variant else None)
+    bar = tqdm(configs, desc=f"train step ({configs[0].model if configs else ''})", disable=not progress)
+    for cfg in bar:
+        bar.set_postfix_str(cfg.variant)
+        row = measure(cfg, peak_flops=peak_flops, trace_path=trace_path if cfg.variant == trace_variant else None)
         if writer is not None:
             writer.write(row)
         rows.append(row)
@@ -478,16 +490,13 @@ def main(argv: list[str] | None = None) -> int:
 
         sheet = lookup_peak(torch.cuda.get_device_name())
         peak_tflops = sheet.bf16_tflops if sheet else None
-    step_kw = dict(batch_size=args.batch_size, context_length=args.context_length, steps=args.steps,
-                   warmup=args.warmup)
     try:
         # every variant's config is checked before the results file is started afresh (which moves
         # the last run's rows aside), so a bad option leaves that file as it was
-        for name in args.variants:
-            StepConfig(model=args.model, variant=name, **step_kw)
-        rows = run_variants(model=args.model, variants=args.variants, writer=ResultWriter(args.out),
-                            peak_flops=peak_tflops * 1e12 if peak_tflops else None,
-                            trace_variant=args.trace_variant, trace_path=args.trace, **step_kw)
+        configs = step_configs(model=args.model, variants=args.variants, batch_size=args.batch_size,
+                               context_length=args.context_length, steps=args.steps, warmup=args.warmup)
+        rows = run_configs(configs, writer=ResultWriter(args.out), peak_flops=peak_tflops * 1e12 if peak_tflops else None,
+                           trace_variant=args.trace_variant, trace_path=args.trace)
     except ValueError as exc:
         parser.error(str(exc))
     for r in rows:

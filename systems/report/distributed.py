@@ -23,7 +23,7 @@ from systems.bench.ddp import variant_plan
 from systems.measure.env import REPO_ROOT
 from systems.measure.results import machine_of, read_records
 from systems.measure.trace import TraceIntervals, comm_compute_intervals, union
-from systems.report.notebook import noise_side, param_count, spread_measured, step_spread, value_range
+from systems.report.notebook import noise_side, param_count, step_spread, value_range, within_noise
 
 THIS_RUN = "this run"
 MiB = 2**20
@@ -458,11 +458,11 @@ def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None, paired: pd.Da
         # column empty: say so, rather than print a NaN against a target
         line = f"- {setting}: best `{best['variant']}` " + (
             f"runs at {best['vs_torch_ddp']:.3f}x torch DDP's step time (our target <= {TARGET_VS_TORCH_DDP:g})"
-            if _measured(best["vs_torch_ddp"]) else
+            if pd.notna(best["vs_torch_ddp"]) else
             f"has no torch DDP step beside it in this run (our target <= {TARGET_VS_TORCH_DDP:g}x not judged)")
         line += "; " + (
             f"{best['comm_share_pct']:.1f}% of its step is time over the no-communication step "
-            f"(our target <= {TARGET_OVER_NOSYNC_PCT:g}%)" if _measured(best["comm_share_pct"]) else
+            f"(our target <= {TARGET_OVER_NOSYNC_PCT:g}%)" if pd.notna(best["comm_share_pct"]) else
             f"the no-communication step did not run (our target <= {TARGET_OVER_NOSYNC_PCT:g}% over it not judged)")
         rounds = paired_summary(paired, setting=setting)
         if rounds is not None:
@@ -474,14 +474,10 @@ def ddp_targets(table: pd.DataFrame, overlap: pd.DataFrame | None, paired: pd.Da
                 line += (f"; by the rounds' median it runs at {rounds['vs_torch_ddp']:.3f}x torch DDP's step "
                          f"({rounds['vs_torch_ddp_min']:.3f}x to {rounds['vs_torch_ddp_max']:.3f}x by round)")
         lines.append(line + (f", {exposed:.1f}% exposed communication in its trace (our target <= "
-                             f"{TARGET_EXPOSED_IN_TRACE_PCT:g}%)." if _measured(exposed) else
+                             f"{TARGET_EXPOSED_IN_TRACE_PCT:g}%)." if pd.notna(exposed) else
                              f"; no step of it was profiled (our target <= {TARGET_EXPOSED_IN_TRACE_PCT:g}% exposed "
                              "communication in its trace not judged)."))
     return "\n".join(lines)
-
-
-def _measured(x) -> bool:
-    return x is not None and x == x  # x == x: not NaN
 
 
 def paired_summary(paired: pd.DataFrame | None, *, setting: str) -> dict | None:
@@ -520,8 +516,7 @@ def paired_table(paired: pd.DataFrame) -> pd.DataFrame:
 def _within_noise(a: pd.Series, b: pd.Series) -> str | None:
     """'within the noise (...)' where one row's median step lies inside the other's p10-p90 range
     (``notebook.noise_side``), else None, as also where a spread is missing."""
-    spreads = {"a": step_spread(a), "b": step_spread(b)}
-    if spread_measured(spreads) and noise_side(spreads) is not None:
+    if within_noise({"a": step_spread(a), "b": step_spread(b)}):
         return "within the noise: one median inside the other's p10-p90 range"
     return None
 
@@ -569,12 +564,12 @@ def ddp_commentary(df: pd.DataFrame, overlap: pd.DataFrame | None = None) -> str
             else:
                 b0 = base.iloc[0]
                 s += f"`{best['variant']}` costs nothing measurable over it ({best['comm_overhead_ms']:.3g} ms"
-                spreads = {r["variant"]: step_spread(r) for r in (b0, best)}
-                if spread_measured(spreads):
-                    lo, hi = spreads["nosync"][1:]
-                    s += (f"; the no-communication steps range {lo:.4g}-{hi:.4g} ms from 10th to 90th percentile, "
+                inside = within_noise({r["variant"]: step_spread(r) for r in (b0, best)})
+                if inside is not None:
+                    s += (f"; the no-communication steps range {b0['step_ms_p10']:.4g}-{b0['step_ms_p90']:.4g} ms "
+                          "from 10th to 90th percentile, "
                           + ("and the two are within the noise (one median inside the other's p10-p90 range))"
-                             if noise_side(spreads) is not None else
+                             if inside else
                              "and the two lie apart: something other than communication, such as host-bound "
                              "kernel launches, moves the step time by more than communication does)"))
                 else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from systems.bench.train_step import LEVERS, PHASES
 from systems.config import size_and_preset
-from systems.report.notebook import faster_or_slower, noise_side, spread_measured, step_spread
+from systems.report.notebook import faster_or_slower, step_spread, within_noise
 
 
 def step_table(rows, *, baseline: str = "hf_llama", handout: str | None = None):
@@ -45,8 +45,8 @@ def lever_table(table, *, levers=LEVERS):
             line = {"model": model, "lever": lever, "from": before, "to": after,
                     "step_ms_from": b["step_ms"], "step_ms_to": a["step_ms"], "saved_ms": b["step_ms"] - a["step_ms"]}
             if spread:
-                spreads = {before: step_spread(b), after: step_spread(a)}
-                line["beyond_spread"] = noise_side(spreads) is None if spread_measured(spreads) else None
+                inside = within_noise({before: step_spread(b), after: step_spread(a)})
+                line["beyond_spread"] = None if inside is None else not inside
             for phase in PHASES:
                 line[f"{phase}_ms_change"] = a[f"{phase}_ms"] - b[f"{phase}_ms"]
             out.append(line)

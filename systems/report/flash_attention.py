@@ -13,7 +13,7 @@ from systems.bench.budget import SKIPPED
 from systems.bench.flash import (ERROR_NAMES, LEADERBOARD, LEADERBOARD_TARGET, PASSES, SKIPPED_MEMORY,
                                  SPEED_TARGETS, TRITON_VARIANTS, is_ours)
 from systems.measure import flops as flop_count
-from systems.report.notebook import faster_or_slower, noise_side, spread_measured
+from systems.report.notebook import faster_or_slower, within_noise
 
 # Our bounds on the errors against float64 (each divided by max(1, max |reference|)), as the tests
 # hold them: fp32 is a few ulps times the tiles summed (1e-4 leaves room for the GPU's other
@@ -211,7 +211,7 @@ def benchmark_answer(sweep: pd.DataFrame, *, ours: str, baseline: str = "naive",
     parts = [f"The three tables above give the forward, backward and end-to-end medians of {sweep['impl'].nunique()} "
              f"implementations over {len(sweep[['dtype', 'd', 'seq']].drop_duplicates())} (dtype, d, seq) points "
              f"(batch 1, causal, on {device}; the {handout} handout asks for one {HANDOUT_GPU[handout]})."]
-    noisy = _within_noise(sweep, ratio.index, ours=ours, baseline=baseline)
+    noisy = _within_noise(sweep, wide, ratio.index, ours=ours, baseline=baseline)
     for dtype, per in ratio.groupby(level="dtype"):
         longest = per.index.get_level_values("seq").max()
         at_longest = per.xs(longest, level="seq").droplevel("dtype")
@@ -233,22 +233,20 @@ def benchmark_answer(sweep: pd.DataFrame, *, ours: str, baseline: str = "naive",
     return " ".join(parts)
 
 
-def _within_noise(sweep: pd.DataFrame, index, *, ours: str, baseline: str) -> pd.Series:
-    """Per (dtype, d, seq) of ``index``: whether the two end-to-end medians are within the noise
+def _within_noise(sweep: pd.DataFrame, wide: pd.DataFrame, index, *, ours: str, baseline: str) -> pd.Series:
+    """Per (dtype, d, seq) of ``index``: whether the two end-to-end medians (``wide``, as
+    ``_wide(sweep, "e2e_ms")`` pivots them) are within the noise
     (``notebook.noise_side``); False where a spread was not recorded, so no point is called a tie
     without one."""
     if not {"e2e_p10_ms", "e2e_p90_ms"} <= set(sweep.columns):
         return pd.Series(False, index=index)
     # pivot_table drops an implementation or a point whose values are all missing: reindexed, they
-    # read as NaN, which spread_measured turns down
-    med, lo, hi = (_wide(sweep, c).reindex(index=index, columns=[ours, baseline])
-                   for c in ("e2e_ms", "e2e_p10_ms", "e2e_p90_ms"))
+    # read as NaN, for which within_noise gives no verdict
+    med, lo, hi = (frame.reindex(index=index, columns=[ours, baseline])
+                   for frame in (wide, _wide(sweep, "e2e_p10_ms"), _wide(sweep, "e2e_p90_ms")))
 
-    def tie(i) -> bool:
-        spreads = {impl: (med.at[i, impl], lo.at[i, impl], hi.at[i, impl]) for impl in (ours, baseline)}
-        return spread_measured(spreads) and noise_side(spreads) is not None
-
-    return pd.Series([tie(i) for i in index], index=index, dtype=bool)
+    return pd.Series([bool(within_noise({impl: (med.at[i, impl], lo.at[i, impl], hi.at[i, impl])
+                                          for impl in (ours, baseline)})) for i in index], index=index, dtype=bool)
 
 
 # why a point did not run, by its status (systems.bench.flash's statuses); others show their error

@@ -160,6 +160,13 @@ def spread_measured(timings: dict[str, tuple[float, float, float]]) -> bool:
     return all(x is not None and x == x for spread in timings.values() for x in spread)  # x == x: not NaN
 
 
+def within_noise(timings: dict[str, tuple[float, float, float]]) -> bool | None:
+    """The noise rule as a verdict on two (median, p10, p90) step times: True where one median lies
+    inside the other's p10-p90 range (``noise_side``), False where neither does, None where a
+    spread is missing (``spread_measured``), which is no verdict at all."""
+    return noise_side(timings) is not None if spread_measured(timings) else None
+
+
 def step_spread(row, key: str = "step_ms") -> tuple:
     """A row's (median, p10, p90) step time as ``noise_side`` reads it: ``key``, ``key``_p10 and
     ``key``_p90 (None where the row lacks one)."""

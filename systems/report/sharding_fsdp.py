@@ -14,7 +14,7 @@ from systems.analysis.sharding import (communication_per_step, expected_saving, 
                                        phase_bytes, sizes_table)
 from systems.config import get_config, size_label
 from systems.measure.hardware import GPU_PEAKS
-from systems.report.notebook import noise_side, param_count, spread_measured, step_spread
+from systems.report.notebook import param_count, step_spread, within_noise
 
 MiB = 2**20
 GB = 1e9
@@ -136,11 +136,11 @@ def sharding_time_answer(opt: pd.DataFrame, *, model: str, handout: str) -> str:
     if ddp is None or sh is None:
         return "Not measured (a variant did not run)."
     ratio = sh["step_ms"] / ddp["step_ms"]
-    spreads = {"ddp": step_spread(ddp), "ddp_sharded": step_spread(sh)}
-    measured = spread_measured(spreads)
+    inside = within_noise({"ddp": step_spread(ddp), "ddp_sharded": step_spread(sh)})
+    measured = inside is not None
     span = lambda r: f" ({r['step_ms_p10']:.4g}-{r['step_ms_p90']:.4g})" if measured else ""  # noqa: E731
     n = int(sh["world_size"])
-    if measured and noise_side(spreads):
+    if inside:
         verdict = "and the two steps are within the noise (one median inside the other's p10-p90 range)."
     else:
         verdict = (f"and the broadcast costs more than updating 1/{n} of them saves" if ratio > 1
@@ -202,13 +202,9 @@ def fsdp_ratios(fsdp: pd.DataFrame, *, model: str) -> pd.DataFrame:
         ratio = by.loc["fsdp", "step_ms"] / by.loc["fsdp2", "step_ms"]
         # the bf16 steps spread over up to a quarter of their median, and the ratio of medians
         # moved from 0.70x to 0.96x between leases (notes entry 31): say whether it clears the spread
-        spreads = {v: step_spread(by.loc[v]) for v in ("fsdp", "fsdp2")}
-        if not spread_measured(spreads):
-            verdict = "spread not measured"
-        elif noise_side(spreads) is not None:
-            verdict = "within the noise"
-        else:
-            verdict = "ours faster" if ratio < 1 else "ours slower"
+        inside = within_noise({v: step_spread(by.loc[v]) for v in ("fsdp", "fsdp2")})
+        verdict = ("spread not measured" if inside is None else "within the noise" if inside
+                   else "ours faster" if ratio < 1 else "ours slower")
         rows.append({"precision": precision, "step_time_ratio": ratio, "step_time": verdict,
                      "peak_memory_ratio": peak["fsdp"] / peak["fsdp2"]})
     return pd.DataFrame(rows)

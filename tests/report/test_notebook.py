@@ -188,6 +188,13 @@ def test_spread_measured_needs_every_median_and_percentile():
     assert not nb.spread_measured({"a": (10.0, 9.0, 11.0), "b": (10.5, float("nan"), 12.0)})  # a NaN cell
 
 
+def test_within_noise_is_a_verdict_only_where_both_spreads_were_measured():
+    assert nb.within_noise({"a": (10.0, 9.0, 11.0), "b": (10.5, 10.2, 12.0)}) is True
+    assert nb.within_noise({"a": (9.5, 9.0, 10.6), "b": (11.0, 10.5, 12.0)}) is False
+    # a NaN p10 fails every comparison: noise_side alone would call the two apart
+    assert nb.within_noise({"a": (9.5, float("nan"), 10.6), "b": (11.0, 10.5, 12.0)}) is None
+
+
 def test_step_spread_reads_a_rows_median_and_percentiles():
     row = {"step_ms": 10.0, "step_ms_p10": 9.0, "step_ms_p90": 11.0, "us": 5.0}
     assert nb.step_spread(row) == (10.0, 9.0, 11.0)
